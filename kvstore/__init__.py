@@ -1,0 +1,55 @@
+"""tlkv: a persistent, memory-mapped store and archive format for LLM KV-cache blocks."""
+
+from .checksum import crc32c
+from .envelope import Block, BlockView, Envelope, decode, encode, join, split, transcode
+from .errors import (
+    ArchiveError,
+    BadMagicError,
+    ChecksumError,
+    EnvelopeError,
+    FormatError,
+    PinnedError,
+    ShapeError,
+    StoreError,
+    StoreFullError,
+    TlkvError,
+    TruncatedError,
+    UnsafeArchiveError,
+    UnsupportedVersionError,
+    ViewClosedError,
+)
+from .geometry import Geometry
+from .hashing import block_hash, chain_hashes, fnv1a64
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ArchiveError",
+    "BadMagicError",
+    "Block",
+    "BlockView",
+    "ChecksumError",
+    "Envelope",
+    "EnvelopeError",
+    "FormatError",
+    "Geometry",
+    "PinnedError",
+    "ShapeError",
+    "StoreError",
+    "StoreFullError",
+    "TlkvError",
+    "TruncatedError",
+    "UnsafeArchiveError",
+    "UnsupportedVersionError",
+    "ViewClosedError",
+    "__version__",
+    "block_hash",
+    "chain_hashes",
+    "crc32c",
+    "decode",
+    "encode",
+    "fnv1a64",
+    "join",
+    "split",
+    "transcode",
+]

@@ -1,0 +1,89 @@
+"""The exception tree of tlkv: every error the codec, the store and the archive raise.
+
+Each class has an ``http_status`` and an ``kind`` used by the HTTP layer's single error
+shape, and messages that name the rule, the expected value and the found value.
+"""
+
+from __future__ import annotations
+
+
+class TlkvError(Exception):
+    """Base of every error tlkv raises on purpose."""
+
+    kind = "error"
+    http_status = 500
+
+
+class EnvelopeError(TlkvError, ValueError):
+    """An export envelope breaks a rule of the spec (base of the codec's errors)."""
+
+    kind = "format"
+    http_status = 422
+
+
+class FormatError(EnvelopeError):
+    """The envelope's bytes are malformed (length, magic, CRC, dtype, fill, hash rule)."""
+
+
+class TruncatedError(FormatError):
+    """The buffer's length disagrees with the length the header implies."""
+
+
+class BadMagicError(FormatError):
+    """The first four bytes are not the magic ``TLKV``."""
+
+
+class ChecksumError(FormatError):
+    """The trailing CRC-32C does not match the bytes before it."""
+
+
+class ShapeError(EnvelopeError):
+    """The envelope's geometry differs from the reader's (or the store's)."""
+
+    kind = "shape"
+    http_status = 422
+
+
+class UnsupportedVersionError(EnvelopeError):
+    """The envelope's format version is not one this reader accepts."""
+
+    kind = "version"
+    http_status = 415
+
+
+class StoreError(TlkvError):
+    """Base of the block store's errors."""
+
+    kind = "store"
+    http_status = 500
+
+
+class StoreFullError(StoreError):
+    """A put cannot fit in the store even after evicting every unpinned block."""
+
+    kind = "store_full"
+    http_status = 507
+
+
+class PinnedError(StoreError):
+    """The block is referenced by a sequence and cannot be deleted."""
+
+    kind = "pinned"
+    http_status = 409
+
+
+class ViewClosedError(StoreError):
+    """A zero-copy view was used after its reader (LMDB read transaction) closed."""
+
+    kind = "view_closed"
+
+
+class ArchiveError(TlkvError):
+    """An archive is malformed, truncated, or fails validation."""
+
+    kind = "archive"
+    http_status = 422
+
+
+class UnsafeArchiveError(ArchiveError):
+    """An archive member would escape its destination or exceed the allowed sizes."""

@@ -1,0 +1,96 @@
+"""Element conversions of the payloads: f16 (format v1) and FP8 E4M3 with per-slab scales (v2).
+
+v2 quantization is deterministic so that output is byte-identical across implementations:
+per slab (layer, K/V, head) over the filled positions, ``amax = max|float32(x)|``,
+``scale = float32(amax) / float32(448)`` (1.0 when amax == 0), and each element is
+``float32(x) / scale`` rounded to OCP E4M3FN (``ml_dtypes.float8_e4m3fn``) to nearest even.
+Within a slab ``[B][D]`` the filled positions are the first ``n_tokens * D`` elements.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+try:
+    from . import _native
+except ImportError:  # pragma: no cover - only where the build had no compiler
+    _native = None
+
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+E4M3_MAX = np.float32(448.0)  # largest finite E4M3FN value: "scale = amax / 448"
+F16 = np.dtype("<f2")
+F32 = np.dtype("<f4")
+
+# e4m3_to_f32 of every byte, the decode table (0x7F and 0xFF are NaN).
+E4M3_TO_F32 = np.arange(256, dtype=np.uint8).view(E4M3).astype(F32)
+E4M3_TO_F32.setflags(write=False)
+
+
+def check_float_dtype(arr: np.ndarray) -> None:
+    """Raise ValueError unless ``arr`` holds f16, f32 or f64 values."""
+    if arr.dtype not in (np.float16, np.float32, np.float64):
+        raise ValueError(f"kv must be float16, float32 or float64, found {arr.dtype}")
+
+
+def _all_finite_f16(arr: np.ndarray) -> bool:
+    if _native is not None and hasattr(_native, "f16_finite") and arr.flags.c_contiguous:
+        return bool(_native.f16_finite(arr))
+    return bool(np.isfinite(arr).all())
+
+
+def to_f16(arr: np.ndarray) -> np.ndarray:
+    """``arr`` as f16 by round-to-nearest-even; no copy when it already is contiguous f16.
+
+    Raises:
+        ValueError: a value is NaN or infinite, or overflows f16 (|x| rounds past 65504).
+    """
+    check_float_dtype(arr)
+    if arr.dtype == np.float16:
+        out = np.ascontiguousarray(arr, dtype=F16)
+        if not _all_finite_f16(out):
+            raise ValueError("kv values must be finite (found NaN or Inf in f16 input)")
+        return out
+    if not np.isfinite(arr).all():
+        raise ValueError("kv values must be finite (found NaN or Inf)")
+    out = arr.astype(F16)
+    if not np.isfinite(out).all():
+        raise ValueError("kv values overflow f16 (|x| > 65504 after rounding)")
+    return out
+
+
+def quantize_e4m3(slabs: np.ndarray, filled: int) -> tuple[np.ndarray, np.ndarray]:
+    """Quantize slabs to E4M3FN codes with one f32 scale per slab (the v2 writer rule).
+
+    Args:
+        slabs: float array of shape ``(S, E)``: S slabs of E = B*D elements each.
+        filled: how many leading elements of each slab are filled (n_tokens * D).
+
+    Returns:
+        ``(codes, scales)``: uint8 ``(S, E)`` with 0x00 past ``filled``, and f32 ``(S,)``.
+
+    Raises:
+        ValueError: a filled value is NaN or infinite.
+    """
+    check_float_dtype(slabs)
+    n_slabs, elems = slabs.shape
+    x = slabs[:, :filled].astype(F32)
+    if not np.isfinite(x).all():
+        raise ValueError("kv values must be finite (found NaN or Inf, or overflow of f32)")
+    codes = np.zeros((n_slabs, elems), dtype=np.uint8)
+    if filled == 0 or n_slabs == 0:
+        return codes, np.ones(n_slabs, dtype=F32)
+    amax = np.abs(x).max(axis=1)
+    scales = np.where(amax == 0, np.float32(1.0), amax / E4M3_MAX).astype(F32)
+    if _native is not None and hasattr(_native, "e4m3_encode"):
+        _native.e4m3_encode(np.ascontiguousarray(x), scales, codes, filled)
+    else:
+        codes[:, :filled] = (x / scales[:, None]).astype(E4M3).view(np.uint8)
+    return codes, scales
+
+
+def dequantize_e4m3(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """``e4m3_to_f32(code) * scale`` in f32; ``scales`` broadcasts over the last two axes."""
+    out = np.take(E4M3_TO_F32, codes)
+    out *= scales[..., None, None]
+    return out
