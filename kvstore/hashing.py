@@ -57,6 +57,8 @@ def _as_u32_tokens(tokens: TokenInput) -> np.ndarray:
         arr = arr.reshape(-1)
     if arr.size == 0:
         return np.zeros(0, dtype="<u4")
+    if arr.dtype == object and all(isinstance(t, int) for t in arr.flat):
+        raise ValueError(f"token ids must fit u32 (0..{U32_MAX}), found {max(arr.flat, key=abs)}")
     if arr.dtype.kind not in "iu":
         raise ValueError(f"token ids must be integers, found dtype {arr.dtype}")
     lo, hi = int(arr.min()), int(arr.max())

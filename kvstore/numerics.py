@@ -53,7 +53,8 @@ def to_f16(arr: np.ndarray) -> np.ndarray:
         return out
     if not np.isfinite(arr).all():
         raise ValueError("kv values must be finite (found NaN or Inf)")
-    out = arr.astype(F16)
+    with np.errstate(over="ignore"):  # overflow is detected below and refused
+        out = arr.astype(F16)
     if not np.isfinite(out).all():
         raise ValueError("kv values overflow f16 (|x| > 65504 after rounding)")
     return out

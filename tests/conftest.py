@@ -1,0 +1,44 @@
+"""Shared fixtures and builders for the tests."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstore import Block, Geometry, chain_hashes, encode
+
+SMALL = Geometry(block_tokens=4, n_layers=2, n_kv_heads=2, head_dim=8)
+
+
+def make_blocks(
+    geometry: Geometry,
+    n_tokens_total: int,
+    seed: int = 0,
+    dtype: type = np.float32,
+    scale: float = 1.0,
+) -> list[Block]:
+    """Blocks for ``n_tokens_total`` random tokens: full blocks hashed, a partial tail with 0."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 2**32, n_tokens_total, dtype=np.uint64)
+    hashes = chain_hashes(tokens, geometry.block_tokens)
+    blocks = []
+    b = geometry.block_tokens
+    n_blocks = -(-n_tokens_total // b)
+    for i in range(n_blocks):
+        fill = min(b, n_tokens_total - i * b)
+        kv = (rng.standard_normal(geometry.kv_shape) * scale).astype(dtype)
+        blocks.append(Block(hashes[i] if fill == b else 0, fill, kv))
+    return blocks
+
+
+def make_envelope(
+    geometry: Geometry = SMALL, n_tokens_total: int = 10, version: int = 1, seed: int = 0
+) -> bytes:
+    """A valid envelope of random content."""
+    return encode(geometry, make_blocks(geometry, n_tokens_total, seed), version)
+
+
+@pytest.fixture(params=[bytes, bytearray, memoryview], ids=["bytes", "bytearray", "memoryview"])
+def buffer_type(request: pytest.FixtureRequest) -> type:
+    """Parametrizes a test over the three buffer types inputs may come as."""
+    return request.param

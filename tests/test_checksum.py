@@ -1,0 +1,59 @@
+"""CRC-32C: the check value, continuation, every buffer type, agreement with a reference."""
+
+from __future__ import annotations
+
+import mmap
+
+import crc32c as crc32c_pkg
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstore import crc32c
+
+
+def test_check_value() -> None:
+    assert crc32c(b"123456789") == 0xE3069283
+
+
+def test_spec_envelope_crc() -> None:
+    body = bytes.fromhex(
+        "544c4b56010001000100000002000000010000000100000002000000"
+        "66937b02c1b01aa902000000"
+        "003c0040004200440038 00bc00000034".replace(" ", "")
+    )
+    assert crc32c(body) == 0x4F0B541C
+
+
+def test_buffer_types(buffer_type: type) -> None:
+    data = bytes(range(256)) * 3
+    assert crc32c(buffer_type(data)) == crc32c_pkg.crc32c(data)
+
+
+def test_numpy_and_mmap() -> None:
+    arr = np.arange(1000, dtype=np.float16)
+    assert crc32c(arr) == crc32c_pkg.crc32c(arr.tobytes())
+    with mmap.mmap(-1, 4096) as m:
+        m.write(b"x" * 4096)
+        assert crc32c(m) == crc32c_pkg.crc32c(b"x" * 4096)
+
+
+def test_non_contiguous_is_refused() -> None:
+    arr = np.arange(100, dtype=np.uint8)[::2]
+    with pytest.raises((BufferError, ValueError)):
+        crc32c(arr)
+
+
+@settings(max_examples=200, deadline=None)
+@given(a=st.binary(max_size=3000), b=st.binary(max_size=3000))
+def test_continuation_and_reference(a: bytes, b: bytes) -> None:
+    assert crc32c(a + b) == crc32c_pkg.crc32c(a + b)
+    assert crc32c(b, crc32c(a)) == crc32c(a + b)
+
+
+def test_large_unaligned_slices() -> None:
+    data = np.random.default_rng(1).integers(0, 256, (1 << 20) + 13, dtype=np.uint8).tobytes()
+    mv = memoryview(data)
+    for start in (0, 1, 3, 7):
+        assert crc32c(mv[start:]) == crc32c_pkg.crc32c(data[start:])

@@ -1,0 +1,88 @@
+"""The ``tlkv`` codec commands: hash, inspect, verify, and their exit codes."""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import SMALL, make_envelope
+
+from kvstore import crc32c
+from kvstore.cli import main
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_hash_spec_example(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["hash", "--block-tokens", "2", "1", "2", "3", "4", "5"], capsys)
+    assert code == 0
+    assert out == "a91ab0c1027b9366\n03df829571605c60\n"
+
+
+def test_hash_from_stdin(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO("1 2\n3\t4 5\n"))
+    code, out, _ = run(["hash", "--block-tokens", "2"], capsys)
+    assert (code, out) == (0, "a91ab0c1027b9366\n03df829571605c60\n")
+
+
+def test_hash_bad_token_is_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(["hash", "--block-tokens", "2", "1", str(2**32)], capsys)
+    assert code == 2 and "u32" in err
+
+
+def test_inspect_text_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "e.tlkv"
+    f.write_bytes(make_envelope(SMALL, 10, 2))
+    code, out, _ = run(["inspect", str(f)], capsys)
+    assert code == 0 and out.startswith("TLKV v2 e4m3 B=4 L=2 Hkv=2 D=8 blocks=3")
+    assert len(out.strip().splitlines()) == 4
+    code, out, _ = run(["inspect", str(f), "--json"], capsys)
+    doc = json.loads(out)
+    assert doc["n_blocks"] == 3 and doc["blocks"][2]["n_tokens"] == 2
+    assert doc["blocks"][2]["hash"] == "0" * 16 and doc["blocks"][0]["k_absmax"] > 0
+
+
+def _recrc(buf: bytes) -> bytes:
+    return buf[:-4] + struct.pack("<I", crc32c(buf[:-4]))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "extra", "code", "word"),
+    [
+        (lambda b: b, [], 0, ""),
+        (lambda b: b[:-1] + bytes([b[-1] ^ 1]), [], 3, "CRC"),
+        (lambda b: b[:40], [], 3, "length"),
+        (lambda b: _recrc(b"TLKX" + b[4:]), [], 3, "magic"),
+        (lambda b: b, ["--geometry", "4,2,2,16"], 4, "receiving pool"),
+        (lambda b: b, ["--versions", "2"], 5, "version"),
+        (lambda b: b, ["--geometry", "nonsense"], 2, "geometry"),
+    ],
+)
+def test_verify_exit_codes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], mutate, extra, code, word
+) -> None:
+    f = tmp_path / "e.tlkv"
+    f.write_bytes(mutate(make_envelope(SMALL, 10, 1)))
+    got, _, err = run(["verify", str(f), *extra], capsys)
+    assert got == code
+    if code:
+        assert word in err
+    if code in (3, 4, 5):  # a verification failure is one line naming the rule
+        assert len(err.strip().splitlines()) == 1
+
+
+def test_console_script_runs_as_module(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvstore", "hash", "--block-tokens", "2", "1", "2"],
+        capture_output=True, text=True, check=True,
+    )
+    assert proc.stdout == "a91ab0c1027b9366\n"

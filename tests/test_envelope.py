@@ -1,0 +1,364 @@
+"""Envelope codec: the spec's worked example byte for byte, every reader rule, round trips,
+corruption, split/join/transcode."""
+
+from __future__ import annotations
+
+import struct
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import SMALL, make_blocks, make_envelope
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvstore import (
+    BadMagicError,
+    Block,
+    ChecksumError,
+    EnvelopeError,
+    FormatError,
+    Geometry,
+    ShapeError,
+    TruncatedError,
+    UnsupportedVersionError,
+    crc32c,
+    decode,
+    encode,
+    join,
+    split,
+    transcode,
+)
+
+# Spec "Worked example (v1)": the 60-byte envelope, byte for byte.
+SPEC_GEOMETRY = Geometry(block_tokens=2, n_layers=1, n_kv_heads=1, head_dim=2)
+SPEC_ENVELOPE = bytes.fromhex(
+    "544c4b56010001000100000002000000"  # magic, version 1, dtype 1, n_blocks 1, block_tokens 2
+    "010000000100000002000000"  # n_layers 1, n_kv_heads 1, head_dim 2
+    "66937b02c1b01aa902000000"  # block_hash 0xA91AB0C1027B9366, n_tokens 2
+    "003c004000420044"  # K: f16 1.0 2.0 3.0 4.0
+    "003800bc00000034"  # V: f16 0.5 -1.0 0.0 0.25
+    "1c540b4f"  # crc32c 0x4F0B541C
+)
+SPEC_KV = np.array([[[[[1, 2], [3, 4]]], [[[0.5, -1], [0, 0.25]]]]], dtype=np.float32)
+
+
+def test_spec_worked_example_encodes_byte_for_byte() -> None:
+    out = encode(SPEC_GEOMETRY, [Block(0xA91AB0C1027B9366, 2, SPEC_KV)])
+    assert len(out) == 60 == SPEC_GEOMETRY.envelope_bytes(1)
+    assert out == SPEC_ENVELOPE
+
+
+def test_spec_worked_example_decodes(buffer_type: type) -> None:
+    env = decode(buffer_type(SPEC_ENVELOPE), SPEC_GEOMETRY, versions=(1,))
+    assert env.version == 1 and env.geometry == SPEC_GEOMETRY and len(env) == 1
+    bv = env[0]
+    assert bv.hash == 0xA91AB0C1027B9366 and bv.n_tokens == 2
+    assert bv.kv.dtype == np.float16 and bv.kv.shape == (1, 2, 1, 2, 2)
+    assert bv.k.tolist() == [[[[1.0, 2.0], [3.0, 4.0]]]]
+    assert bv.v.tolist() == [[[[0.5, -1.0], [0.0, 0.25]]]]
+    assert bv.scales is None
+    assert bytes(bv.raw) == SPEC_ENVELOPE[28:56]
+
+
+def test_spec_f16_one_is_3c00() -> None:
+    assert np.float16(1.0).tobytes() == b"\x00\x3c"
+
+
+def test_geometry_sizes() -> None:
+    g = Geometry(16, 32, 8, 128)
+    assert g.payload_bytes(1) == 32 * 2 * 8 * 16 * 128 * 2 == 2 * 1024 * 1024
+    assert g.payload_bytes(2) == 32 * 2 * 8 * (16 * 128 + 4)
+    assert g.envelope_bytes(3, 2) == 28 + 3 * (12 + g.payload_bytes(2)) + 4
+    assert g.envelope_bytes(0) == 32
+
+
+@pytest.mark.parametrize("dims", [(0, 1, 1, 1), (1, 0, 1, 1), (1, 1, -1, 1), (1, 1, 1, 2**32)])
+def test_geometry_is_validated(dims: tuple[int, int, int, int]) -> None:
+    with pytest.raises(ValueError):
+        Geometry(*dims)
+
+
+# --- reader rules: one named failing case each, with a valid CRC -------------------------
+
+
+def _recrc(buf: bytes | bytearray) -> bytes:
+    body = bytes(buf[:-4])
+    return body + struct.pack("<I", crc32c(body))
+
+
+def _patch(offset: int, fmt: str, value: int, base: bytes = SPEC_ENVELOPE) -> bytes:
+    buf = bytearray(base)
+    struct.pack_into(fmt, buf, offset, value)
+    return _recrc(buf)
+
+
+V2_ENVELOPE = transcode(SPEC_ENVELOPE, 2)
+
+RULE_CASES = [
+    ("length below 32", SPEC_ENVELOPE[:31], {}, TruncatedError),
+    ("length not 28+n(12+P)+4 (extra byte)", _recrc(SPEC_ENVELOPE[:-4] + b"\0" + b"\0" * 4), {}, TruncatedError),
+    ("length not 28+n(12+P)+4 (n_blocks 2)", _patch(8, "<I", 2), {}, TruncatedError),
+    ("huge n_blocks", _patch(8, "<I", 2**32 - 1), {}, TruncatedError),
+    ("magic", _recrc(b"TLKX" + SPEC_ENVELOPE[4:]), {}, BadMagicError),
+    ("crc", SPEC_ENVELOPE[:-1] + bytes([SPEC_ENVELOPE[-1] ^ 1]), {}, ChecksumError),
+    ("unknown version 3", _patch(4, "<H", 3), {}, UnsupportedVersionError),
+    ("v2 refused by a v1-only reader", V2_ENVELOPE, {"versions": (1,)}, UnsupportedVersionError),
+    ("dtype of v1 must be 1", _patch(6, "<H", 3), {}, FormatError),
+    ("dtype of v2 must be 3", _patch(6, "<H", 1, V2_ENVELOPE), {}, FormatError),
+    ("zero dimension", _recrc(SPEC_ENVELOPE[:8] + struct.pack("<5I", 0, 0, 1, 1, 2) + b"\0" * 4), {}, FormatError),
+    ("block_tokens differs", SPEC_ENVELOPE, {"geometry": Geometry(4, 1, 1, 1)}, ShapeError),
+    ("head_dim differs", SPEC_ENVELOPE, {"geometry": Geometry(2, 1, 1, 4)}, ShapeError),
+    ("n_tokens 0", _patch(36, "<I", 0), {}, FormatError),
+    ("n_tokens > B", _patch(36, "<I", 3), {}, FormatError),
+    ("non-zero hash on a partial block", _patch(36, "<I", 1), {}, FormatError),
+]
+
+
+@pytest.mark.parametrize(
+    ("data", "kwargs", "error"),
+    [case[1:] for case in RULE_CASES],
+    ids=[case[0] for case in RULE_CASES],
+)
+def test_reader_rule_violations(data: bytes, kwargs: dict, error: type[Exception]) -> None:
+    with pytest.raises(error) as info:
+        decode(data, **kwargs)
+    assert "rule" in str(info.value) or "differs" in str(info.value)
+
+
+def test_partial_block_with_zero_hash_is_valid() -> None:
+    buf = bytearray(SPEC_ENVELOPE)
+    struct.pack_into("<QI", buf, 28, 0, 1)
+    env = decode(_recrc(buf))
+    assert env[0].hash == 0 and env[0].n_tokens == 1
+
+
+def test_errors_are_value_errors_and_envelope_errors() -> None:
+    for cls in (FormatError, TruncatedError, ChecksumError, ShapeError, UnsupportedVersionError):
+        assert issubclass(cls, EnvelopeError) and issubclass(cls, ValueError)
+
+
+def test_huge_claimed_block_count_is_rejected_fast() -> None:
+    data = _patch(8, "<I", 2**32 - 1, make_envelope(Geometry(16, 32, 8, 128), 16))
+    t0 = time.perf_counter()
+    for _ in range(100):
+        with pytest.raises(TruncatedError):
+            decode(data)
+    assert (time.perf_counter() - t0) / 100 < 0.01  # microseconds in practice; generous bound
+
+
+def test_zero_block_envelope_is_32_bytes() -> None:
+    out = encode(SMALL, [])
+    assert len(out) == 32
+    assert len(decode(out)) == 0
+
+
+# --- writing rules -------------------------------------------------------------------
+
+
+def test_positions_past_fill_are_zero_bytes() -> None:
+    blocks = make_blocks(SMALL, 3)  # one partial block with 3 of 4 positions
+    for version in (1, 2):
+        env = decode(encode(SMALL, blocks, version))
+        kv = env[0].kv.view(np.uint8) if version == 1 else env[0].kv
+        assert not kv[..., 3:, :].any()
+
+
+def test_input_past_fill_is_not_read() -> None:
+    blocks = make_blocks(SMALL, 3)
+    kv = blocks[0].kv.copy()
+    kv[..., 3:, :] = np.nan
+    for version in (1, 2):
+        assert encode(SMALL, [Block(0, 3, kv)], version) == encode(SMALL, blocks, version)
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf, 70000.0])
+def test_non_finite_or_overflow_is_refused_v1(value: float) -> None:
+    kv = np.zeros(SMALL.kv_shape, dtype=np.float32)
+    kv[1, 1, 1, 1, 1] = value
+    with pytest.raises(ValueError):
+        encode(SMALL, [Block(0, 4, kv)])
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_non_finite_is_refused_v2_and_f16(value: float) -> None:
+    kv = np.zeros(SMALL.kv_shape, dtype=np.float16)
+    kv[0, 0, 0, 0, 0] = value
+    for version in (1, 2):
+        with pytest.raises(ValueError):
+            encode(SMALL, [Block(0, 4, kv)], version)
+
+
+@pytest.mark.parametrize(
+    ("hash_", "n_tokens"), [(0, 0), (0, 5), (123, 3), (2**64, 4), (-1, 4)]
+)
+def test_fill_and_hash_rules_on_write(hash_: int, n_tokens: int) -> None:
+    with pytest.raises(ValueError):
+        encode(SMALL, [Block(hash_, n_tokens, np.zeros(SMALL.kv_shape))])
+
+
+def test_wrong_kv_shape_on_write() -> None:
+    with pytest.raises(ShapeError):
+        encode(SMALL, [Block(0, 1, np.zeros((1, 2, 3)))])
+
+
+def test_wrong_kv_dtype_on_write() -> None:
+    with pytest.raises(ValueError):
+        encode(SMALL, [Block(0, 1, np.zeros(SMALL.kv_shape, dtype=np.int32))])
+
+
+def test_unknown_version_on_write() -> None:
+    with pytest.raises(UnsupportedVersionError):
+        encode(SMALL, [], 3)
+
+
+# --- v2 numerics ------------------------------------------------------------------
+
+
+def _reference_v2_payload(geometry: Geometry, block: Block) -> bytes:
+    """The straightforward ml_dtypes astype path of the v2 rule, for bit-identity."""
+    n, b, d = block.n_tokens, geometry.block_tokens, geometry.head_dim
+    x = np.asarray(block.kv).reshape(geometry.n_slabs, b * d)[:, : n * d].astype(np.float32)
+    amax = np.abs(x).max(axis=1)
+    scales = np.where(amax == 0, np.float32(1), amax / np.float32(448)).astype(np.float32)
+    codes = np.zeros((geometry.n_slabs, b * d), dtype=np.uint8)
+    codes[:, : n * d] = (x / scales[:, None]).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    return codes.tobytes() + scales.astype("<f4").tobytes()
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_v2_is_bit_identical_to_straightforward_path(dtype: type) -> None:
+    blocks = make_blocks(SMALL, 11, seed=3, dtype=dtype, scale=7.0)
+    env = decode(encode(SMALL, blocks, 2))
+    for bv, block in zip(env, blocks):
+        assert bytes(bv.raw[12:]) == _reference_v2_payload(SMALL, block)
+
+
+def test_v2_all_zero_slab_has_scale_one() -> None:
+    env = decode(encode(SMALL, [Block(0, 2, np.zeros(SMALL.kv_shape))], 2))
+    assert (env[0].scales == 1.0).all() and not env[0].kv.any()
+
+
+def test_v2_decode_is_lut_times_scale() -> None:
+    env = decode(encode(SMALL, make_blocks(SMALL, 4, seed=9), 2))
+    bv = env[0]
+    expected = bv.kv.view(ml_dtypes.float8_e4m3fn).astype(np.float32) * bv.scales[..., None, None]
+    assert np.array_equal(bv.to_float32().view(np.uint32), expected.view(np.uint32))
+
+
+# --- property tests ------------------------------------------------------------------
+
+geometries = st.builds(
+    Geometry, st.integers(1, 6), st.integers(1, 3), st.integers(1, 3), st.integers(1, 8)
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    geometry=geometries,
+    n_tokens=st.integers(0, 30),
+    version=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**32 - 1),
+    scale=st.sampled_from([0.0, 1e-3, 1.0, 300.0]),
+    dtype=st.sampled_from([np.float16, np.float32, np.float64]),
+)
+def test_round_trip(
+    geometry: Geometry, n_tokens: int, version: int, seed: int, scale: float, dtype: type
+) -> None:
+    blocks = make_blocks(geometry, n_tokens, seed, dtype, scale)
+    data = encode(geometry, blocks, version)
+    assert len(data) == geometry.envelope_bytes(len(blocks), version)
+    env = decode(data, geometry)
+    assert len(env) == len(blocks)
+    for bv, block in zip(env, blocks):
+        assert (bv.hash, bv.n_tokens) == (block.hash, block.n_tokens)
+        n = block.n_tokens
+        x = np.asarray(block.kv)[..., :n, :].astype(np.float32)
+        got = bv.to_float32()
+        assert not got[..., n:, :].any()
+        if version == 1:
+            assert np.array_equal(got[..., :n, :], np.asarray(block.kv)[..., :n, :].astype(np.float16).astype(np.float32))
+        else:
+            s = bv.scales[..., None, None]
+            # E4M3: 3 mantissa bits -> relative error <= 2^-4; subnormal step 2^-9 * scale.
+            bound = np.maximum(np.abs(x) * 2.0**-4, s * 2.0**-10) * (1 + 1e-6)
+            assert (np.abs(got[..., :n, :] - x) <= bound).all()
+    # Split, join and transcode are inverse-consistent.
+    if blocks:
+        parts = split(data)
+        assert len(parts) == len(blocks)
+        assert all(len(p) == geometry.envelope_bytes(1, version) for p in parts)
+        assert join(parts) == data
+        other = 3 - version
+        back = transcode(transcode(data, other), version)
+        assert len(back) == len(data)
+        if version == 2:
+            assert transcode(data, 1) == encode(
+                geometry, [Block(b.hash, b.n_tokens, b.to_float32()) for b in env], 1
+            )
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    version=st.sampled_from([1, 2]),
+    position=st.integers(0, 10_000),
+    xor=st.integers(1, 255),
+)
+def test_every_single_byte_corruption_is_rejected(version: int, position: int, xor: int) -> None:
+    data = bytearray(make_envelope(SMALL, 6, version))
+    data[position % len(data)] ^= xor
+    with pytest.raises(EnvelopeError):
+        decode(bytes(data))
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_exhaustive_byte_flips_and_truncations(version: int) -> None:
+    data = make_envelope(Geometry(2, 1, 2, 2), 3, version)
+    for i in range(len(data)):
+        for xor in (0x01, 0x80, 0xFF):
+            bad = bytearray(data)
+            bad[i] ^= xor
+            with pytest.raises(EnvelopeError):
+                decode(bad)
+    for cut in range(len(data)):
+        with pytest.raises(EnvelopeError):
+            decode(data[:cut])
+    with pytest.raises(EnvelopeError):
+        decode(data + b"\0")
+
+
+def test_decoded_views_are_read_only_and_zero_copy(buffer_type: type) -> None:
+    raw = bytearray(make_envelope(SMALL, 8))
+    env = decode(raw if buffer_type is bytearray else buffer_type(raw))
+    kv = env[1].kv
+    with pytest.raises(ValueError):
+        kv[0, 0, 0, 0, 0] = 1
+    if buffer_type is not bytes:  # a view into the caller's bytearray sees its changes
+        raw[28 + 12 + SMALL.record_bytes()] ^= 0xFF
+        assert kv.view(np.uint8).reshape(-1)[0] == raw[28 + 12 + SMALL.record_bytes()]
+
+
+def test_envelope_indexing() -> None:
+    env = decode(make_envelope(SMALL, 10))
+    assert len(env) == 3 and [b.n_tokens for b in env] == [4, 4, 2]
+    assert env[-1].n_tokens == 2 and len(env[0:2]) == 2
+    assert env.hashes.tolist() == [b.hash for b in env]
+    with pytest.raises(IndexError):
+        env[3]
+
+
+def test_join_refuses_mixed_geometry_and_version() -> None:
+    a = make_envelope(SMALL, 4)
+    with pytest.raises(ShapeError):
+        join([a, make_envelope(Geometry(4, 1, 1, 1), 4)])
+    with pytest.raises(UnsupportedVersionError):
+        join([a, make_envelope(SMALL, 4, 2)])
+    with pytest.raises(ValueError):
+        join([])
+
+
+def test_transcode_v2_to_v1_overflow_is_refused() -> None:
+    kv = np.full(SMALL.kv_shape, 1e6, dtype=np.float32)
+    with pytest.raises(ValueError):
+        transcode(encode(SMALL, [Block(0, 4, kv)], 2), 1)
