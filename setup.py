@@ -1,4 +1,4 @@
-"""Build hook: the optional C kernels (kvstore/_native.c).
+"""Build hook: the optional C kernels (kvstore/_native.c, kvstore/_fp8.c).
 
 The extension is optional: if it cannot be compiled, the package installs and
 falls back to the pure-Python/NumPy implementations, which are also the test oracle.
@@ -13,6 +13,12 @@ setup(
             sources=["kvstore/_native.c"],
             extra_compile_args=["-O3"],
             optional=True,
-        )
+        ),
+        Extension(
+            "kvstore._fp8",
+            sources=["kvstore/_fp8.c"],
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
     ]
 )

@@ -1,0 +1,97 @@
+"""Codec benchmarks: CRC-32C, decode+validate, v1/v2 encode, v2 decode, chain hashing.
+
+Geometry (16, 32, 8, 128) -- Llama-3-8B, a 2 MiB v1 payload per block. Every ratio is
+against a baseline measured in this same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import ml_dtypes
+import numpy as np
+from bench_common import Row, best_seconds, gbps
+
+from kvstore import Block, Geometry, chain_hashes, crc32c, decode, encode
+
+GEOMETRY = Geometry(16, 32, 8, 128)
+
+
+def _straight_v2_encode(geometry: Geometry, kv: np.ndarray) -> bytes:
+    """The straightforward ml_dtypes astype path of the v2 rule (full block)."""
+    x = kv.reshape(geometry.n_slabs, -1).astype(np.float32)
+    amax = np.abs(x).max(axis=1)
+    scales = np.where(amax == 0, np.float32(1), amax / np.float32(448)).astype(np.float32)
+    codes = (x / scales[:, None]).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    return codes.tobytes() + scales.tobytes()
+
+
+def _straight_v2_decode(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    return codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32) * scales[..., None, None]
+
+
+def run(args: argparse.Namespace) -> list[Row]:
+    rows: list[Row] = []
+    repeat = 3 if args.quick else 7
+    rng = np.random.default_rng(0)
+    g = GEOMETRY
+    payload = g.payload_bytes(1)
+    kv16 = rng.standard_normal(g.kv_shape).astype(np.float16)
+    src = np.frombuffer(kv16.tobytes(), dtype=np.uint8)
+    dst = np.empty_like(src)
+
+    t_memcpy = best_seconds(lambda: np.copyto(dst, src), repeat, 20)
+    t_crc = best_seconds(lambda: crc32c(src), repeat, 20)
+    rows.append(
+        Row("crc32c, 2 MiB", gbps(payload, t_crc), f"memcpy {gbps(payload, t_memcpy)}",
+            t_memcpy / t_crc, ">= 1.5x", t_memcpy / t_crc >= 1.5)
+    )
+
+    n_blocks = 16 if args.quick else 64
+    blocks = [Block(i + 1, g.block_tokens, kv16) for i in range(n_blocks)]
+    big = encode(g, blocks, 1)
+    t_crc_big = best_seconds(lambda: crc32c(big), repeat)
+    t_decode = best_seconds(lambda: decode(big, g), repeat)
+    rows.append(
+        Row(f"decode+validate, {n_blocks}-block v1", gbps(len(big), t_decode),
+            f"crc32c alone {gbps(len(big), t_crc_big)}", t_crc_big / t_decode, ">= 0.8x",
+            t_crc_big / t_decode >= 0.8)
+    )
+
+    one = [Block(1, g.block_tokens, kv16)]
+    t_enc1 = best_seconds(lambda: encode(g, one, 1), repeat, 5)
+    rows.append(
+        Row("v1 encode from f16, 2 MiB", gbps(payload, t_enc1), f"memcpy {gbps(payload, t_memcpy)}",
+            t_memcpy / t_enc1, ">= 0.4x", t_memcpy / t_enc1 >= 0.4)
+    )
+
+    kv32 = rng.standard_normal(g.kv_shape).astype(np.float32) * 3
+    ours = decode(encode(g, [Block(1, g.block_tokens, kv32)], 2))[0]
+    identical = bytes(ours.raw[12:]) == _straight_v2_encode(g, kv32)
+    t_v2_ours = best_seconds(lambda: encode(g, [Block(1, g.block_tokens, kv32)], 2), repeat)
+    t_v2_ref = best_seconds(lambda: _straight_v2_encode(g, kv32), repeat)
+    rows.append(
+        Row(f"v2 encode from f32 (bit-identical: {identical})", f"{t_v2_ours * 1e3:.2f} ms",
+            f"ml_dtypes astype {t_v2_ref * 1e3:.2f} ms", t_v2_ref / t_v2_ours, ">= 1.5x",
+            identical and t_v2_ref / t_v2_ours >= 1.5)
+    )
+
+    codes, scales = ours.kv, ours.scales
+    same = np.array_equal(
+        ours.to_float32().view(np.uint32), _straight_v2_decode(codes, scales).view(np.uint32)
+    )
+    t_dec_ours = best_seconds(ours.to_float32, repeat)
+    t_dec_ref = best_seconds(lambda: _straight_v2_decode(codes, scales), repeat)
+    rows.append(
+        Row(f"v2 decode to f32 (bit-identical: {same})", f"{t_dec_ours * 1e3:.2f} ms",
+            f"ml_dtypes astype {t_dec_ref * 1e3:.2f} ms", t_dec_ref / t_dec_ours, ">= 2x",
+            same and t_dec_ref / t_dec_ours >= 2)
+    )
+
+    tokens = rng.integers(0, 2**32, 131_072, dtype=np.uint32)
+    t_chain = best_seconds(lambda: chain_hashes(tokens, 16), repeat, 5)
+    rows.append(
+        Row("chain_hashes, 131,072 tokens", f"{t_chain * 1e3:.3f} ms", "", None, "<= 2 ms",
+            t_chain <= 2e-3)
+    )
+    return rows
