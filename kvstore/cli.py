@@ -112,8 +112,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         f"blocks={len(env)} bytes={len(data)}"
     )
     for b in blocks:
-        print(f"{b['hash']} n_tokens={b['n_tokens']} k_absmax={b['k_absmax']:.6g} "
-              f"v_absmax={b['v_absmax']:.6g}")
+        print(
+            f"{b['hash']} n_tokens={b['n_tokens']} k_absmax={b['k_absmax']:.6g} "
+            f"v_absmax={b['v_absmax']:.6g}"
+        )
     return EXIT_OK
 
 

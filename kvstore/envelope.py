@@ -169,7 +169,9 @@ class BlockView:
         return dequantize_e4m3(kv, scales)
 
     def __repr__(self) -> str:
-        return f"BlockView(hash={self.hash:016x}, n_tokens={self.n_tokens}, version={self._version})"
+        return (
+            f"BlockView(hash={self.hash:016x}, n_tokens={self.n_tokens}, version={self._version})"
+        )
 
 
 class Envelope(Sequence[BlockView]):

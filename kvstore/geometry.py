@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .errors import UnsupportedVersionError
 from .layout import (
     F16_SIZE,
     HEADER_SIZE,
@@ -14,7 +15,6 @@ from .layout import (
     VERSION_V1,
     VERSION_V2,
 )
-from .errors import UnsupportedVersionError
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,9 @@ def block_hash(parent: int, tokens: TokenInput) -> int:
     return h or 1
 
 
-def _chain_hashes_py(tokens: TokenInput, block_tokens: int = 16, parent: int = NO_HASH) -> list[int]:
+def _chain_hashes_py(
+    tokens: TokenInput, block_tokens: int = 16, parent: int = NO_HASH
+) -> list[int]:
     """Pure-Python chain (the oracle for ``chain_hashes``)."""
     toks = _as_u32_tokens(tokens)
     out = []

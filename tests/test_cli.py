@@ -28,7 +28,9 @@ def test_hash_spec_example(capsys: pytest.CaptureFixture[str]) -> None:
     assert out == "a91ab0c1027b9366\n03df829571605c60\n"
 
 
-def test_hash_from_stdin(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_hash_from_stdin(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setattr(sys, "stdin", io.StringIO("1 2\n3\t4 5\n"))
     code, out, _ = run(["hash", "--block-tokens", "2"], capsys)
     assert (code, out) == (0, "a91ab0c1027b9366\n03df829571605c60\n")
@@ -83,6 +85,8 @@ def test_verify_exit_codes(
 def test_console_script_runs_as_module(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "kvstore", "hash", "--block-tokens", "2", "1", "2"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert proc.stdout == "a91ab0c1027b9366\n"

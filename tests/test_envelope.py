@@ -98,7 +98,12 @@ V2_ENVELOPE = transcode(SPEC_ENVELOPE, 2)
 
 RULE_CASES = [
     ("length below 32", SPEC_ENVELOPE[:31], {}, TruncatedError),
-    ("length not 28+n(12+P)+4 (extra byte)", _recrc(SPEC_ENVELOPE[:-4] + b"\0" + b"\0" * 4), {}, TruncatedError),
+    (
+        "length not 28+n(12+P)+4 (extra byte)",
+        _recrc(SPEC_ENVELOPE[:-4] + b"\0" + b"\0" * 4),
+        {},
+        TruncatedError,
+    ),
     ("length not 28+n(12+P)+4 (n_blocks 2)", _patch(8, "<I", 2), {}, TruncatedError),
     ("huge n_blocks", _patch(8, "<I", 2**32 - 1), {}, TruncatedError),
     ("magic", _recrc(b"TLKX" + SPEC_ENVELOPE[4:]), {}, BadMagicError),
@@ -107,7 +112,12 @@ RULE_CASES = [
     ("v2 refused by a v1-only reader", V2_ENVELOPE, {"versions": (1,)}, UnsupportedVersionError),
     ("dtype of v1 must be 1", _patch(6, "<H", 3), {}, FormatError),
     ("dtype of v2 must be 3", _patch(6, "<H", 1, V2_ENVELOPE), {}, FormatError),
-    ("zero dimension", _recrc(SPEC_ENVELOPE[:8] + struct.pack("<5I", 0, 0, 1, 1, 2) + b"\0" * 4), {}, FormatError),
+    (
+        "zero dimension",
+        _recrc(SPEC_ENVELOPE[:8] + struct.pack("<5I", 0, 0, 1, 1, 2) + b"\0" * 4),
+        {},
+        FormatError,
+    ),
     ("block_tokens differs", SPEC_ENVELOPE, {"geometry": Geometry(4, 1, 1, 1)}, ShapeError),
     ("head_dim differs", SPEC_ENVELOPE, {"geometry": Geometry(2, 1, 1, 4)}, ShapeError),
     ("n_tokens 0", _patch(36, "<I", 0), {}, FormatError),
@@ -190,9 +200,7 @@ def test_non_finite_is_refused_v2_and_f16(value: float) -> None:
             encode(SMALL, [Block(0, 4, kv)], version)
 
 
-@pytest.mark.parametrize(
-    ("hash_", "n_tokens"), [(0, 0), (0, 5), (123, 3), (2**64, 4), (-1, 4)]
-)
+@pytest.mark.parametrize(("hash_", "n_tokens"), [(0, 0), (0, 5), (123, 3), (2**64, 4), (-1, 4)])
 def test_fill_and_hash_rules_on_write(hash_: int, n_tokens: int) -> None:
     with pytest.raises(ValueError):
         encode(SMALL, [Block(hash_, n_tokens, np.zeros(SMALL.kv_shape))])
@@ -278,7 +286,10 @@ def test_round_trip(
         got = bv.to_float32()
         assert not got[..., n:, :].any()
         if version == 1:
-            assert np.array_equal(got[..., :n, :], np.asarray(block.kv)[..., :n, :].astype(np.float16).astype(np.float32))
+            assert np.array_equal(
+                got[..., :n, :],
+                np.asarray(block.kv)[..., :n, :].astype(np.float16).astype(np.float32),
+            )
         else:
             s = bv.scales[..., None, None]
             # E4M3: 3 mantissa bits -> relative error <= 2^-4; subnormal step 2^-9 * scale.

@@ -7,8 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore import block_hash, chain_hashes, fnv1a64
-from kvstore import hashing
+from kvstore import block_hash, chain_hashes, fnv1a64, hashing
 
 
 def test_fnv1a64_of_a_is_the_spec_vector() -> None:
@@ -25,9 +24,9 @@ def test_spec_chain_b2_tokens_1_to_5() -> None:
 
 
 def test_spec_chain_bytes_hashed() -> None:
-    block0 = bytes.fromhex("0000000000000000" "01000000" "02000000")
+    block0 = bytes.fromhex("00000000000000000100000002000000")
     assert fnv1a64(block0) == 0xA91AB0C1027B9366
-    block1 = bytes.fromhex("66937b02c1b01aa9" "03000000" "04000000")
+    block1 = bytes.fromhex("66937b02c1b01aa90300000004000000")
     assert fnv1a64(block1) == 0x03DF829571605C60
     assert block_hash(0, [1, 2]) == 0xA91AB0C1027B9366
     assert block_hash(0xA91AB0C1027B9366, [3, 4]) == 0x03DF829571605C60
@@ -80,7 +79,9 @@ def test_parent_chaining_equals_concatenation() -> None:
     block_tokens=st.integers(1, 20),
     parent=st.integers(0, 2**64 - 1),
 )
-def test_kernel_matches_pure_python_oracle(tokens: list[int], block_tokens: int, parent: int) -> None:
+def test_kernel_matches_pure_python_oracle(
+    tokens: list[int], block_tokens: int, parent: int
+) -> None:
     assert chain_hashes(tokens, block_tokens, parent) == hashing._chain_hashes_py(
         tokens, block_tokens, parent
     )

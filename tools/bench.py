@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # the repo, when not installed
 
-from bench_common import print_table  # noqa: E402
+from bench_common import print_table
 
 SUITES = ("codec", "store", "http", "archive")
 
