@@ -11,7 +11,7 @@ from typing import Any
 try:
     from . import _native
 except ImportError:  # pragma: no cover - only where the build had no compiler
-    _native = None
+    _native = None  # type: ignore[assignment]
 
 if _native is not None:
     _crc32c = _native.crc32c

@@ -19,7 +19,7 @@ from .layout import NO_HASH, U32_MAX, U64_MAX
 try:  # the optional C kernels; see setup.py
     from . import _native
 except ImportError:  # pragma: no cover - exercised only where the build had no compiler
-    _native = None
+    _native = None  # type: ignore[assignment]
 
 FNV_OFFSET_BASIS = 0xCBF29CE484222325
 FNV_PRIME = 0x100000001B3

@@ -20,11 +20,11 @@ import numpy as np
 try:
     from . import _native
 except ImportError:  # pragma: no cover - only where the build had no compiler
-    _native = None
+    _native = None  # type: ignore[assignment]
 try:
     from . import _fp8
 except ImportError:  # pragma: no cover - only where the build had no compiler
-    _fp8 = None
+    _fp8 = None  # type: ignore[assignment]
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E4M3_MAX = np.float32(448.0)  # largest finite E4M3FN value: "scale = amax / 448"
