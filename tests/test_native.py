@@ -1,0 +1,364 @@
+"""The compiled kernels in kvstore._native against independent oracles.
+
+crc32c is checked against the ``crc32c`` package; fnv1a64/fnv_chain against the tiny
+pure-Python loops below (not kvstore.hashing, so a shared mistake cannot hide);
+f16_finite against ``np.isfinite``.
+"""
+
+from __future__ import annotations
+
+import array
+import mmap
+import struct
+import threading
+
+import crc32c as crc32c_pkg
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+native = pytest.importorskip("kvstore._native")
+
+FNV_BASIS = 0xCBF29CE484222325
+FNV_PRIME = 0x100000001B3
+U64 = (1 << 64) - 1
+U32_MAX = (1 << 32) - 1
+
+
+def fnv1a64_oracle(data: bytes, h: int = FNV_BASIS) -> int:
+    for byte in data:
+        h = ((h ^ byte) * FNV_PRIME) & U64
+    return h
+
+
+def fnv_chain_oracle(tokens: list[int], block_tokens: int, parent: int = 0) -> list[int]:
+    out = []
+    for i in range(len(tokens) // block_tokens):
+        block = tokens[i * block_tokens : (i + 1) * block_tokens]
+        parent = fnv1a64_oracle(struct.pack("<Q", parent) + struct.pack(f"<{len(block)}I", *block))
+        parent = parent or 1
+        out.append(parent)
+    return out
+
+
+def chain(tokens: object, block_tokens: int, parent: int = 0) -> list[int]:
+    return np.frombuffer(native.fnv_chain(tokens, block_tokens, parent), dtype="<u8").tolist()
+
+
+@pytest.fixture(scope="module")
+def rand_bytes() -> bytes:
+    return np.random.default_rng(1234).integers(0, 256, (3 << 20) + 64, dtype=np.uint8).tobytes()
+
+
+# ---------------------------------------------------------------------------- crc32c
+
+
+def test_crc32c_check_values() -> None:
+    assert native.crc32c(b"123456789") == 0xE3069283
+    assert native.crc32c(b"") == 0
+    assert native.crc32c(b"", 0xDEADBEEF) == 0xDEADBEEF
+    assert native.crc32c(bytes(32)) == 0x8A9136AA  # RFC 3720 B.4: 32 bytes of zeros
+    assert native.crc32c(b"\xff" * 32) == 0x62A8AB43  # RFC 3720 B.4: 32 bytes of 0xFF
+
+
+def test_crc32c_every_length_to_5000(rand_bytes: bytes) -> None:
+    # Covers the serial path, the switch to the fused path and every tail length.
+    for n in range(5001):
+        off = n % 13
+        data = rand_bytes[off : off + n]
+        assert native.crc32c(data) == crc32c_pkg.crc32c(data), n
+    for n in range(0, 5001, 17):
+        data = rand_bytes[:n]
+        assert native.crc32c(data, 0x9ABCDEF0) == crc32c_pkg.crc32c(data, 0x9ABCDEF0), n
+
+
+@pytest.mark.parametrize(
+    "n",
+    [
+        1 << 20,
+        (1 << 20) + 1,
+        (1 << 20) + 7,
+        (1 << 20) + 135,
+        (1 << 20) - 3,
+        65535,
+        65536,
+        65537,
+        136 * 2048,  # exactly one full fused pass
+        136 * 2048 + 1,
+        136 * 2048 - 1,
+        136 * 4096 + 255,
+        2 << 20,
+        (3 << 20) + 5,
+    ],
+)
+@pytest.mark.parametrize("off", [0, 1, 3, 8, 13])
+def test_crc32c_large_unaligned(rand_bytes: bytes, n: int, off: int) -> None:
+    view = memoryview(rand_bytes)[off : off + n]
+    assert len(view) == n
+    assert native.crc32c(view) == crc32c_pkg.crc32c(view)
+    assert native.crc32c(view, 12345) == crc32c_pkg.crc32c(view, 12345)
+
+
+@settings(max_examples=300, deadline=None)
+@given(a=st.binary(max_size=3000), b=st.binary(max_size=3000), crc=st.integers(0, U32_MAX))
+def test_crc32c_continuation(a: bytes, b: bytes, crc: int) -> None:
+    assert native.crc32c(b, native.crc32c(a)) == native.crc32c(a + b)
+    assert native.crc32c(b, native.crc32c(a, crc)) == native.crc32c(a + b, crc)
+    assert native.crc32c(a + b, crc) == crc32c_pkg.crc32c(a + b, crc)
+
+
+def test_crc32c_continuation_large(rand_bytes: bytes) -> None:
+    data = rand_bytes[: 2 << 20]
+    whole = native.crc32c(data)
+    for cut in (0, 1, 255, 4096, 300_001, len(data) - 1, len(data)):
+        assert native.crc32c(data[cut:], native.crc32c(data[:cut])) == whole
+
+
+@pytest.mark.parametrize("crc", [-1, 1 << 32, (1 << 32) + 5, (1 << 64) + 7, -(1 << 40)])
+def test_crc32c_initial_value_is_taken_mod_2_32_like_the_package(crc: int) -> None:
+    assert native.crc32c(b"hello", crc) == crc32c_pkg.crc32c(b"hello", crc)
+    assert native.crc32c(b"hello", crc) == native.crc32c(b"hello", crc % (1 << 32))
+
+
+def test_crc32c_buffer_types(rand_bytes: bytes, tmp_path) -> None:
+    data = rand_bytes[:100_003]
+    want = crc32c_pkg.crc32c(data)
+    arr = np.frombuffer(data[:100_000], dtype=np.uint8)
+    inputs = [
+        data,
+        bytearray(data),
+        memoryview(data),
+        memoryview(bytearray(data)),
+        np.frombuffer(data, dtype=np.uint8),
+    ]
+    for obj in inputs:
+        assert native.crc32c(obj) == want
+    # Multi-byte items and 2-D C-contiguous arrays are hashed as their raw bytes.
+    want_100k = crc32c_pkg.crc32c(data[:100_000])
+    assert native.crc32c(arr.view(np.float32)) == want_100k
+    assert native.crc32c(arr.view(np.uint16).reshape(500, 100)) == want_100k
+    assert native.crc32c(array.array("B", data)) == want
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        assert native.crc32c(mm) == want
+
+
+def test_crc32c_non_contiguous_raises() -> None:
+    base = np.arange(4096, dtype=np.uint8)
+    for obj in (
+        memoryview(bytes(range(256)))[::2],
+        base[::2],
+        base.reshape(64, 64)[:, :10],
+        np.asfortranarray(base.reshape(64, 64)),
+    ):
+        with pytest.raises((BufferError, ValueError)):
+            native.crc32c(obj)
+
+
+def test_crc32c_bad_arguments() -> None:
+    with pytest.raises(TypeError):
+        native.crc32c("text")
+    with pytest.raises(TypeError):
+        native.crc32c(b"x", 1.5)
+    with pytest.raises(TypeError):
+        native.crc32c()
+    with pytest.raises(TypeError):
+        native.crc32c(b"x", 0, 0)
+
+
+def test_crc32c_threads_with_gil_released(rand_bytes: bytes) -> None:
+    data = rand_bytes[: 1 << 20]
+    want = crc32c_pkg.crc32c(data)
+    results: list[int] = []
+
+    def work() -> None:
+        for _ in range(20):
+            results.append(native.crc32c(data))
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [want] * 80
+
+
+# ---------------------------------------------------------------------------- fnv1a64
+
+
+def test_fnv1a64_values() -> None:
+    assert native.fnv1a64(b"a") == 0xAF63DC4C8601EC8C
+    assert native.fnv1a64(b"") == FNV_BASIS
+    assert native.fnv1a64(b"", 5) == 5
+    assert native.fnv1a64(b"", 0) == 0  # no 0 -> 1 replacement here
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.binary(max_size=600), h=st.integers(0, U64))
+def test_fnv1a64_matches_oracle(data: bytes, h: int) -> None:
+    assert native.fnv1a64(data) == fnv1a64_oracle(data)
+    assert native.fnv1a64(data, h) == fnv1a64_oracle(data, h)
+    cut = len(data) // 3
+    assert native.fnv1a64(data[cut:], native.fnv1a64(data[:cut], h)) == native.fnv1a64(data, h)
+
+
+def test_fnv1a64_large_and_buffer_types(rand_bytes: bytes) -> None:
+    data = rand_bytes[:40_000]  # above the GIL-release threshold
+    want = fnv1a64_oracle(data)
+    for obj in (data, bytearray(data), memoryview(data), np.frombuffer(data, np.uint8)):
+        assert native.fnv1a64(obj) == want
+
+
+def test_fnv1a64_bad_arguments() -> None:
+    for h in (-1, 1 << 64):
+        with pytest.raises(ValueError):
+            native.fnv1a64(b"x", h)
+    with pytest.raises((BufferError, ValueError)):
+        native.fnv1a64(memoryview(b"abcdef")[::2])
+
+
+# ---------------------------------------------------------------------------- fnv_chain
+
+
+def test_fnv_chain_spec_example() -> None:
+    toks = np.array([1, 2, 3, 4, 5], dtype="<u4")
+    assert chain(toks, 2) == [0xA91AB0C1027B9366, 0x03DF829571605C60]
+    raw = native.fnv_chain(toks, 2)
+    assert isinstance(raw, bytes)
+    assert raw == struct.pack("<2Q", 0xA91AB0C1027B9366, 0x03DF829571605C60)
+    # Continuing from the first hash gives the second.
+    assert chain(toks[2:], 2, 0xA91AB0C1027B9366) == [0x03DF829571605C60]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tokens=st.lists(
+        st.one_of(st.integers(0, U32_MAX), st.sampled_from([0, 1, U32_MAX, U32_MAX - 1])),
+        max_size=200,
+    ),
+    block_tokens=st.integers(1, 20),
+    parent=st.one_of(st.integers(0, U64), st.sampled_from([0, 1, U64])),
+)
+def test_fnv_chain_matches_oracle(tokens: list[int], block_tokens: int, parent: int) -> None:
+    want = fnv_chain_oracle(tokens, block_tokens, parent)
+    arr = np.array(tokens, dtype="<u4")
+    assert chain(arr, block_tokens, parent) == want
+    assert chain(arr.tobytes(), block_tokens, parent) == want
+    assert chain(bytearray(arr.tobytes()), block_tokens, parent) == want
+    if parent == 0:
+        assert chain(arr, block_tokens) == want
+
+
+def test_fnv_chain_large_matches_oracle() -> None:
+    toks = np.random.default_rng(7).integers(0, 1 << 32, 131_072 + 5, dtype=np.uint64)
+    arr = toks.astype("<u4")
+    got = chain(arr, 16, 0x1234)
+    assert len(got) == 131_072 // 16
+    # The oracle is slow: spot-check the first blocks and a chained suffix.
+    assert got[:50] == fnv_chain_oracle(arr[:800].tolist(), 16, 0x1234)
+    assert got[-3:] == fnv_chain_oracle(arr[-5 - 48 : -5].tolist(), 16, got[-4])
+
+
+def test_fnv_chain_partial_and_empty() -> None:
+    toks = np.arange(10, dtype="<u4")
+    assert native.fnv_chain(toks, 11) == b""
+    assert native.fnv_chain(toks, 1 << 62) == b""
+    assert native.fnv_chain(b"", 4) == b""
+    assert chain(toks, 3) == fnv_chain_oracle(list(range(10)), 3)
+    assert chain(toks, 10) == fnv_chain_oracle(list(range(10)), 10)
+
+
+def test_fnv_chain_bad_arguments() -> None:
+    toks = np.arange(8, dtype="<u4")
+    for b in (0, -1):
+        with pytest.raises(ValueError):
+            native.fnv_chain(toks, b)
+    with pytest.raises(ValueError):
+        native.fnv_chain(b"\x00" * 6, 1)  # not a whole number of u32
+    for parent in (-1, 1 << 64):
+        with pytest.raises(ValueError):
+            native.fnv_chain(toks, 2, parent)
+    with pytest.raises((BufferError, ValueError)):
+        native.fnv_chain(np.arange(16, dtype="<u4")[::2], 2)
+    with pytest.raises(TypeError):
+        native.fnv_chain(toks)
+
+
+# ---------------------------------------------------------------------------- f16_finite
+
+
+def np_finite(arr: np.ndarray) -> bool:
+    return bool(np.isfinite(arr.view(np.float16)).all())
+
+
+def test_f16_finite_every_bit_pattern() -> None:
+    patterns = np.arange(1 << 16, dtype=np.uint16)
+    expect = np.isfinite(patterns.view(np.float16))
+    got = np.array([native.f16_finite(p.tobytes()) for p in patterns])
+    assert (got == expect).all()
+    assert native.f16_finite(patterns[expect]) is True
+    assert native.f16_finite(patterns) is False
+
+
+SPECIALS = [np.inf, -np.inf, np.nan, -np.nan]
+SPECIAL_BITS = [0x7C00, 0xFC00, 0x7E00, 0x7C01, 0xFFFF, 0x7FFF]
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    n=st.integers(0, 3000),
+    seed=st.integers(0, 2**32 - 1),
+    n_bad=st.integers(0, 3),
+    bad_last=st.booleans(),
+)
+def test_f16_finite_matches_numpy(n: int, seed: int, n_bad: int, bad_last: bool) -> None:
+    rng = np.random.default_rng(seed)
+    arr = (rng.standard_normal(n) * 1000).astype(np.float16)
+    bits = arr.view(np.uint16)
+    if n:
+        for _ in range(n_bad):
+            bits[rng.integers(0, n)] = rng.choice(SPECIAL_BITS)
+        if bad_last:
+            bits[-1] = rng.choice(SPECIAL_BITS)
+    assert native.f16_finite(arr) is np_finite(arr)
+    assert native.f16_finite(arr.tobytes()) is np_finite(arr)
+
+
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 2047, 2048, 2049, 32_768, 1 << 20, (1 << 20) + 3])
+def test_f16_finite_positions(n: int) -> None:
+    # Non-finite values at the edges of every processing unit (8 B words, 128 B vector
+    # steps, 4 KiB chunks) and of the array, in arrays both below and above the GIL
+    # threshold.
+    base = np.full(n, 65504.0, dtype=np.float16)  # largest finite value
+    assert native.f16_finite(base) is True
+    positions = {0, n - 1, n // 2}
+    for edge in (4, 64, 2048):
+        for k in range(1, min(n // edge, 4) + 1):
+            positions |= {edge * k - 1, edge * k}
+    for pos in sorted(p for p in positions if 0 <= p < n):
+        for value in SPECIALS:
+            arr = base.copy()
+            arr[pos] = value
+            assert native.f16_finite(arr) is False, (n, pos, value)
+
+
+def test_f16_finite_buffer_types_and_errors() -> None:
+    arr = np.linspace(-10, 10, 1001, dtype=np.float16)
+    assert native.f16_finite(arr) is True
+    assert native.f16_finite(memoryview(arr.tobytes())) is True
+    assert native.f16_finite(bytearray(arr.tobytes())) is True
+    assert native.f16_finite(arr.reshape(7, 143)) is True
+    assert native.f16_finite(b"") is True
+    with pytest.raises(ValueError):
+        native.f16_finite(b"\x00\x00\x00")
+    with pytest.raises((BufferError, ValueError)):
+        native.f16_finite(arr[::2])
+    with pytest.raises((BufferError, ValueError)):
+        native.f16_finite(np.asfortranarray(arr[:1000].reshape(10, 100)))
+
+
+def test_docstrings() -> None:
+    for name in ("crc32c", "fnv1a64", "fnv_chain", "f16_finite"):
+        assert getattr(native, name).__doc__
