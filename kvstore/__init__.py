@@ -1,4 +1,9 @@
-"""tlkv: a persistent, memory-mapped store and archive format for LLM KV-cache blocks."""
+"""tlkv: a persistent, memory-mapped store and archive format for LLM KV-cache blocks.
+
+The codec, the store and the error tree are re-exported here; the archive functions live
+in ``kvstore.archive`` and the HTTP client in ``kvstore.client`` (imported on demand, so
+``import kvstore`` needs neither zstd nor httpx).
+"""
 
 from .checksum import crc32c
 from .envelope import Block, BlockView, Envelope, decode, encode, join, split, transcode
@@ -20,6 +25,7 @@ from .errors import (
 )
 from .geometry import Geometry
 from .hashing import block_hash, chain_hashes, fnv1a64
+from .store import PutReport, PutResult, Store
 
 __version__ = "0.1.0"
 
@@ -34,7 +40,10 @@ __all__ = [
     "FormatError",
     "Geometry",
     "PinnedError",
+    "PutReport",
+    "PutResult",
     "ShapeError",
+    "Store",
     "StoreError",
     "StoreFullError",
     "TlkvError",

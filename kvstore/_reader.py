@@ -1,0 +1,350 @@
+"""The block store's read side: zero-copy readers and sequence assembly.
+
+Everything a ``Reader`` hands out points into LMDB's memory map and lives only as long
+as its read transaction: views check a liveness hook on every access and raise
+``ViewClosedError`` afterwards; raw memoryviews are released on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from functools import lru_cache
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ._storelayout import BLOCK_KEY, SequenceRecord, parse_sequence
+from ._writetxn import block_consts
+from .checksum import crc32c
+from .envelope import BlockView, decode
+from .errors import EnvelopeError, StoreError, ViewClosedError
+from .geometry import Geometry
+from .layout import (
+    DTYPE_FOR_VERSION,
+    F16_DTYPE,
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    NO_HASH,
+    RECORD,
+    RECORD_SIZE,
+    SUPPORTED_VERSIONS,
+    TRAILER,
+    TRAILER_SIZE,
+    VERSION_V1,
+)
+
+if TYPE_CHECKING:
+    from .store import Store
+
+log = logging.getLogger("tlkv.store")
+
+KvSpec = tuple[tuple[int, ...], np.dtype[Any]]
+
+
+@lru_cache(maxsize=32)
+def reader_consts(geometry: Geometry) -> tuple[dict[int, int], dict[int, KvSpec]]:
+    """Stored length -> version (when the two lengths differ, as they nearly always do)
+    and version -> (kv shape, kv dtype)."""
+    lengths = {v: geometry.envelope_bytes(1, v) for v in SUPPORTED_VERSIONS}
+    version_of = {n: v for v, n in lengths.items()} if len(set(lengths.values())) > 1 else {}
+    specs: dict[int, KvSpec] = {
+        v: (geometry.kv_shape, np.dtype(F16_DTYPE if v == VERSION_V1 else np.uint8))
+        for v in SUPPORTED_VERSIONS
+    }
+    return version_of, specs
+
+
+def assemble_sequence(
+    txn: Any,
+    blocks_db: Any,
+    geometry: Geometry,
+    seq: SequenceRecord,
+    name: str,
+    path: str,
+    corrupt: list[int],
+) -> bytes | None:
+    """A sequence's whole envelope, byte-identical to the one put.
+
+    Every block read from the block space is CRC-checked; the output CRC is combined from
+    the records' CRCs (no second pass). None when a block is missing or corrupt (its hash
+    is appended to ``corrupt`` for quarantine).
+    """
+    c = block_consts(geometry, seq.version)
+    header = HEADER.pack(
+        MAGIC, seq.version, DTYPE_FOR_VERSION[seq.version], len(seq.hashes), *geometry.as_tuple()
+    )
+    parts: list[Any] = [header]
+    total = crc32c(header)
+    end = c.single_len - TRAILER_SIZE
+    for i, h in enumerate(seq.hashes):
+        if i in seq.own:
+            record = seq.own_record(i)
+            total = c.shift(total) ^ crc32c(record)
+        else:
+            value = txn.get(BLOCK_KEY.pack(h), None, blocks_db)
+            if value is None or len(value) != c.single_len:
+                log.warning(
+                    "%s: sequence %r: block %016x is missing (quarantined as corrupt?); "
+                    "the sequence is served again once that block is put",
+                    path,
+                    name,
+                    h,
+                )
+                return None
+            (stored,) = TRAILER.unpack_from(value, end)
+            if crc32c(value[:end]) != stored:
+                corrupt.append(h)
+                return None
+            if HEADER.unpack_from(value)[1] != seq.version:
+                log.warning(
+                    "%s: sequence %r: block %016x was put again in another format version",
+                    path,
+                    name,
+                    h,
+                )
+                return None
+            record = value[HEADER_SIZE:end]
+            total = c.shift(total) ^ stored ^ c.k
+        parts.append(record)
+    parts.append(TRAILER.pack(total))
+    return b"".join(parts)
+
+
+class _StoredView(BlockView):
+    """A ``BlockView`` over a stored single-block envelope; every field is read on demand.
+
+    Construction parses nothing (the hot path of ``Reader.view``); ``kv`` is built once,
+    in one ``np.ndarray`` call over LMDB's read-only buffer, so it is read-only too.
+    """
+
+    __slots__ = ("_kv", "_spec", "_value")
+
+    def __init__(  # no super().__init__: it would parse eagerly
+        self,
+        value: memoryview,
+        geometry: Geometry,
+        version: int,
+        alive: Callable[[], None],
+        spec: KvSpec,
+    ) -> None:
+        self._alive: Callable[[], None] = alive  # never None here
+        self._value = value
+        self._geometry = geometry
+        self._version = version
+        self._spec = spec
+        self._kv: np.ndarray | None = None
+
+    @property
+    def raw_record(self) -> memoryview:  # type: ignore[override]
+        """The block record (hash, n_tokens, payload)."""
+        self._alive()
+        return self._value[HEADER_SIZE:-TRAILER_SIZE]
+
+    @property
+    def hash(self) -> int:  # type: ignore[override]
+        """The block's hash."""
+        self._alive()
+        return int(RECORD.unpack_from(self._value, HEADER_SIZE)[0])
+
+    @property
+    def n_tokens(self) -> int:  # type: ignore[override]
+        """The block's fill."""
+        self._alive()
+        return int(RECORD.unpack_from(self._value, HEADER_SIZE)[1])
+
+    @property
+    def _payload(self) -> memoryview:  # type: ignore[override]
+        self._alive()
+        return self._value[HEADER_SIZE + RECORD_SIZE : -TRAILER_SIZE]
+
+    @property
+    def kv(self) -> np.ndarray:
+        """Read-only payload view: f16 (v1) or uint8 codes (v2), ``[L][2][Hkv][B][D]``."""
+        self._alive()
+        kv = self._kv
+        if kv is None:
+            shape, dtype = self._spec
+            kv = self._kv = np.ndarray(shape, dtype, self._value, HEADER_SIZE + RECORD_SIZE)
+        return kv
+
+    def __repr__(self) -> str:
+        try:
+            return super().__repr__()
+        except ViewClosedError:
+            return "BlockView(<reader closed>)"
+
+
+class Reader:
+    """A read transaction giving zero-copy access to stored blocks (``store.reader()``).
+
+    Everything it returns points into LMDB's memory map and is valid only inside the
+    ``with`` block: afterwards a ``BlockView`` raises ``ViewClosedError`` and a returned
+    memoryview raises ``ValueError`` (released). Arrays taken from a view (``bv.kv``) are
+    numpy views too: copy them (``.copy()``) to keep them past the block. One thread per
+    reader; its hits and misses reach ``stats()`` when it closes.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._txn: Any = None
+        self._issued: list[memoryview] = []
+        self._corrupt: list[int] = []
+        self._geometry: Geometry | None = None
+        self._version_of: dict[int, int] = {}
+        self._specs: dict[int, KvSpec] = {}
+        self.hits = 0  # this reader's; added to the store's counters when it closes
+        self.misses = 0
+
+    def __enter__(self) -> Reader:
+        if self._txn is not None or self._issued:
+            raise StoreError("a Reader is single-use; call store.reader() again")
+        store = self._store
+        self._txn = txn = store._begin_read(True)
+        try:
+            g = self._geometry = store._geometry_in(txn)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        if g is not None:
+            self._version_of, self._specs = store._reader_consts(g)
+        self._get = txn.get
+        self._blocks = store._dbs.blocks
+        self._touch = store._recency.touch
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        txn, self._txn = self._txn, None
+        if txn is None:
+            return
+        for mv in self._issued:
+            with contextlib.suppress(BufferError):  # a numpy array holds it: documented
+                mv.release()
+        self._store._end_read(txn)
+        self._store.hits += self.hits
+        self._store.misses += self.misses
+        if self._corrupt:
+            self._store._quarantine(self._corrupt)
+        self._store._flush_soon()
+
+    def _alive(self) -> None:
+        if self._txn is None:
+            raise ViewClosedError(
+                "this zero-copy view outlived its reader: views are valid only inside "
+                "`with store.reader()`; copy what you keep (bytes(), .copy())"
+            )
+
+    def _lookup(self, block_hash: int) -> memoryview | None:
+        if self._txn is None:
+            self._alive()
+        try:
+            value: memoryview | None = self._get(BLOCK_KEY.pack(block_hash), None, self._blocks)
+        except Exception as exc:  # struct.error: not a u64
+            raise ValueError(f"a block hash must fit u64, found {block_hash!r}") from exc
+        if value is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+            self._touch(block_hash)
+        return value
+
+    def view(self, block_hash: int, *, verify: bool = False) -> BlockView | None:
+        """A zero-copy, read-only ``BlockView`` of a stored block, or None when absent.
+
+        ``verify=True`` checks the CRC first; a failing block reads as absent and is
+        quarantined when the reader closes.
+        """
+        if self._txn is None:
+            self._alive()
+        try:  # _lookup, inlined: this is the latency-critical path
+            value = self._get(BLOCK_KEY.pack(block_hash), None, self._blocks)
+        except Exception as exc:  # struct.error: not a u64
+            raise ValueError(f"a block hash must fit u64, found {block_hash!r}") from exc
+        if value is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._touch(block_hash)
+        if verify:
+            try:
+                bv = decode(value, self._geometry, alive=self._alive)[0]
+            except EnvelopeError:
+                self._corrupt.append(int(block_hash))
+                self.hits -= 1
+                self.misses += 1
+                return None
+            self._issued.append(bv.raw_record)
+            return bv
+        version = self._version_of.get(len(value)) or HEADER.unpack_from(value)[1]
+        return _StoredView(value, self._geometry, version, self._alive, self._specs[version])  # type: ignore[arg-type]
+
+    def envelope(self, block_hash: int) -> memoryview | None:
+        """The stored single-block envelope as a read-only memoryview (unverified), or None."""
+        value = self._lookup(block_hash)
+        if value is not None:
+            self._issued.append(value)
+        return value
+
+    def iter_blocks(self) -> Iterator[tuple[int, memoryview]]:
+        """Every stored ``(hash, envelope memoryview)`` in hash order, unverified (decode
+        them with the CRC when exporting)."""
+        self._alive()
+        for key, value in self._txn.cursor(db=self._blocks):
+            self._issued.append(value)
+            yield BLOCK_KEY.unpack(key)[0], value
+
+    def _records(self) -> Iterator[tuple[str, SequenceRecord | None]]:
+        self._alive()
+        for key, raw in self._txn.cursor(db=self._store._dbs.seqs):
+            yield bytes(key).decode("ascii"), parse_sequence(raw, self._geometry)
+
+    def iter_sequences(self) -> Iterator[tuple[str, bytes]]:
+        """Every sequence as ``(name, envelope)`` in name order, as ``get_sequence``
+        returns it; a damaged sequence is skipped with a warning."""
+        path = self._store.path
+        for name, seq in self._records():
+            envelope = None
+            if seq is not None and self._geometry is not None:
+                envelope = assemble_sequence(
+                    self._txn, self._blocks, self._geometry, seq, name, path, self._corrupt
+                )
+            if envelope is None:
+                log.warning("%s: sequence %r is damaged; skipped", path, name)
+                continue
+            yield name, envelope
+
+    def iter_sequence_records(self) -> Iterator[tuple[str, list[int] | None, Any]]:
+        """Every sequence by reference, in name order: ``(name, hashes, tail)``.
+
+        ``hashes`` are its full blocks (all served from the block space) and ``tail`` its
+        partial last block as a single-block envelope, or None. A sequence that keeps its
+        own copy of a full block (the block space holds that hash in another format
+        version or with other bytes) cannot be described by reference: it is reported as
+        ``(name, None, reason)``; ``iter_sequences`` has its whole envelope. A record that
+        fails its CRC is skipped with a warning.
+        """
+        for name, seq in self._records():
+            if seq is None or self._geometry is None:
+                log.warning("%s: sequence %r fails its CRC; skipped", self._store.path, name)
+                continue
+            last = len(seq.hashes) - 1
+            copied = [i for i in seq.own if i != last or seq.hashes[i] != NO_HASH]
+            if copied:
+                h = seq.hashes[copied[0]]
+                yield name, None, f"keeps its own copy of block {h:016x} (another version or bytes)"
+                continue
+            hashes, tail = seq.hashes, None
+            if seq.own:  # the partial tail, as a single-block envelope
+                c = block_consts(self._geometry, seq.version)
+                record = seq.own_record(last)
+                tail = b"".join((c.header1, record, TRAILER.pack(crc32c(record, c.crc_header1))))
+                hashes = hashes[:-1]
+            yield name, hashes, tail

@@ -1,0 +1,248 @@
+"""The store against a dict model, driven by hypothesis's RuleBasedStateMachine.
+
+Rules: put, get (with transcoding), has, longest_prefix, delete, views, sequences
+(put/get/delete/list) and reopen. ``StoreModel`` runs without a capacity and predicts
+every answer exactly; ``CapacityModel`` adds a capacity, where evictions are the store's
+choice: answers are checked against what may have been evicted, pinned blocks and
+sequences must always be exact, and the byte bound must hold.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import hypothesis.strategies as st
+import numpy as np
+import pytest
+from conftest import SMALL, make_blocks
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from test_store import check_consistency
+
+from kvstore import (
+    PinnedError,
+    PutResult,
+    Store,
+    StoreFullError,
+    decode,
+    encode,
+    join,
+    transcode,
+)
+
+# A pool of blocks: two chains of full blocks (distinct hashes) and two partial tails,
+# each as a single-block envelope in both format versions.
+_FULL = make_blocks(SMALL, 6 * SMALL.block_tokens, seed=1) + make_blocks(
+    SMALL, 4 * SMALL.block_tokens, seed=2
+)
+_TAILS = [make_blocks(SMALL, 3, seed=3)[0], make_blocks(SMALL, 1, seed=4)[0]]
+POOL = [{v: transcode(encode(SMALL, [b]), v) for v in (1, 2)} for b in _FULL]
+TAILS = [{v: transcode(encode(SMALL, [b]), v) for v in (1, 2)} for b in _TAILS]
+HASHES = [b.hash for b in _FULL]
+SINGLE = SMALL.envelope_bytes(1)
+
+indices = st.lists(st.integers(0, len(POOL) - 1), max_size=5)
+versions = st.sampled_from([1, 2])
+names = st.sampled_from(["a", "b", "chat-1", "x.y_z"])
+tails = st.none() | st.integers(0, len(TAILS) - 1)
+
+
+def _envelope(idx: list[int], version: int, tail: int | None) -> bytes:
+    parts = [POOL[i][version] for i in idx]
+    if tail is not None:
+        parts.append(TAILS[tail][version])
+    return join(parts) if parts else encode(SMALL, [], version)
+
+
+class StoreModel(RuleBasedStateMachine):
+    """The store with no capacity: every answer is predicted exactly."""
+
+    capacity: int | None = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = Path(tempfile.mkdtemp(prefix="tlkv-machine-"))
+        self.store = Store(self.dir / "s", geometry=SMALL, capacity_bytes=self.capacity, sync=False)
+        self.blocks: dict[int, bytes] = {}  # hash -> its stored single-block envelope
+        self.seqs: dict[str, tuple[bytes, list[int]]] = {}  # name -> (envelope, pinned hashes)
+
+    def teardown(self) -> None:
+        self.store.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    # --- the model ---------------------------------------------------------------------
+
+    def pinned(self) -> set[int]:
+        return {h for _, refs in self.seqs.values() for h in refs}
+
+    def sync_evictions(self) -> None:
+        """Capacity mode: forget what the store evicted (never a pinned block)."""
+        if self.capacity is None:
+            return
+        hashes = list(self.blocks)
+        for h, present in zip(hashes, self.store.has(hashes)):
+            if not present:
+                assert h not in self.pinned(), f"pinned block {h:016x} was evicted"
+                del self.blocks[h]
+
+    def learn(self, hashes: list[int], candidates: dict[int, bytes]) -> None:
+        """Capacity mode: after a put, the stored bytes are the old model's or the new."""
+        got = self.store.get_many(hashes)
+        for h, data in zip(hashes, got):
+            if data is None:
+                self.blocks.pop(h, None)
+                continue
+            assert data in (self.blocks.get(h), candidates[h])
+            self.blocks[h] = data
+
+    # --- rules ---------------------------------------------------------------------------
+
+    @rule(idx=indices, version=versions, tail=tails)
+    def put(self, idx: list[int], version: int, tail: int | None) -> None:
+        envelope = _envelope(idx, version, tail)
+        self.sync_evictions()
+        try:
+            result = self.store.put(envelope)
+        except StoreFullError:
+            assert self.capacity is not None
+            return
+        seen: set[int] = set()
+        stored = 0
+        for i in idx:
+            h = HASHES[i]
+            if h not in seen and h not in self.blocks:
+                stored += 1
+            seen.add(h)
+        if self.capacity is None:
+            assert result == PutResult(stored, len(idx) - stored, int(tail is not None))
+            for i in idx:
+                self.blocks.setdefault(HASHES[i], POOL[i][version])
+        else:
+            assert sum(result) == len(idx) + (tail is not None)
+            assert result.partial == (tail is not None)
+            self.learn([HASHES[i] for i in idx], {HASHES[i]: POOL[i][version] for i in idx})
+            assert all(HASHES[i] in self.blocks for i in idx)
+
+    @rule(i=st.integers(0, len(POOL) - 1), version=st.none() | versions)
+    def get(self, i: int, version: int | None) -> None:
+        h = HASHES[i]
+        self.sync_evictions()
+        got = self.store.get(h, version=version)
+        expected = self.blocks.get(h)
+        if expected is not None and version is not None and decode(expected).version != version:
+            expected = transcode(expected, version)
+        assert got == expected
+
+    @rule(idx=st.lists(st.integers(0, len(POOL) - 1), max_size=8), noise=st.booleans())
+    def lookups(self, idx: list[int], noise: bool) -> None:
+        hashes = [HASHES[i] for i in idx] + ([12345] if noise else [])
+        self.sync_evictions()
+        expected = [h in self.blocks for h in hashes]
+        assert self.store.has(hashes) == expected
+        assert self.store.has(np.array(hashes, dtype=np.uint64)) == expected
+        prefix = expected.index(False) if False in expected else len(expected)
+        assert self.store.longest_prefix(hashes) == prefix
+
+    @rule(i=st.integers(0, len(POOL) - 1))
+    def delete(self, i: int) -> None:
+        h = HASHES[i]
+        self.sync_evictions()
+        if h in self.pinned():
+            with pytest.raises(PinnedError):
+                self.store.delete(h)
+            return
+        assert self.store.delete(h) == (h in self.blocks)
+        self.blocks.pop(h, None)
+
+    @rule(i=st.integers(0, len(POOL) - 1))
+    def view(self, i: int) -> None:
+        h = HASHES[i]
+        self.sync_evictions()
+        with self.store.reader() as r:
+            bv = r.view(h)
+            if h not in self.blocks:
+                assert bv is None
+                return
+            expected = decode(self.blocks[h])[0]
+            assert bv.version == expected.version
+            assert bytes(bv.raw) == bytes(expected.raw)
+            assert np.array_equal(bv.kv, expected.kv)
+
+    @rule(name=names, idx=indices, version=versions, tail=tails)
+    def put_sequence(self, name: str, idx: list[int], version: int, tail: int | None) -> None:
+        envelope = _envelope(idx, version, tail)
+        self.sync_evictions()
+        try:
+            result = self.store.put_sequence(name, envelope)
+        except StoreFullError:
+            assert self.capacity is not None
+            return
+        refs: list[int] = []
+        first: dict[int, bool] = {}  # hash -> its first occurrence is referenced
+        stored = 0
+        for i in idx:
+            h, own = HASHES[i], POOL[i][version]
+            if h in first:
+                if first[h]:
+                    refs.append(h)
+                continue
+            if h not in self.blocks:
+                stored += 1
+                self.blocks[h] = own
+            first[h] = self.blocks[h] == own  # else the sequence keeps its own copy
+            if first[h]:
+                refs.append(h)
+        self.seqs[name] = (envelope, refs)
+        if self.capacity is None:
+            assert result == PutResult(stored, len(idx) - stored, int(tail is not None))
+
+    @rule(name=names)
+    def get_sequence(self, name: str) -> None:
+        expected = self.seqs.get(name)
+        assert self.store.get_sequence(name) == (None if expected is None else expected[0])
+
+    @rule(name=names)
+    def delete_sequence(self, name: str) -> None:
+        assert self.store.delete_sequence(name) == (name in self.seqs)
+        self.seqs.pop(name, None)
+
+    @precondition(lambda self: self.seqs or self.blocks)
+    @rule()
+    def reopen(self) -> None:
+        self.store.close()
+        self.store = Store(self.dir / "s", capacity_bytes=self.capacity, sync=False)
+
+    # --- invariants ----------------------------------------------------------------------
+
+    @invariant()
+    def agrees_with_the_model(self) -> None:
+        stats = self.store.stats()
+        self.sync_evictions()
+        assert stats["sequences"] == len(self.seqs)
+        assert self.store.sequences() == sorted(self.seqs)
+        assert stats["pinned_blocks"] == len(self.pinned())
+        if self.capacity is None:
+            assert stats["blocks"] == len(self.blocks)
+        else:
+            assert stats["bytes"] <= self.capacity
+        check_consistency(self.store)
+
+
+class CapacityModel(StoreModel):
+    """The same rules under a capacity of six blocks (plus sequence records)."""
+
+    capacity = 6 * SINGLE + 2048
+
+
+StoreModel.TestCase.settings = settings(
+    max_examples=40,
+    stateful_step_count=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+CapacityModel.TestCase.settings = StoreModel.TestCase.settings
+
+TestStoreModel = StoreModel.TestCase
+TestCapacityModel = CapacityModel.TestCase

@@ -1,0 +1,251 @@
+"""Store benchmarks: zero-copy view, durable put, has/longest_prefix, churn at capacity.
+
+Geometry (16, 32, 8, 128) -- a 2 MiB v1 payload per block. Every ratio is against a
+baseline measured in this same run, in temporary directories on the same filesystem
+(``$TLKV_BENCH_DIR``, default the system temp directory):
+
+- view: ``with store.reader() as r: r.view(h).kv`` against py-lmdb's own zero-copy
+  ``txn.get(key)`` + ``np.frombuffer`` on the same environment.
+- put: ``Store.put`` (sync, validation included, 64 blocks per put) against raw LMDB
+  puts of the same single-block envelopes (sync, 64 per transaction) and against a
+  file-per-block store (write a temp file, fsync, rename).
+- churn: puts at capacity until 20x the capacity went through; the last window's put
+  throughput against the first's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import struct
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import lmdb
+import numpy as np
+from bench_common import Row, gbps
+
+from kvstore import Block, Geometry, Store, encode, split
+
+GEOMETRY = Geometry(16, 32, 8, 128)
+SMALL_GEOMETRY = Geometry(16, 1, 1, 64)  # 4 KiB payloads: many blocks for has()
+KEY = struct.Struct(">Q")
+
+
+def _envelope(geometry: Geometry, kv: np.ndarray, first_hash: int, n: int) -> bytes:
+    return encode(geometry, [Block(first_hash + i, geometry.block_tokens, kv) for i in range(n)])
+
+
+def _median_us(fn: Callable[[], object], repeat: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def _bench_view(root: Path, kv: np.ndarray, repeat: int) -> list[Row]:
+    rows = []
+    with Store(root / "view", geometry=GEOMETRY, sync=False) as store:
+        store.put(_envelope(GEOMETRY, kv, 1, 8))
+        env, db = store._env, store._dbs.blocks  # the same environment, raw py-lmdb
+        keys = [KEY.pack(h) for h in range(1, 9)]
+        with env.begin(buffers=True) as txn:
+            get = txn.get
+            t_raw = _median_us(
+                lambda: [np.frombuffer(get(k, None, db), dtype=np.uint8) for k in keys], repeat
+            ) / len(keys)
+        with store.reader() as r:
+            view = r.view
+            t_view = _median_us(lambda: [view(h).kv for h in range(1, 9)], repeat) / len(keys)
+        with store.reader() as r:
+            t_enter = _median_us(
+                lambda: store.reader().__enter__().__exit__(None, None, None), repeat
+            )
+    ratio = t_view / t_raw
+    rows.append(
+        Row(
+            "reader().view(h).kv, 2 MiB block",
+            f"{t_view:.2f} us",
+            f"py-lmdb get + np.frombuffer {t_raw:.2f} us",
+            ratio,
+            "<= 1.5x and < 15 us",
+            ratio <= 1.5 and t_view < 15,
+        )
+    )
+    rows.append(Row("  (opening + closing a reader)", f"{t_enter:.2f} us"))
+    return rows
+
+
+def _bench_put(root: Path, kv: np.ndarray, rounds: int, per_put: int) -> list[Row]:
+    envelopes = [_envelope(GEOMETRY, kv, 1_000_000 * (r + 1), per_put) for r in range(rounds + 1)]
+    singles = [split(e) for e in envelopes]
+    nbytes = sum(len(s) for s in singles[0])
+    raw_env = lmdb.open(
+        str(root / "raw"),
+        map_size=(rounds + 3) * nbytes * 2,
+        max_dbs=2,
+        sync=True,
+        metasync=True,
+        readahead=False,
+    )
+    raw_db = raw_env.open_db(b"blocks")
+    files = root / "files"
+    files.mkdir()
+    t_ours, t_raw, t_files = [], [], []
+    with Store(root / "put", geometry=GEOMETRY, sync=True) as store:
+        # Round 0 warms up (file creation, first map growth) and is not counted; the
+        # three writers are interleaved so the disk's weather hits them alike.
+        for r in range(rounds + 1):
+            first = 1_000_000 * (r + 1)
+            t0 = time.perf_counter()
+            with raw_env.begin(write=True) as txn:
+                for i, value in enumerate(singles[r]):
+                    txn.put(KEY.pack(first + i), value, db=raw_db)
+            t1 = time.perf_counter()
+            result = store.put(envelopes[r])
+            t2 = time.perf_counter()
+            assert result.stored == per_put
+            for i, value in enumerate(singles[r]):
+                name = files / f"{first + i:016x}"
+                tmp = name.with_suffix(".tmp")
+                with open(tmp, "wb") as f:
+                    f.write(value)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.rename(tmp, name)
+            dfd = os.open(files, os.O_RDONLY)
+            os.fsync(dfd)
+            os.close(dfd)
+            t3 = time.perf_counter()
+            if r:
+                t_raw.append(t1 - t0)
+                t_ours.append(t2 - t1)
+                t_files.append(t3 - t2)
+    raw_env.close()
+    ours, raw, fpb = (nbytes / statistics.median(t) for t in (t_ours, t_raw, t_files))
+    # Ratios: the median of the per-round ratios (each round's three runs are adjacent).
+    vs_raw = statistics.median(r / o for o, r in zip(t_ours, t_raw))
+    vs_files = statistics.median(f / o for o, f in zip(t_ours, t_files))
+    return [
+        Row(
+            f"put sync, {per_put} x 2 MiB per put (median of {rounds})",
+            gbps(nbytes, nbytes / ours),
+            f"raw LMDB sync put {gbps(nbytes, nbytes / raw)}",
+            vs_raw,
+            ">= 0.8x",
+            vs_raw >= 0.8,
+        ),
+        Row(
+            "  same put vs file-per-block",
+            gbps(nbytes, nbytes / ours),
+            f"tmp+fsync+rename {gbps(nbytes, nbytes / fpb)}",
+            vs_files,
+            ">= 1x",
+            vs_files >= 1,
+        ),
+    ]
+
+
+def _bench_lookup(root: Path, n_stored: int, repeat: int) -> list[Row]:
+    kv = np.ones(SMALL_GEOMETRY.kv_shape, dtype=np.float16)
+    rows = []
+    with Store(root / "lookup", geometry=SMALL_GEOMETRY, sync=False) as store:
+        for start in range(1, n_stored + 1, 4096):
+            store.put(_envelope(SMALL_GEOMETRY, kv, start, min(4096, n_stored + 1 - start)))
+        present = list(range(1, 8193))
+        mixed = np.arange(n_stored - 4095, n_stored + 4097, dtype=np.uint64)  # half present
+        t_has = _median_us(lambda: store.has(mixed), repeat) / 1e3
+        t_lp = _median_us(lambda: store.longest_prefix(present), repeat) / 1e3
+        assert store.longest_prefix(present) == 8192 and sum(store.has(mixed)) == 4096
+
+        cold = []
+        for _ in range(max(5, repeat // 10)):
+            store.delete(n_stored)  # any write changes the snapshot: the key set is re-read
+            t0 = time.perf_counter()
+            store.has(mixed)
+            cold.append(time.perf_counter() - t0)
+            store.put(_envelope(SMALL_GEOMETRY, kv, n_stored, 1))
+        t_cold = statistics.median(cold) * 1e3
+    rows.append(
+        Row(
+            f"has(), 8,192 hashes ({n_stored:,} stored)",
+            f"{t_has:.3f} ms",
+            "",
+            None,
+            "<= 2 ms",
+            t_has <= 2,
+        )
+    )
+    rows.append(
+        Row("longest_prefix(), 8,192 present", f"{t_lp:.3f} ms", "", None, "<= 2 ms", t_lp <= 2)
+    )
+    rows.append(
+        Row(
+            "  has(), first call after a write",
+            f"{t_cold:.3f} ms",
+            "",
+            None,
+            "<= 2 ms",
+            t_cold <= 2,
+        )
+    )
+    return rows
+
+
+def _bench_churn(root: Path, kv: np.ndarray, capacity: int, turnover: int, per_put: int) -> Row:
+    single = GEOMETRY.envelope_bytes(1)
+    total_puts = -(-turnover * capacity // (single * per_put))
+    windows = 10
+    per_window = max(1, total_puts // windows)
+    rates = []
+    with Store(root / "churn", geometry=GEOMETRY, capacity_bytes=capacity, sync=True) as store:
+        h = 1
+        for _w in range(windows):
+            elapsed = 0.0
+            for _ in range(per_window):
+                envelope = _envelope(GEOMETRY, kv, h, per_put)
+                h += per_put
+                t0 = time.perf_counter()
+                store.put(envelope)
+                elapsed += time.perf_counter() - t0
+            rates.append(per_window * per_put * single / elapsed)
+        stats = store.stats()
+    assert stats["bytes"] <= capacity
+    ratio = rates[-1] / rates[0]
+    gib = capacity / 2**30
+    return Row(
+        f"churn at capacity {gib:g} GiB, {turnover}x turnover ({stats['evictions']:,} evictions)",
+        f"last window {rates[-1] / 1e9:.2f} GB/s",
+        f"first window {rates[0] / 1e9:.2f} GB/s",
+        ratio,
+        ">= 0.5x",
+        ratio >= 0.5,
+    )
+
+
+def run(args: argparse.Namespace) -> list[Row]:
+    quick = bool(args.quick)
+    base = Path(os.environ.get("TLKV_BENCH_DIR", tempfile.gettempdir()))
+    root = Path(tempfile.mkdtemp(prefix="tlkv-bench-store-", dir=base))
+    rng = np.random.default_rng(0)
+    kv = rng.standard_normal(GEOMETRY.kv_shape).astype(np.float16)
+    try:
+        rows = _bench_view(root, kv, 200 if quick else 2000)
+        rows += _bench_put(root, kv, 2 if quick else 5, 16 if quick else 64)
+        rows += _bench_lookup(root, 16_384, 20 if quick else 200)
+        capacity = (256 << 20) if quick else (2 << 30)
+        turnover = 5 if quick else 20
+        free = shutil.disk_usage(root).free
+        while capacity > (64 << 20) and free < 3 * capacity + (1 << 30):
+            capacity //= 2  # not enough disk: a smaller churn, named in the row
+        rows.append(_bench_churn(root, kv, capacity, turnover, 16 if quick else 64))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return rows
