@@ -148,7 +148,13 @@ def _register_codec(sub: Any) -> None:
 
 # Each group registers its subcommands; other modules' groups are imported lazily so the
 # codec commands need neither the server nor the HTTP client.
-REGISTRARS: list[Callable[[Any], None]] = [_register_codec]
+def _register_http(sub: Any) -> None:
+    from .cli_http import register
+
+    register(sub)
+
+
+REGISTRARS: list[Callable[[Any], None]] = [_register_codec, _register_http]
 
 
 def build_parser() -> argparse.ArgumentParser:

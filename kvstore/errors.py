@@ -87,3 +87,49 @@ class ArchiveError(TlkvError):
 
 class UnsafeArchiveError(ArchiveError):
     """An archive member would escape its destination or exceed the allowed sizes."""
+
+
+# --- errors of the HTTP service and its client (issue 4) ------------------------------
+
+
+class NotFoundError(TlkvError, LookupError):
+    """The block, sequence or route does not exist."""
+
+    kind = "not_found"
+    http_status = 404
+
+
+class TooLargeError(TlkvError):
+    """The request body exceeds the server's limit (``--max-body``)."""
+
+    kind = "too_large"
+    http_status = 413
+
+
+class UnauthorizedError(TlkvError):
+    """The request lacks the server's bearer token, or carries a wrong one."""
+
+    kind = "unauthorized"
+    http_status = 401
+
+
+class InvalidRequestError(TlkvError, ValueError):
+    """A request is malformed: bad hash, bad JSON, wrong content type, bad parameter."""
+
+    kind = "invalid_request"
+    http_status = 422
+
+
+class MethodNotAllowedError(InvalidRequestError):
+    """The route exists but does not take this HTTP method."""
+
+    kind = "method_not_allowed"
+    http_status = 405
+
+
+class ServiceError(TlkvError):
+    """The service failed in a way no other error describes (an unexpected server error)."""
+
+    kind = "internal"
+    http_status = 500
+

@@ -1,0 +1,65 @@
+"""The FastAPI application: ``create_app`` builds it, its lifespan opens the store.
+
+Uvicorn calls ``create_app`` (``factory=True``) in every worker process, so each worker
+reads its :class:`~api.settings.Settings` from the environment and opens the LMDB store
+after the fork, as LMDB requires. Middleware, outermost first: metrics, the guard (auth,
+body limit), then the block-read fast path; every error leaves in the one JSON shape of
+``api.errors``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+import kvstore
+from kvstore.store import Store
+
+from .errors import install_error_handlers
+from .metrics import Metrics, MetricsMiddleware
+from .middleware import GuardMiddleware
+from .routes import blocks, sequences, service
+from .settings import Settings
+
+DESCRIPTION = (
+    "Persistent store of LLM KV-cache blocks. Envelopes travel as application/vnd.tlkv; "
+    'hashes are 16 lowercase hex digits; errors are {"error": {"kind", "message"}}.'
+)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """The tlkv app; ``settings`` default to the ``TLKV_*`` environment variables."""
+    settings = Settings.from_env() if settings is None else settings
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        store = Store(
+            settings.data,
+            geometry=settings.geometry,
+            capacity_bytes=settings.capacity_bytes,
+        )
+        app.state.store = store
+        try:
+            yield
+        finally:
+            app.state.store = None
+            store.close()
+
+    app = FastAPI(
+        title="tlkv",
+        version=kvstore.__version__,
+        description=DESCRIPTION,
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.metrics = Metrics()
+    app.state.store = None
+    install_error_handlers(app)
+    for module in (service, blocks, sequences):
+        app.include_router(module.router)
+    app.add_middleware(blocks.BlockReadFastPath)
+    app.add_middleware(GuardMiddleware, token=settings.token, max_body=settings.max_body)
+    app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
+    return app

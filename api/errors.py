@@ -1,0 +1,150 @@
+"""One JSON error shape for every error the service answers: ``{"error": {"kind", "message"}}``.
+
+Kinds and statuses come from ``kvstore.errors`` (``kind``/``http_status`` of each class):
+``format`` 422, ``shape`` 422, ``version`` 415, ``not_found`` 404, ``pinned`` 409,
+``too_large`` 413, ``unauthorized`` 401, ``store_full`` 507, ``invalid_request`` 422, plus
+``method_not_allowed`` 405 and ``internal`` 500 (a bug, logged; never the answer to bad
+input). FastAPI's validation errors, unknown routes and methods, malformed bodies and a
+client that disconnects mid-body are all mapped here, so no other shape ever leaves.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
+
+from kvstore.errors import (
+    InvalidRequestError,
+    MethodNotAllowedError,
+    NotFoundError,
+    ServiceError,
+    TlkvError,
+    TooLargeError,
+    UnauthorizedError,
+)
+
+log = logging.getLogger("tlkv.api")
+
+ERROR_MEDIA_TYPE = "application/json"
+_MAX_MESSAGE = 500
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+def error_body(kind: str, message: str) -> bytes:
+    """The JSON bytes of an error: ``{"error": {"kind": kind, "message": message}}``."""
+    if len(message) > _MAX_MESSAGE:
+        message = message[: _MAX_MESSAGE - 3] + "..."
+    return json.dumps({"error": {"kind": kind, "message": message}}).encode()
+
+
+def _extra_headers(error: type[TlkvError]) -> dict[str, str]:
+    if issubclass(error, UnauthorizedError):
+        return {"www-authenticate": 'Bearer realm="tlkv"'}
+    if issubclass(error, TooLargeError):
+        # The rest of the body is never read: close rather than drain it for keep-alive.
+        return {"connection": "close"}
+    return {}
+
+
+def error_response(error: TlkvError, headers: dict[str, str] | None = None) -> Response:
+    """The response for a tlkv error: its ``http_status`` and the JSON shape."""
+    return Response(
+        error_body(error.kind, str(error) or error.kind),
+        status_code=error.http_status,
+        media_type=ERROR_MEDIA_TYPE,
+        headers={**_extra_headers(type(error)), **(headers or {})},
+    )
+
+
+async def send_error(send: Send, error: TlkvError) -> None:
+    """Send a tlkv error as a whole response over raw ASGI (for the middlewares)."""
+    body = error_body(error.kind, str(error) or error.kind)
+    headers: Iterable[tuple[str, str]] = [
+        ("content-type", ERROR_MEDIA_TYPE),
+        ("content-length", str(len(body))),
+        *_extra_headers(type(error)).items(),
+    ]
+    await send(
+        {
+            "type": "http.response.start",
+            "status": error.http_status,
+            "headers": [(k.encode(), v.encode("latin-1")) for k, v in headers],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        loc = ".".join(str(x) for x in err.get("loc", ()))
+        parts.append(f"{loc}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts) or "invalid request"
+
+
+async def _on_tlkv_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, TlkvError)
+    if exc.http_status >= 500 and exc.kind != "store_full":
+        log.error("%s %s failed: %r", request.method, request.url.path, exc)
+    return error_response(exc)
+
+
+async def _on_validation_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    return error_response(InvalidRequestError(_validation_message(exc)))
+
+
+async def _on_http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    what = f"{request.method} {request.url.path}"
+    error: TlkvError
+    if exc.status_code == 404:
+        error = NotFoundError(f"no route for {what}")
+    elif exc.status_code == 405:
+        allow = (exc.headers or {}).get("Allow", "")
+        error = MethodNotAllowedError(f"{what}: method not allowed (allowed: {allow})")
+    elif exc.status_code == 401:
+        error = UnauthorizedError(str(exc.detail))
+    elif exc.status_code == 413:
+        error = TooLargeError(str(exc.detail))
+    else:
+        error = InvalidRequestError(f"{what}: {exc.detail}")
+        error.http_status = exc.status_code if 400 <= exc.status_code < 500 else 422
+    return error_response(error, dict(exc.headers or {}))
+
+
+async def _on_value_error(request: Request, exc: Exception) -> Response:
+    # Bad input the library refused with a plain ValueError (a sequence name, a token id,
+    # a value that does not fit f16 on transcoding) or a JSON body nested too deep.
+    return error_response(InvalidRequestError(str(exc) or type(exc).__name__))
+
+
+async def _on_disconnect(request: Request, exc: Exception) -> Response:
+    # Nobody reads this answer; it only keeps the disconnect out of the 500 path.
+    return error_response(InvalidRequestError("client disconnected before the body ended"))
+
+
+async def _on_unexpected(request: Request, exc: Exception) -> Response:
+    # Starlette re-raises after this answer, so uvicorn logs the traceback once.
+    log.error("unexpected %s on %s %s", type(exc).__name__, request.method, request.url.path)
+    return error_response(ServiceError(f"internal error ({type(exc).__name__}); see the log"))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map every exception the app can raise onto the one JSON error shape."""
+    app.add_exception_handler(TlkvError, _on_tlkv_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_exception)
+    app.add_exception_handler(ValueError, _on_value_error)
+    app.add_exception_handler(RecursionError, _on_value_error)
+    app.add_exception_handler(ClientDisconnect, _on_disconnect)
+    app.add_exception_handler(Exception, _on_unexpected)

@@ -1,0 +1,92 @@
+"""Pure-ASGI guard in front of every route: bearer-token auth and the request body limit.
+
+Pure ASGI (no ``BaseHTTPMiddleware``) so the hot paths pay one function call, not a task
+and a stream copy. A ``Content-Length`` over the limit is refused with 413 before any of
+the body is read; a chunked body is counted as it streams in and refused as soon as the
+count passes the limit, so an over-limit body is never buffered.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from kvstore.errors import TooLargeError, UnauthorizedError
+
+from .errors import send_error
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+
+OPEN_PATHS = frozenset({"/healthz"})
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value)
+    return None
+
+
+class GuardMiddleware:
+    """Refuse unauthenticated requests (401) and over-limit bodies (413)."""
+
+    def __init__(self, app: Any, *, token: str | None, max_body: int) -> None:
+        self.app = app
+        self.token = token.encode() if token is not None else None
+        self.max_body = max_body
+
+    def _authorized(self, scope: Scope) -> bool:
+        assert self.token is not None
+        value = _header(scope, b"authorization")
+        if value is None:
+            return False
+        scheme, _, credentials = value.strip().partition(b" ")
+        if scheme.lower() != b"bearer":
+            return False
+        return hmac.compare_digest(credentials.strip(), self.token)
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if (
+            self.token is not None
+            and scope["path"] not in OPEN_PATHS
+            and not self._authorized(scope)
+        ):
+            await send_error(send, UnauthorizedError("missing or wrong bearer token"))
+            return
+        length = _header(scope, b"content-length")
+        if length is not None:
+            # The server frames the body by Content-Length: it can never exceed it.
+            if length.isdigit() and int(length) > self.max_body:
+                await send_error(
+                    send,
+                    TooLargeError(
+                        f"request body of {int(length)} bytes exceeds the limit of "
+                        f"{self.max_body} bytes"
+                    ),
+                )
+                return
+            await self.app(scope, receive, send)
+            return
+        await self.app(scope, self._limited(receive), send)
+
+    def _limited(self, receive: Any) -> Any:
+        limit = self.max_body
+        seen = 0
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise TooLargeError(
+                        f"request body exceeds the limit of {limit} bytes "
+                        f"(refused after {seen} bytes)"
+                    )
+            return message
+
+        return limited_receive

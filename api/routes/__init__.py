@@ -1,0 +1,1 @@
+"""The service's routers: ``service`` (health, metrics, info), ``blocks``, ``sequences``."""

@@ -1,0 +1,245 @@
+"""Request parsing shared by the routers: hashes, content types, bodies, JSON answers.
+
+The hot paths parse by hand (``json.loads``, ``np.frombuffer``), not with pydantic models:
+a request model halves a JSON endpoint's rate, and has-blocks takes 8,192 hashes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import numpy as np
+from fastapi import Request
+from starlette.responses import Response
+
+from kvstore.errors import InvalidRequestError, ServiceError
+from kvstore.hashing import chain_hashes_array
+from kvstore.store import Store
+
+ENVELOPE_MEDIA_TYPE = "application/vnd.tlkv"
+OCTET_STREAM = "application/octet-stream"
+JSON_MEDIA_TYPE = "application/json"
+ENVELOPE_TYPES = frozenset({ENVELOPE_MEDIA_TYPE, OCTET_STREAM})
+
+HASH_PATTERN = "^[0-9a-f]{16}$"
+_HASH = re.compile(r"[0-9a-f]{16}")
+_HASH_HEX = 16
+
+# Request-body schemas for the OpenAPI document (the routes parse bodies by hand).
+ENVELOPE_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            ENVELOPE_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}},
+            OCTET_STREAM: {"schema": {"type": "string", "format": "binary"}},
+        },
+    }
+}
+HASHES_BODY: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            JSON_MEDIA_TYPE: {
+                "schema": {
+                    "oneOf": [
+                        {
+                            "type": "object",
+                            "required": ["hashes"],
+                            "properties": {
+                                "hashes": {
+                                    "type": "array",
+                                    "items": {"type": "string", "pattern": HASH_PATTERN},
+                                }
+                            },
+                        },
+                        {
+                            "type": "object",
+                            "required": ["tokens"],
+                            "properties": {
+                                "tokens": {
+                                    "type": "array",
+                                    "items": {
+                                        "type": "integer",
+                                        "minimum": 0,
+                                        "maximum": 0xFFFFFFFF,
+                                    },
+                                }
+                            },
+                        },
+                    ]
+                }
+            },
+            OCTET_STREAM: {
+                "schema": {
+                    "type": "string",
+                    "format": "binary",
+                    "description": "little-endian u64 hashes",
+                }
+            },
+        },
+    }
+}
+ENVELOPE_RESPONSE: dict[int | str, dict[str, Any]] = {
+    200: {"content": {ENVELOPE_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}}
+}
+
+
+def store_of(request: Request) -> Store:
+    """The store the worker's lifespan opened."""
+    store = getattr(request.app.state, "store", None)
+    if store is None:  # only if the lifespan did not run (a misconfigured server)
+        raise ServiceError("the store is not open")
+    return store  # type: ignore[no-any-return]
+
+
+def parse_hash(text: str) -> int:
+    """A block hash from exactly 16 lowercase hex digits.
+
+    Raises:
+        InvalidRequestError: anything else.
+    """
+    if not _HASH.fullmatch(text):
+        raise InvalidRequestError(f"a block hash is 16 lowercase hex digits, found {text[:40]!r}")
+    return int(text, 16)
+
+
+def parse_hash_list(items: Any) -> np.ndarray:
+    """``<u8`` hashes from a JSON list of 16-lowercase-hex-digit strings, vectorized.
+
+    Raises:
+        InvalidRequestError: not a list, or an item that is not such a string.
+    """
+    if not isinstance(items, list):
+        raise InvalidRequestError(f"'hashes' must be a list, found {type(items).__name__}")
+    if not items:
+        return np.zeros(0, dtype="<u8")
+    try:
+        joined = "".join(items)  # TypeError on any non-string
+    except TypeError:
+        joined = ""
+    ok = len(joined) == _HASH_HEX * len(items) and set(map(len, items)) == {_HASH_HEX}
+    if ok:
+        try:
+            raw = bytes.fromhex(joined)
+        except ValueError:
+            ok = False
+        else:
+            ok = raw.hex() == joined  # refuses upper case and whitespace that fromhex allows
+    if not ok:
+        for i, item in enumerate(items):
+            if not (isinstance(item, str) and _HASH.fullmatch(item)):
+                raise InvalidRequestError(
+                    f"hashes[{i}]: a block hash is 16 lowercase hex digits, found {item!r:.40}"
+                )
+        raise InvalidRequestError("hashes: every item must be 16 lowercase hex digits")
+    return np.frombuffer(raw, dtype=">u8").astype("<u8")
+
+
+def hex_list(hashes: Any) -> list[str]:
+    """Hashes as 16-lowercase-hex-digit strings."""
+    return [f"{int(h):016x}" for h in hashes]
+
+
+def media_type(request: Request) -> str | None:
+    """The request's media type without parameters, lower case (None when absent)."""
+    value = request.headers.get("content-type")
+    if value is None:
+        return None
+    return value.split(";", 1)[0].strip().lower()
+
+
+def require_envelope_type(request: Request) -> None:
+    """Envelope bodies come as application/vnd.tlkv or application/octet-stream (or untyped).
+
+    Raises:
+        InvalidRequestError: another content type.
+    """
+    kind = media_type(request)
+    if kind is not None and kind not in ENVELOPE_TYPES:
+        raise InvalidRequestError(
+            f"an envelope body must be {ENVELOPE_MEDIA_TYPE} or {OCTET_STREAM}, found {kind!r}"
+        )
+
+
+async def read_body(request: Request) -> bytes | bytearray:
+    """The whole request body (already bounded by the guard middleware's limit).
+
+    With a Content-Length the body is read into one preallocated buffer (no join copy).
+    """
+    length = request.headers.get("content-length")
+    if length is None or not length.isdigit():
+        return await request.body()
+    buf = bytearray(int(length))
+    view = memoryview(buf)
+    pos = 0
+    async for chunk in request.stream():
+        end = pos + len(chunk)
+        if end > len(buf):  # cannot happen: the server frames the body by Content-Length
+            raise InvalidRequestError("request body longer than its Content-Length")
+        view[pos:end] = chunk
+        pos = end
+    if pos != len(buf):
+        raise InvalidRequestError(f"request body ended after {pos} of {len(buf)} bytes")
+    return buf
+
+
+def _tokens(items: Any) -> list[int]:
+    if not isinstance(items, list):
+        raise InvalidRequestError(f"'tokens' must be a list, found {type(items).__name__}")
+    for i, t in enumerate(items):
+        if type(t) is not int or not 0 <= t <= 0xFFFFFFFF:
+            raise InvalidRequestError(f"tokens[{i}]: a token id is an integer in 0..2^32-1")
+    return items
+
+
+async def request_hashes(request: Request, store: Store) -> np.ndarray:
+    """The ``<u8`` hashes of a has-blocks / prefix request, in any of its three forms.
+
+    JSON ``{"hashes": [hex, ...]}``, JSON ``{"tokens": [int, ...]}`` (full blocks hashed with
+    the store's block_tokens), or an ``application/octet-stream`` body of little-endian u64.
+
+    Raises:
+        InvalidRequestError: a malformed body, or tokens for a store with no geometry yet.
+    """
+    kind = media_type(request)
+    if kind not in (JSON_MEDIA_TYPE, OCTET_STREAM):
+        raise InvalidRequestError(
+            f"the body must be {JSON_MEDIA_TYPE} or {OCTET_STREAM} (u64 hashes), found {kind!r}"
+        )
+    body = await read_body(request)
+    if kind == OCTET_STREAM:
+        if len(body) % 8:
+            raise InvalidRequestError(
+                f"a binary body is little-endian u64 hashes: {len(body)} bytes is not a "
+                "multiple of 8"
+            )
+        return np.frombuffer(body, dtype="<u8")
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise InvalidRequestError(f"malformed JSON body: {exc}") from None
+    if not isinstance(obj, dict) or len(obj.keys() & {"hashes", "tokens"}) != 1:
+        raise InvalidRequestError('the JSON body must be {"hashes": [...]} or {"tokens": [...]}')
+    if "hashes" in obj:
+        return parse_hash_list(obj["hashes"])
+    tokens = _tokens(obj["tokens"])
+    geometry = store.geometry
+    if geometry is None:
+        raise InvalidRequestError(
+            "the store has no geometry yet (no block stored, no --geometry): send hashes"
+        )
+    return chain_hashes_array(np.asarray(tokens, dtype=np.uint32), geometry.block_tokens)
+
+
+def json_response(
+    obj: Any, status_code: int = 200, headers: dict[str, str] | None = None
+) -> Response:
+    """A JSON response built with ``json.dumps`` (no pydantic on the way out)."""
+    return Response(
+        json.dumps(obj, separators=(",", ":")).encode(),
+        status_code=status_code,
+        media_type=JSON_MEDIA_TYPE,
+        headers=headers,
+    )

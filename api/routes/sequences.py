@@ -1,0 +1,72 @@
+"""Sequence routes: a named, pinned KV state stored as its blocks plus its partial tail."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Request
+from starlette.concurrency import run_in_threadpool
+from starlette.responses import Response
+
+from kvstore.errors import InvalidRequestError, NotFoundError
+
+from .common import (
+    ENVELOPE_BODY,
+    ENVELOPE_MEDIA_TYPE,
+    ENVELOPE_RESPONSE,
+    json_response,
+    read_body,
+    require_envelope_type,
+    store_of,
+)
+
+router = APIRouter(tags=["sequences"])
+
+NAME_PATTERN = "^[A-Za-z0-9._-]{1,128}$"
+_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+NamePath = Annotated[str, Path(description="1-128 characters of [A-Za-z0-9._-]")]
+
+
+def _check_name(name: str) -> str:
+    if not _NAME.fullmatch(name):
+        raise InvalidRequestError(
+            f"a sequence name is 1-128 characters of [A-Za-z0-9._-], found {name[:140]!r}"
+        )
+    return name
+
+
+@router.get("/v1/sequences")
+async def list_sequences(request: Request) -> Response:
+    """Names of every stored sequence."""
+    return json_response({"sequences": list(store_of(request).sequences())})
+
+
+@router.put("/v1/sequences/{name}", status_code=201, openapi_extra=ENVELOPE_BODY)
+async def put_sequence(request: Request, name: NamePath) -> Response:
+    """Store (or replace) a sequence: its blocks in order, the partial tail last."""
+    _check_name(name)
+    require_envelope_type(request)
+    store = store_of(request)
+    body = await read_body(request)
+    await run_in_threadpool(store.put_sequence, name, body)
+    return json_response({"name": name}, status_code=201)
+
+
+@router.get("/v1/sequences/{name}", responses=ENVELOPE_RESPONSE)
+async def get_sequence(request: Request, name: NamePath) -> Response:
+    """The sequence's envelope, byte-identical to what was put."""
+    data = store_of(request).get_sequence(_check_name(name))
+    if data is None:
+        raise NotFoundError(f"sequence {name!r} not found")
+    return Response(data, media_type=ENVELOPE_MEDIA_TYPE)
+
+
+@router.delete("/v1/sequences/{name}", status_code=204)
+async def delete_sequence(request: Request, name: NamePath) -> Response:
+    """Delete a sequence (its blocks lose the pin): 204, or 404 when absent."""
+    store = store_of(request)
+    if not await run_in_threadpool(store.delete_sequence, _check_name(name)):
+        raise NotFoundError(f"sequence {name!r} not found")
+    return Response(status_code=204)

@@ -1,0 +1,62 @@
+"""Service routes: ``/healthz`` (no auth), ``/metrics`` (Prometheus text), ``/v1/info``."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from starlette.responses import PlainTextResponse, Response
+
+import kvstore
+from kvstore.layout import SUPPORTED_VERSIONS
+
+from .common import json_response, store_of
+
+router = APIRouter()
+
+PROMETHEUS_MEDIA_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+@router.get("/healthz", tags=["service"])
+async def healthz() -> Response:
+    """Liveness: 200 while the worker runs (no auth)."""
+    return json_response({"status": "ok"})
+
+
+@router.get(
+    "/metrics",
+    tags=["service"],
+    response_class=PlainTextResponse,
+    responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+)
+async def metrics(request: Request) -> Response:
+    """Prometheus text: request counts and latency by route; the store's gauges (per worker)."""
+    stats = store_of(request).stats()
+    text = request.app.state.metrics.render(stats)
+    return Response(text, media_type=PROMETHEUS_MEDIA_TYPE)
+
+
+@router.get("/v1/info", tags=["service"])
+async def info(request: Request) -> Response:
+    """Version, geometry (null until the first put or --geometry), formats, size and capacity."""
+    store = store_of(request)
+    stats = store.stats()
+    g = store.geometry
+    geometry = (
+        None
+        if g is None
+        else {
+            "block_tokens": g.block_tokens,
+            "n_layers": g.n_layers,
+            "n_kv_heads": g.n_kv_heads,
+            "head_dim": g.head_dim,
+        }
+    )
+    return json_response(
+        {
+            "version": kvstore.__version__,
+            "geometry": geometry,
+            "formats": list(SUPPORTED_VERSIONS),
+            "blocks": stats.get("blocks"),
+            "bytes": stats.get("bytes"),
+            "capacity_bytes": stats.get("capacity_bytes"),
+        }
+    )

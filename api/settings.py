@@ -1,0 +1,99 @@
+"""Settings of the HTTP service, read from the environment.
+
+``tlkv serve`` writes its options into ``TLKV_*`` variables before it starts uvicorn, so
+every worker process (spawned, not forked) builds the same :class:`Settings` in
+``api.app.create_app`` and opens the store itself, after the fork.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvstore.geometry import Geometry
+
+ENV_DATA = "TLKV_DATA"
+ENV_GEOMETRY = "TLKV_GEOMETRY"
+ENV_CAPACITY = "TLKV_CAPACITY"
+ENV_TOKEN = "TLKV_TOKEN"
+ENV_TOKEN_FILE = "TLKV_TOKEN_FILE"
+ENV_MAX_BODY = "TLKV_MAX_BODY"
+
+DEFAULT_DATA = "./tlkv-data"
+DEFAULT_MAX_BODY = 64 * 1024 * 1024
+
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*", re.IGNORECASE)
+_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from a size such as ``64MiB``, ``2GiB``, ``512k`` or ``1000000``.
+
+    ``KiB/MiB/GiB/TiB`` and the bare letters ``K/M/G/T`` are powers of 1024;
+    ``KB/MB/GB/TB`` are powers of 1000.
+
+    Raises:
+        ValueError: the text is not a size.
+    """
+    m = _SIZE.fullmatch(text)
+    if not m:
+        raise ValueError(
+            f"size must be a number with an optional unit (e.g. 64MiB), found {text!r}"
+        )
+    number, prefix, binary, byte = m.groups()
+    if binary and not prefix:
+        raise ValueError(
+            f"size must be a number with an optional unit (e.g. 64MiB), found {text!r}"
+        )
+    base = 1000 if (byte and not binary and prefix) else 1024
+    value = float(number) * base ** _POWERS[prefix.lower()]
+    if value != int(value):
+        raise ValueError(f"size must be a whole number of bytes, found {text!r}")
+    return int(value)
+
+
+def read_token_file(path: str | os.PathLike[str]) -> str:
+    """The bearer token in ``path`` (surrounding whitespace stripped).
+
+    Raises:
+        ValueError: the file holds no token.  OSError: it cannot be read.
+    """
+    token = Path(path).read_text(encoding="utf-8").strip()
+    if not token:
+        raise ValueError(f"token file {os.fspath(path)!r} is empty")
+    return token
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything a worker needs to open its store and guard its routes."""
+
+    data: Path = Path(DEFAULT_DATA)
+    geometry: Geometry | None = None
+    capacity_bytes: int | None = None
+    token: str | None = None
+    max_body: int = DEFAULT_MAX_BODY
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        """Settings from ``TLKV_*`` variables; the token file wins over ``TLKV_TOKEN``.
+
+        Raises:
+            ValueError: a variable does not parse.
+        """
+        env = os.environ if env is None else env
+        geometry = env.get(ENV_GEOMETRY)
+        capacity = env.get(ENV_CAPACITY)
+        token_file = env.get(ENV_TOKEN_FILE)
+        token = read_token_file(token_file) if token_file else (env.get(ENV_TOKEN) or None)
+        max_body = env.get(ENV_MAX_BODY)
+        return cls(
+            data=Path(env.get(ENV_DATA) or DEFAULT_DATA),
+            geometry=Geometry.parse(geometry) if geometry else None,
+            capacity_bytes=parse_size(capacity) if capacity else None,
+            token=token,
+            max_body=parse_size(max_body) if max_body else DEFAULT_MAX_BODY,
+        )

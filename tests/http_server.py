@@ -1,0 +1,144 @@
+"""Test helper: run ``python -m kvstore serve`` in a subprocess on a free loopback port.
+
+``ServerProcess`` starts the real server (uvicorn, real LMDB directory), waits for
+``/healthz``, and stops it with SIGTERM (SIGKILL as a last resort). Its log goes to a
+file next to the data, printed when start-up fails.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+START_TIMEOUT = 30.0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServerProcess:
+    """One ``tlkv serve`` process (and its workers) on ``data``; a context manager."""
+
+    def __init__(
+        self,
+        data: Path,
+        *args: str,
+        token: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.data = Path(data)
+        self.args = list(args)
+        self.token = token
+        self.extra_env = env or {}
+        self.port = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = self.data.parent / f"{self.data.name}.server.log"
+
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. ``http://127.0.0.1:40123``."""
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The Authorization header when a token is configured."""
+        return {"authorization": f"Bearer {self.token}"} if self.token else {}
+
+    def log(self) -> str:
+        """What the server wrote to stdout/stderr so far."""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def start(self) -> ServerProcess:
+        """Start the server and wait until ``/healthz`` answers 200."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TLKV_")}
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
+        )
+        if self.token is not None:
+            env["TLKV_TOKEN"] = self.token
+        env.update(self.extra_env)
+        for _attempt in range(3):  # the free port may be taken between probe and bind
+            self.port = free_port()
+            cmd = [sys.executable, "-m", "kvstore", "serve", "--data", str(self.data)]
+            cmd += ["--port", str(self.port), "--log-level", "warning", *self.args]
+            with open(self.log_path, "ab") as log:
+                self.proc = subprocess.Popen(
+                    cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT
+                )
+            if self._wait_healthy():
+                return self
+            self.stop()
+            if "address already in use" not in self.log().lower():
+                break
+        raise RuntimeError(f"tlkv serve did not start:\n{self.log()}")
+
+    def _wait_healthy(self) -> bool:
+        assert self.proc is not None
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return False
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200:
+                    return True
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        return False
+
+    def alive(self) -> bool:
+        """True while the server process runs."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> int | None:
+        """SIGTERM, wait, SIGKILL if needed; returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=15)
+        code = self.proc.returncode
+        self.proc = None
+        return code
+
+    def client(self, **kwargs: Any) -> httpx.Client:
+        """An httpx client on the server, with the token when one is configured."""
+        return httpx.Client(base_url=self.url, headers=self.headers, timeout=30.0, **kwargs)
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def assert_error(response: httpx.Response, status: int, kind: str) -> str:
+    """Assert the one error shape ``{"error": {"kind", "message"}}``; returns the message."""
+    assert response.status_code == status, (response.status_code, response.text[:300])
+    assert response.headers["content-type"].startswith("application/json")
+    body = response.json()
+    assert set(body) == {"error"}, body
+    assert set(body["error"]) == {"kind", "message"}, body
+    assert body["error"]["kind"] == kind, body
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    return str(body["error"]["message"])

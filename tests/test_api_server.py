@@ -1,0 +1,178 @@
+"""The server as a process: auth on and off, two workers on one store, restart, settings.
+
+Each test starts its own ``tlkv serve`` subprocess(es) on real LMDB directories.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import SMALL, make_envelope
+from http_server import ServerProcess, assert_error
+
+from api.settings import Settings, parse_size
+from kvstore import decode
+
+ENVELOPE = {"content-type": "application/vnd.tlkv"}
+GEOMETRY_ARG = ",".join(map(str, SMALL.as_tuple()))
+TOKEN = "s3cret-token"
+
+
+@pytest.fixture(scope="module")
+def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    data = tmp_path_factory.mktemp("auth") / "store"
+    token_file = data.parent / "token"
+    token_file.write_text(TOKEN + "\n")
+    with ServerProcess(data, "--token-file", str(token_file), "--geometry", GEOMETRY_ARG) as srv:
+        yield srv
+
+
+ROUTES = [
+    ("GET", "/v1/info"),
+    ("GET", "/metrics"),
+    ("GET", "/openapi.json"),
+    ("PUT", "/v1/blocks"),
+    ("GET", "/v1/blocks/0000000000000001"),
+    ("HEAD", "/v1/blocks/0000000000000001"),
+    ("DELETE", "/v1/blocks/0000000000000001"),
+    ("POST", "/v1/has-blocks"),
+    ("POST", "/v1/prefix"),
+    ("GET", "/v1/sequences"),
+    ("PUT", "/v1/sequences/x"),
+    ("GET", "/v1/sequences/x"),
+    ("DELETE", "/v1/sequences/x"),
+    ("GET", "/no/such/route"),
+]
+
+
+@pytest.mark.parametrize(
+    "authorization",
+    [None, "Bearer wrong", f"Basic {TOKEN}", TOKEN, "Bearer", f"Bearer {TOKEN}x", "bearer x"],
+)
+def test_auth_required(auth_server: ServerProcess, authorization: str | None) -> None:
+    headers = {"authorization": authorization} if authorization else {}
+    with httpx.Client(base_url=auth_server.url, headers=headers) as http:
+        for method, path in ROUTES:
+            r = http.request(method, path, content=b"{}")
+            if method == "HEAD":
+                assert r.status_code == 401
+                continue
+            assert_error(r, 401, "unauthorized")
+            assert r.headers["www-authenticate"].startswith("Bearer")
+        assert http.get("/healthz").status_code == 200  # no auth on the health check
+
+
+def test_auth_accepts_the_token(auth_server: ServerProcess) -> None:
+    data = make_envelope(SMALL, 8, seed=1)
+    for scheme in ("Bearer", "bearer"):
+        headers = {"authorization": f"{scheme} {TOKEN}"}
+        with httpx.Client(base_url=auth_server.url, headers=headers) as http:
+            assert http.get("/v1/info").status_code == 200
+            assert http.put("/v1/blocks", content=data, headers=ENVELOPE).status_code == 200
+            h = f"{int(decode(data).hashes[0]):016x}"
+            assert http.get(f"/v1/blocks/{h}").status_code == 200
+            assert http.get("/openapi.json").status_code == 200
+
+
+def test_token_from_environment(tmp_path: Path) -> None:
+    with ServerProcess(tmp_path / "store", token="env-token") as srv:
+        assert_error(httpx.get(f"{srv.url}/v1/info"), 401, "unauthorized")
+        ok = httpx.get(f"{srv.url}/v1/info", headers={"authorization": "Bearer env-token"})
+        assert ok.status_code == 200
+        assert ok.json()["geometry"] is None  # a new store without --geometry
+
+
+def test_two_workers_one_store(tmp_path: Path) -> None:
+    with ServerProcess(tmp_path / "store", "--workers", "2", "--geometry", GEOMETRY_ARG) as srv:
+        envelopes = [make_envelope(SMALL, 12, seed=100 + i) for i in range(24)]
+        # "Connection: close": every request on a new connection, so both workers get some.
+        closing = httpx.Client(base_url=srv.url, headers={"connection": "close"})
+
+        def put_and_get(data: bytes) -> str:
+            r = closing.put("/v1/blocks", content=data, headers=ENVELOPE)
+            assert r.status_code == 200, r.text
+            for h in decode(data).hashes:
+                assert closing.get(f"/v1/blocks/{int(h):016x}").status_code == 200
+            m = re.search(r"tlkv_worker_pid (\d+)", closing.get("/metrics").text)
+            assert m
+            return m.group(1)
+
+        with closing, concurrent.futures.ThreadPoolExecutor(8) as pool:
+            pids = set(pool.map(put_and_get, envelopes))
+        assert len(pids) == 2, pids
+        with srv.client() as http:
+            for data in envelopes:  # whichever worker answers sees every block
+                hashes = [f"{int(h):016x}" for h in decode(data).hashes]
+                assert http.post("/v1/has-blocks", json={"hashes": hashes}).json()["prefix"] == 3
+        assert "Traceback" not in srv.log()
+
+
+def test_restart_finds_every_block(tmp_path: Path) -> None:
+    data_dir = tmp_path / "store"
+    envelopes = [make_envelope(SMALL, 10, seed=200 + i, version=1 + i % 2) for i in range(10)]
+    seq = make_envelope(SMALL, 14, seed=300)
+    with ServerProcess(data_dir) as srv, srv.client() as http:
+        assert http.get("/v1/info").json()["geometry"] is None
+        for data in envelopes:
+            assert http.put("/v1/blocks", content=data, headers=ENVELOPE).status_code == 200
+        assert http.put("/v1/sequences/kept", content=seq, headers=ENVELOPE).status_code == 201
+        before = {
+            int(h): http.get(f"/v1/blocks/{int(h):016x}").content
+            for data in envelopes
+            for h in decode(data).hashes
+            if h
+        }
+    with ServerProcess(data_dir) as srv, srv.client() as http:
+        info = http.get("/v1/info").json()
+        assert info["geometry"]["block_tokens"] == SMALL.block_tokens
+        for h, content in before.items():
+            assert http.get(f"/v1/blocks/{h:016x}").content == content
+        assert http.get("/v1/sequences/kept").content == seq
+        assert http.get("/v1/sequences").json()["sequences"] == ["kept"]
+
+
+def test_geometry_mismatch_refused_at_start(tmp_path: Path) -> None:
+    data_dir = tmp_path / "store"
+    with ServerProcess(data_dir, "--geometry", GEOMETRY_ARG):
+        pass
+    srv = ServerProcess(data_dir, "--geometry", "4,2,2,16")
+    with pytest.raises(RuntimeError, match="ShapeError"):
+        srv.start()
+
+
+def test_settings_from_env(tmp_path: Path) -> None:
+    token_file = tmp_path / "tok"
+    token_file.write_text("  abc \n")
+    s = Settings.from_env(
+        {
+            "TLKV_DATA": str(tmp_path),
+            "TLKV_GEOMETRY": "16,32,8,128",
+            "TLKV_CAPACITY": "2GiB",
+            "TLKV_TOKEN": "ignored",
+            "TLKV_TOKEN_FILE": str(token_file),
+            "TLKV_MAX_BODY": "1MiB",
+        }
+    )
+    assert s.token == "abc" and s.capacity_bytes == 2 << 30 and s.max_body == 1 << 20
+    assert s.geometry is not None and s.geometry.as_tuple() == (16, 32, 8, 128)
+    assert Settings.from_env({}).max_body == 64 << 20
+    assert Settings.from_env({"TLKV_TOKEN": "t"}).token == "t"
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("64MiB", 64 << 20), ("2GiB", 2 << 30), ("512k", 512 << 10), ("1000", 1000), ("1MB", 10**6)],
+)
+def test_parse_size(text: str, value: int) -> None:
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "x", "1.3", "MiB", "-1", "1iB", "12 parsecs"])
+def test_parse_size_refuses(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_size(text)

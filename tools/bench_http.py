@@ -1,0 +1,609 @@
+"""HTTP service benchmarks: GET throughput against a bare ASGI app, has-blocks latency,
+durable PUT throughput, and a mixed load run (5xx, lost puts, worker RSS).
+
+Both servers run as subprocesses with 2 workers, uvloop and httptools: ``tlkv serve`` on a
+temporary store of 2 MiB v1 blocks (geometry 16, 32, 8, 128), and a bare uvicorn ASGI app
+(``bare_app`` below) answering every GET with the same 2 MiB bytes from memory. The load
+generator is ``wrk`` when it is on PATH, else stdlib ``http.client`` keep-alive connections
+in several processes (httpx would be slower than the server); the same generator drives
+both servers, so the ratio compares server cost only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import json
+import multiprocessing
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from bench_common import Row
+
+REPO = Path(__file__).resolve().parent.parent
+TOOLS = Path(__file__).resolve().parent
+GEOMETRY = (16, 32, 8, 128)  # Llama-3-8B: a 2 MiB v1 payload per block
+WORKERS = 2
+ENVELOPE = "application/vnd.tlkv"
+OCTET = "application/octet-stream"
+BLOB_ENV = "TLKV_BENCH_BLOB"
+
+
+# --- the bare ASGI app (imported by its uvicorn workers) -----------------------------------
+
+_BLOB: list[bytes] = []
+
+
+async def bare_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """A bare ASGI app: every HTTP request gets the same bytes, held in memory."""
+    if scope["type"] == "lifespan":
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                _BLOB.append(Path(os.environ[BLOB_ENV]).read_bytes())
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+    body = _BLOB[0]
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [
+                (b"content-type", ENVELOPE.encode()),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+# --- processes ---------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _Server:
+    """A server subprocess on a free loopback port; ``pids`` are its worker processes."""
+
+    def __init__(self, cmd: list[str], port: int, env: dict[str, str], log: Path) -> None:
+        self.port = port
+        self._log = open(log, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log, stderr=self._log)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {log.read_text(errors='replace')[-2000:]}")
+            with contextlib.suppress(OSError):
+                c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+                c.request("GET", "/healthz")
+                if c.getresponse().status == 200 and len(self.worker_pids()) >= WORKERS:
+                    c.close()
+                    break
+                c.close()
+            time.sleep(0.1)
+        else:
+            raise RuntimeError("server did not start")
+
+    def worker_pids(self) -> list[int]:
+        """Child processes of the supervisor (the uvicorn workers)."""
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid == self.proc.pid:
+                pids.append(int(entry.name))
+        return pids
+
+    def rss_anon_mib(self) -> float:
+        """Anonymous RSS of every worker (LMDB's file-backed map pages excluded), MiB."""
+        total = 0
+        for pid in self.worker_pids():
+            with contextlib.suppress(OSError):
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                    if line.startswith("RssAnon:"):
+                        total += int(line.split()[1])
+        return total / 1024
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TLKV_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(TOOLS)])
+    return env
+
+
+def _start_tlkv(data: Path, log: Path) -> _Server:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "kvstore", "serve", "--data", str(data), "--port", str(port)]
+    cmd += ["--workers", str(WORKERS), "--geometry", ",".join(map(str, GEOMETRY))]
+    cmd += ["--log-level", "warning", "--max-body", "64MiB"]
+    return _Server(cmd, port, _env(), log)
+
+
+def _start_bare(blob: Path, log: Path) -> _Server:
+    port = _free_port()
+    code = (
+        "import uvicorn; uvicorn.run('bench_http:bare_app', host='127.0.0.1', "
+        f"port={port}, workers={WORKERS}, loop='uvloop', http='httptools', "
+        "log_level='warning', access_log=False)"
+    )
+    env = _env()
+    env[BLOB_ENV] = str(blob)
+    return _Server([sys.executable, "-c", code], port, env, log)
+
+
+# --- envelopes ---------------------------------------------------------------------------
+
+
+def _block_envelopes(hashes: list[int], seed: int = 0) -> Iterator[tuple[int, bytes]]:
+    """Single-block v1 envelopes: one random 2 MiB f16 payload under many hashes."""
+    import numpy as np
+
+    from kvstore import Block, Geometry, encode
+
+    g = Geometry(*GEOMETRY)
+    kv = np.random.default_rng(seed).standard_normal(g.kv_shape).astype(np.float16)
+    for h in hashes:
+        yield h, encode(g, [Block(h, g.block_tokens, kv)], 1)
+
+
+def _join(parts: list[bytes]) -> bytes:
+    from kvstore import join
+
+    return join(parts)
+
+
+# --- load generators (http.client, one keep-alive connection per process) ----------------
+
+
+def _get_loop(port: int, paths: list[str], seconds: float, out: Any) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", port)
+    buf = bytearray(4 << 20)
+    view = memoryview(buf)
+    rng = random.Random(os.getpid())
+    n = nbytes = errors = 0
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        conn.request("GET", rng.choice(paths))
+        r = conn.getresponse()
+        length = int(r.getheader("content-length", "0"))
+        got = 0
+        while got < length:
+            k = r.readinto(view[got:length])
+            if not k:
+                break
+            got += k
+        r.close()
+        if r.status != 200:
+            errors += 1
+        n += 1
+        nbytes += got
+    conn.close()
+    out.put((n, nbytes, errors))
+
+
+def _wrk_get(port: int, paths: list[str], seconds: float, connections: int) -> float | None:
+    """GB/s measured by wrk (None when wrk is not installed)."""
+    wrk = shutil.which("wrk")
+    if wrk is None:
+        return None
+    cmd = [wrk, f"-c{connections}", "-t2", f"-d{max(1, int(seconds))}s"]
+    out = subprocess.run(
+        [*cmd, f"http://127.0.0.1:{port}{paths[0]}"], capture_output=True, text=True, check=False
+    ).stdout
+    m = re.search(r"Transfer/sec:\s+([\d.]+)(\w+)", out)
+    if not m:
+        return None
+    scale = {"B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}[m.group(2)]
+    return float(m.group(1)) * scale / 1e9
+
+
+def _get_throughput(port: int, paths: list[str], seconds: float, clients: int) -> float:
+    """GB/s of GET responses with ``clients`` keep-alive connections (wrk or processes)."""
+    via_wrk = _wrk_get(port, paths, seconds, clients)
+    if via_wrk is not None:
+        return via_wrk
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    procs = [
+        ctx.Process(target=_get_loop, args=(port, paths, seconds, queue)) for _ in range(clients)
+    ]
+    t0 = time.perf_counter()
+    for p in procs:
+        p.start()
+    results = _collect(procs, queue, seconds + 120)
+    elapsed = time.perf_counter() - t0
+    if any(r[2] for r in results):
+        raise RuntimeError(f"GET errors during the throughput run: {results}")
+    return sum(r[1] for r in results) / elapsed / 1e9
+
+
+def _put_loop(port: int, bodies: list[bytes], out: Any) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", port)
+    n = 0
+    t0 = time.perf_counter()
+    for body in bodies:
+        conn.request("PUT", "/v1/blocks", body=body, headers={"content-type": ENVELOPE})
+        r = conn.getresponse()
+        reply = r.read()
+        if r.status != 200:
+            raise RuntimeError(f"PUT failed: {r.status} {reply[:200]!r}")
+        n += len(body)
+    out.put((n, time.perf_counter() - t0))
+    conn.close()
+
+
+def _collect(procs: list[Any], queue: Any, timeout: float) -> list[Any]:
+    """One result per process; raises instead of hanging when a process died."""
+    import queue as queue_module
+
+    results = []
+    deadline = time.monotonic() + timeout
+    while len(results) < len(procs):
+        try:
+            results.append(queue.get(timeout=1.0))
+        except queue_module.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"load processes failed (exit codes {dead})") from None
+    for p in procs:
+        p.join()
+    return results
+
+
+def _put_throughput(port: int, batches: list[list[bytes]]) -> float:
+    """GB/s of durable PUTs, one client process per batch list, concurrently."""
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_put_loop, args=(port, b, queue)) for b in batches]
+    t0 = time.perf_counter()
+    for p in procs:
+        p.start()
+    results = _collect(procs, queue, 600)
+    elapsed = time.perf_counter() - t0
+    return sum(r[0] for r in results) / elapsed / 1e9
+
+
+def _raw_lmdb_put(path: Path, batches: list[list[bytes]]) -> float:
+    """GB/s of raw py-lmdb durable puts of the same bytes (one 8-block txn per body)."""
+    import lmdb
+
+    from kvstore import split
+
+    total = sum(len(body) for bodies in batches for body in bodies)
+    env = lmdb.open(str(path), map_size=2 * total + (64 << 20), sync=True, metasync=True)
+    try:
+        t0 = time.perf_counter()
+        for bodies in batches:
+            for body in bodies:
+                with env.begin(write=True) as txn:
+                    for part in split(body):
+                        txn.put(part[28:36], part)
+        return total / (time.perf_counter() - t0) / 1e9
+    finally:
+        env.close()
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _has_p50(port: int, body: bytes, content_type: str, repeat: int) -> float:
+    conn = http.client.HTTPConnection("127.0.0.1", port)
+    times = []
+    for i in range(repeat + 10):
+        t0 = time.perf_counter()
+        conn.request("POST", "/v1/has-blocks", body=body, headers={"content-type": content_type})
+        r = conn.getresponse()
+        reply = r.read()
+        if r.status != 200:
+            raise RuntimeError(f"has-blocks failed: {r.status} {reply[:200]!r}")
+        if i >= 10:  # warm-up excluded
+            times.append(time.perf_counter() - t0)
+    conn.close()
+    return statistics.median(times)
+
+
+# --- the mixed load run ------------------------------------------------------------------
+
+
+def _load_client(
+    port: int, known: list[int], seconds: float, seed: int, first_hash: int, out: Any
+) -> None:
+    """One of the concurrent clients: 10% put, 70% get, 20% has-blocks."""
+    import numpy as np
+
+    rng = random.Random(seed)
+    statuses: Counter[int] = Counter()
+    acked: list[int] = []
+    errors: list[str] = []
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    fresh = _block_envelopes(list(range(first_hash, first_hash + 100000)), seed=seed)
+    mine = list(known)
+    probe = np.array(known + [rng.getrandbits(63) for _ in range(256)], dtype="<u8").tobytes()
+    buf = bytearray(4 << 20)
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        roll = rng.random()
+        try:
+            if roll < 0.1:
+                h, body = next(fresh)
+                conn.request("PUT", "/v1/blocks", body=body, headers={"content-type": ENVELOPE})
+                r = conn.getresponse()
+                r.read()
+                if r.status == 200:
+                    acked.append(h)
+                    mine.append(h)
+            elif roll < 0.8:
+                conn.request("GET", f"/v1/blocks/{rng.choice(mine):016x}")
+                r = conn.getresponse()
+                length = int(r.getheader("content-length", "0"))
+                view, got = memoryview(buf), 0
+                while got < length:
+                    k = r.readinto(view[got:length])
+                    if not k:
+                        break
+                    got += k
+            else:
+                conn.request(
+                    "POST",
+                    "/v1/has-blocks",
+                    body=probe,
+                    headers={"content-type": OCTET},
+                )
+                r = conn.getresponse()
+                r.read()
+            statuses[r.status] += 1
+        except (OSError, http.client.HTTPException) as exc:
+            errors.append(repr(exc))
+            conn.close()
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.close()
+    out.put((dict(statuses), acked, errors))
+
+
+def _verify_acked(port: int, acked: list[int]) -> tuple[int, int]:
+    """(missing, corrupt): acknowledged puts not served back byte for byte."""
+    import numpy as np
+
+    from kvstore import crc32c
+
+    missing = corrupt = 0
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    for i in range(0, len(acked), 8192):
+        chunk = acked[i : i + 8192]
+        body = np.array(chunk, dtype="<u8").tobytes()
+        conn.request(
+            "POST",
+            "/v1/has-blocks",
+            body=body,
+            headers={"content-type": "application/octet-stream"},
+        )
+        present = json.loads(conn.getresponse().read())["present"]
+        missing += present.count(False)
+    for h in acked:
+        conn.request("GET", f"/v1/blocks/{h:016x}")
+        r = conn.getresponse()
+        data = r.read()
+        if r.status != 200:
+            missing += 1
+        elif crc32c(data[:-4]) != int.from_bytes(data[-4:], "little") or data[28:36] != h.to_bytes(
+            8, "little"
+        ):
+            corrupt += 1
+    conn.close()
+    return missing, corrupt
+
+
+def _load_run(server: _Server, known: list[int], seconds: float, clients: int) -> dict[str, Any]:
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    rss_start = server.rss_anon_mib()
+    workers_before = set(server.worker_pids())
+    procs = [
+        ctx.Process(
+            target=_load_client,
+            args=(server.port, known, seconds, 1000 + i, (i + 1) << 40, queue),
+        )
+        for i in range(clients)
+    ]
+    for p in procs:
+        p.start()
+    rss_samples = []
+    t_end = time.monotonic() + seconds
+    while time.monotonic() < t_end:
+        time.sleep(min(1.0, max(0.0, t_end - time.monotonic())))
+        rss_samples.append(server.rss_anon_mib())
+    results = _collect(procs, queue, seconds + 300)
+    statuses: Counter[int] = Counter()
+    acked: list[int] = []
+    errors: list[str] = []
+    for st, ack, err in results:
+        statuses.update(st)
+        acked += ack
+        errors += err
+    missing, corrupt = _verify_acked(server.port, acked)
+    return {
+        "requests": sum(statuses.values()),
+        "5xx": sum(n for s, n in statuses.items() if s >= 500),
+        "statuses": dict(statuses),
+        "acked": len(acked),
+        "missing": missing,
+        "corrupt": corrupt,
+        "errors": errors,
+        "rss_start": rss_start,
+        "rss_mid": rss_samples[len(rss_samples) // 2] if rss_samples else rss_start,
+        "rss_end": server.rss_anon_mib(),
+        # No worker died or was replaced during the run.
+        "alive": server.proc.poll() is None and set(server.worker_pids()) == workers_before,
+    }
+
+
+# --- the suite ---------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> list[Row]:
+    """Run every HTTP measurement; rows for tools/bench.py's table."""
+    import numpy as np
+
+    quick = bool(args.quick)
+    base = Path(os.environ.get("TLKV_BENCH_DIR", tempfile.gettempdir()))
+    root = Path(tempfile.mkdtemp(prefix="tlkv-bench-http-", dir=base))
+    rows: list[Row] = []
+    n_batches = 4 if quick else 8  # per PUT client; 8 blocks (16 MiB) per PUT
+    get_seconds = 3.0 if quick else 8.0
+    load_seconds = 10.0 if quick else 60.0
+    clients = 4
+    servers: list[_Server] = []
+    try:
+        tlkv = _start_tlkv(root / "store", root / "tlkv.log")
+        servers.append(tlkv)
+
+        # Durable PUT: two clients, each sending 8-block envelopes of new blocks.
+        batches: list[list[bytes]] = []
+        hashes: list[int] = []
+        for c in range(2):
+            bodies = []
+            for b in range(n_batches):
+                hs = [((c + 1) << 32) + b * 8 + i + 1 for i in range(8)]
+                hashes += hs
+                bodies.append(_join([e for _, e in _block_envelopes(hs)]))
+            batches.append(bodies)
+        put_gbps = _put_throughput(tlkv.port, batches)
+        raw_gbps = _raw_lmdb_put(root / "raw-lmdb", batches)
+        rows.append(
+            Row(
+                "PUT /v1/blocks durable, 16 MiB bodies, 2 clients",
+                f"{put_gbps:.2f} GB/s",
+                f"raw py-lmdb sync put, same bytes {raw_gbps:.2f} GB/s",
+                put_gbps / raw_gbps,
+                ">= 0.5 GB/s",
+                put_gbps >= 0.5,
+            )
+        )
+
+        # GET throughput: tlkv vs the bare app serving the same 2 MiB bytes from memory.
+        _h, blob = next(_block_envelopes([hashes[0]]))
+        blob_path = root / "blob.tlkv"
+        blob_path.write_bytes(blob)
+        bare = _start_bare(blob_path, root / "bare.log")
+        servers.append(bare)
+        paths = [f"/v1/blocks/{h:016x}" for h in hashes]
+        tlkv_runs, bare_runs = [], []
+        for _ in range(2):  # interleaved, best of two each: less noise from the other load
+            bare_runs.append(_get_throughput(bare.port, paths, get_seconds, clients))
+            tlkv_runs.append(_get_throughput(tlkv.port, paths, get_seconds, clients))
+        bare.stop()
+        servers.remove(bare)
+        t_get, b_get = max(tlkv_runs), max(bare_runs)
+        gen = "wrk" if shutil.which("wrk") else "http.client"
+        rows.append(
+            Row(
+                f"GET /v1/blocks/{{hash}}, 2 MiB, {clients} conns ({gen})",
+                f"{t_get:.2f} GB/s",
+                f"bare uvicorn ASGI from memory {b_get:.2f} GB/s",
+                t_get / b_get,
+                ">= 0.8x",
+                t_get / b_get >= 0.8,
+            )
+        )
+
+        # has-blocks, 8,192 hashes (the stored ones first, then absent ones).
+        probe = np.array(hashes + [(7 << 56) + i for i in range(8192 - len(hashes))], "<u8")
+        repeat = 100 if quick else 400
+        p50_bin = _has_p50(tlkv.port, probe.tobytes(), OCTET, repeat)
+        body = json.dumps({"hashes": [f"{int(h):016x}" for h in probe]}).encode()
+        p50_json = _has_p50(tlkv.port, body, "application/json", repeat)
+        rows.append(
+            Row(
+                "POST /v1/has-blocks, 8,192 hashes, binary, p50",
+                f"{p50_bin * 1e3:.2f} ms",
+                target="<= 3 ms",
+                ok=p50_bin <= 0.003,
+            )
+        )
+        rows.append(
+            Row(
+                "POST /v1/has-blocks, 8,192 hashes, JSON, p50",
+                f"{p50_json * 1e3:.2f} ms",
+                target="<= 8 ms",
+                ok=p50_json <= 0.008,
+            )
+        )
+
+        # Mixed load: 16 clients, put/get/has-blocks.
+        load = _load_run(tlkv, hashes, load_seconds, 16)
+        rows.append(
+            Row(
+                f"load: 16 clients x {load_seconds:.0f} s, {load['requests']} requests",
+                f"{load['5xx']} 5xx, {len(load['errors'])} conn errors",
+                target="0 5xx",
+                ok=load["5xx"] == 0 and not load["errors"] and load["alive"],
+            )
+        )
+        lost = load["missing"] + load["corrupt"]
+        rows.append(
+            Row(
+                "load: acknowledged puts read back after the run",
+                f"{load['acked'] - lost}/{load['acked']} intact",
+                target="0 lost",
+                ok=lost == 0,
+            )
+        )
+        grew = load["rss_end"] - load["rss_mid"]
+        rows.append(
+            Row(
+                "load: worker RSS (anon, 2 workers) start / mid / end",
+                f"{load['rss_start']:.0f} / {load['rss_mid']:.0f} / {load['rss_end']:.0f} MiB",
+                target="stable (2nd half < +64 MiB)",
+                ok=grew < 64,
+            )
+        )
+        if load["errors"]:
+            print("connection errors:", load["errors"][:5], file=sys.stderr)
+    finally:
+        for s in servers:
+            s.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    return rows
+
+
+if __name__ == "__main__":
+    from bench_common import print_table
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    print_table(run(parser.parse_args()))
