@@ -154,7 +154,13 @@ def _register_http(sub: Any) -> None:
     register(sub)
 
 
-REGISTRARS: list[Callable[[Any], None]] = [_register_codec, _register_http]
+def _register_archive(sub: Any) -> None:
+    from .cli_archive import register
+
+    register(sub)
+
+
+REGISTRARS: list[Callable[[Any], None]] = [_register_codec, _register_http, _register_archive]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -133,3 +133,9 @@ class ServiceError(TlkvError):
     kind = "internal"
     http_status = 500
 
+
+# --- errors of the archive format (issue 5) --------------------------------------------
+
+
+class TruncatedArchiveError(ArchiveError):
+    """The archive file ends early: a frame or the seek index at its end is cut off."""

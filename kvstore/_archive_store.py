@@ -1,0 +1,360 @@
+"""The store side of archives: crash-safe output files, snapshot helpers, and the
+batched importer that restore commits through (used by ``archive``; no public API).
+
+Memory stays bounded whatever the archive's size: pages of LMDB's map that ``create``
+has read are dropped from the resident set once compressed, output is handed to the
+kernel's writeback as it is written, and restore commits in batches of bounded size
+on a thread of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import queue
+import sys
+import tempfile
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from ._archive_format import (
+    ArchiveBlock,
+    ArchiveReader,
+    ArchiveSequence,
+    Problem,
+)
+from .checksum import crc32c
+from .envelope import decode
+from .errors import ArchiveError, PinnedError, TlkvError
+from .layout import DTYPE_FOR_VERSION, HEADER, HEADER_SIZE, MAGIC, NO_HASH, TRAILER, TRAILER_SIZE
+
+# Restore commits blocks in transactions of about this many envelope bytes: LMDB holds a
+# transaction's dirty pages in memory until it commits. One batch commits (on its own
+# thread) while the next one is validated and filled.
+COMMIT_BATCH_BYTES = 16 << 20
+# Archive files are handed to the kernel's writeback every this many bytes.
+WRITEBACK_BYTES = 16 << 20
+
+
+class WritebackFile:
+    """An unbuffered file that asks the kernel to start writing back every few MiB, so
+    that the final fsync has little left to wait for (Linux ``sync_file_range``)."""
+
+    def __init__(self, fd: int) -> None:
+        self.raw = os.fdopen(fd, "wb", buffering=0)
+        self.fd = fd
+        self.written = 0
+        self.synced = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        while view.nbytes:
+            n = self.raw.write(view)
+            view = view[n:]
+            self.written += n
+        if self.written - self.synced >= WRITEBACK_BYTES and _libc is not None:
+            _libc.sync_file_range(
+                self.fd,
+                ctypes.c_longlong(self.synced),
+                ctypes.c_longlong(self.written - self.synced),
+                _SYNC_FILE_RANGE_WRITE,
+            )
+            self.synced = self.written
+        return len(data)
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def close(self) -> None:
+        self.raw.close()
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
+    """A sibling temp file renamed onto ``path`` after fsync; removed on any error."""
+    final = os.path.abspath(os.fspath(path))
+    directory = os.path.dirname(final)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(final)}.", suffix=".tmp", dir=directory)
+    try:
+        out = WritebackFile(fd)
+        try:
+            yield out  # type: ignore[misc]
+            os.fsync(fd)
+        finally:
+            out.close()
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(directory)
+
+
+def _fsync_dir(directory: str) -> None:
+    with contextlib.suppress(OSError):
+        dfd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
+_PAGE = mmap.PAGESIZE
+_MADV_DONTNEED = 4
+_SYNC_FILE_RANGE_WRITE = 2
+_libc: Any = None
+if sys.platform.startswith("linux"):
+    with contextlib.suppress(OSError):
+        _libc = ctypes.CDLL(None, use_errno=True)
+
+
+def drop_mapped_pages(parts: list[Any]) -> None:
+    """Unmap the LMDB pages a frame was read from (they stay in the page cache), so that
+    reading a large store does not grow this process's resident set. The map is a shared
+    file mapping, so ``MADV_DONTNEED`` only drops page-table entries, never data."""
+    if _libc is None:
+        return
+    for part in parts:
+        if not isinstance(part, memoryview) or part.nbytes < _PAGE:
+            continue
+        with contextlib.suppress(ValueError):  # released by the reader already
+            addr = np.frombuffer(part, dtype=np.uint8).ctypes.data
+            start = addr - addr % _PAGE
+            end = addr + part.nbytes
+            end += -end % _PAGE
+            _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
+
+
+def _single_envelope(env: Any, index: int) -> bytes:
+    """Record ``index`` of a decoded envelope as a one-block envelope."""
+    version = env.version
+    header = HEADER.pack(MAGIC, version, DTYPE_FOR_VERSION[version], 1, *env.geometry.as_tuple())
+    record = env.record(index)
+    return header + bytes(record) + TRAILER.pack(crc32c(record, crc32c(header)))
+
+
+class CorruptBlock(Exception):
+    def __init__(self, block_hash: int) -> None:
+        super().__init__(f"block {block_hash:016x} fails its CRC")
+        self.hash = block_hash
+
+
+@dataclass
+class SnapshotSequence:
+    name: str
+    hashes: list[int]
+    has_tail: bool
+
+
+def iter_sequence_records(reader: Any) -> Iterator[tuple[str, list[int] | None, Any]]:
+    """``(name, hashes, tail envelope or None)`` of every sequence in the snapshot.
+
+    Uses the store's ``iter_sequence_records`` when it has one; otherwise rebuilds them
+    from ``iter_sequences`` (whole envelopes, one at a time). A sequence that keeps its
+    own copy of a full block (stored in another format version than the block space's)
+    cannot be written by reference and is reported as ``(name, None, reason)``.
+    """
+    fast = getattr(reader, "iter_sequence_records", None)
+    if fast is not None:
+        yield from fast()
+        return
+    for name, envelope in reader.iter_sequences():
+        env = decode(envelope, verify_crc=False)  # assembled by the store from checked data
+        hashes = env.hashes.tolist()
+        tail = None
+        if hashes and hashes[-1] == NO_HASH:
+            tail = _single_envelope(env, len(hashes) - 1)
+            hashes.pop()
+        reason = None
+        for i, h in enumerate(hashes):
+            stored = reader.envelope(h)
+            if (
+                stored is None
+                or HEADER.unpack_from(stored)[1] != env.version
+                or not _same_bytes(stored[HEADER_SIZE:-TRAILER_SIZE], env.record(i))
+            ):
+                reason = f"keeps its own copy of block {h:016x} (another format version)"
+                break
+        if reason is None:
+            yield name, hashes, tail
+        else:
+            yield name, None, reason
+
+
+def _crc_ok(envelope: Any) -> bool:
+    """The envelope's trailing CRC-32C matches its bytes."""
+    (stored,) = TRAILER.unpack_from(envelope, len(envelope) - TRAILER_SIZE)
+    return bool(crc32c(envelope[:-TRAILER_SIZE]) == stored)
+
+
+def _same_bytes(a: Any, b: Any) -> bool:
+    x = np.frombuffer(a, dtype=np.uint8)
+    y = np.frombuffer(b, dtype=np.uint8)
+    return x.shape == y.shape and bool(np.array_equal(x, y))
+
+
+@dataclass
+class RestoreReport:
+    """What ``restore`` did: blocks and sequences imported, blocks newly stored (the rest
+    were present already), and with ``partial=True`` the members it refused."""
+
+    blocks: int = 0
+    new_blocks: int = 0
+    sequences: int = 0
+    problems: list[Problem] = field(default_factory=list)
+
+
+class Importer:
+    """Imports validated items into the store in bounded batches; can undo its additions.
+
+    Block batches are committed on a thread of their own while the caller validates the
+    next batch (LMDB releases the GIL while it writes and syncs); sequences follow once
+    every block is in.
+    """
+
+    def __init__(self, store: Any, archive: ArchiveReader, report: RestoreReport) -> None:
+        self.store = store
+        self.archive = archive
+        self.report = report
+        self.blocks: list[ArchiveBlock] = []
+        self.block_bytes = 0
+        self.sequences: list[tuple[str, bytes]] = []
+        self.sequence_bytes = 0
+        self.added: list[int] = []
+        self.existing_names = set(store.sequences())
+        self.created: list[str] = []
+        self._queue: queue.Queue[list[ArchiveBlock] | None] = queue.Queue(maxsize=1)
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def _commit_loop(self) -> None:
+        while True:
+            batch = self._queue.get()
+            if batch is None:
+                return
+            if self._error is not None:
+                continue  # drain after a failure
+            try:
+                self._commit_blocks(batch)
+            except BaseException as exc:
+                self._error = exc
+
+    def _commit_blocks(self, batch: list[ArchiveBlock]) -> None:
+        present = self.store.has([b.hash for b in batch])
+        new = [b for b, p in zip(batch, present) if not p]
+        if new:
+            self.store.import_batch(blocks=[b.envelope for b in new])
+            self.added.extend(b.hash for b in new)
+        self.report.blocks += len(batch)
+        self.report.new_blocks += len(new)
+
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def add_block(self, item: ArchiveBlock) -> None:
+        self.blocks.append(item)
+        self.block_bytes += len(item.envelope)
+        if self.block_bytes >= COMMIT_BATCH_BYTES:
+            self._send_blocks()
+
+    def _send_blocks(self) -> None:
+        self._raise_pending()
+        if not self.blocks:
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._commit_loop, name="tlkv-restore")
+            self._thread.start()
+        self._queue.put(self.blocks)
+        self.blocks, self.block_bytes = [], 0
+
+    def _join(self) -> None:
+        """Wait until every block batch is committed (raising the first failure)."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+        self._raise_pending()
+
+    def flush_blocks(self) -> None:
+        self._send_blocks()
+        self._join()
+
+    def add_sequence(self, item: ArchiveSequence) -> None:
+        self.flush_blocks()
+        envelope = self._assemble(item)
+        self.sequences.append((item.name, envelope))
+        self.sequence_bytes += len(envelope)
+        if self.sequence_bytes >= COMMIT_BATCH_BYTES:
+            self.flush_sequences()
+
+    def _assemble(self, item: ArchiveSequence) -> bytes:
+        """The sequence's whole envelope: its blocks from the store when the stored copy
+        has the sequence's format version, else from the archive, then the tail."""
+        g = self.archive.geometry
+        assert g is not None
+        version = item.version
+        n = len(item.hashes) + (item.tail is not None)
+        header = HEADER.pack(MAGIC, version, DTYPE_FOR_VERSION[version], n, *g.as_tuple())
+        parts: list[Any] = [header]
+        fallback: list[int] = []
+        with self.store.reader() as r:
+            for i, h in enumerate(item.hashes):
+                stored = r.envelope(h)
+                if (
+                    stored is None
+                    or HEADER.unpack_from(stored)[1] != version
+                    or not _crc_ok(stored)
+                ):
+                    fallback.append(i)  # absent, another version, or damaged: the archive's
+                    parts.append(b"")
+                    continue
+                parts.append(bytes(stored[HEADER_SIZE:-TRAILER_SIZE]))
+        for i in fallback:  # read_block checks every rule, the CRC included
+            parts[1 + i] = self.archive.read_block(item.hashes[i])[HEADER_SIZE:-TRAILER_SIZE]
+        if item.tail is not None:
+            decode(item.tail, g)  # the CRC, which the second pass does not check
+            parts.append(bytes(item.tail[HEADER_SIZE:-TRAILER_SIZE]))
+        crc = 0
+        for part in parts:
+            crc = crc32c(part, crc)
+        parts.append(TRAILER.pack(crc))
+        return b"".join(parts)
+
+    def flush_sequences(self) -> None:
+        if not self.sequences:
+            return
+        self.store.import_batch(sequences=self.sequences)
+        for name, _ in self.sequences:
+            if name not in self.existing_names:
+                self.created.append(name)
+        self.report.sequences += len(self.sequences)
+        self.sequences, self.sequence_bytes = [], 0
+
+    def finish(self) -> None:
+        self.flush_blocks()
+        self.flush_sequences()
+
+    def abort(self) -> None:
+        """Stop the commit thread (after a failure), keeping what it committed."""
+        if self._thread is not None:
+            self._error = self._error or ArchiveError("restore aborted")
+            with contextlib.suppress(BaseException):
+                self._join()
+
+    def undo(self) -> None:
+        """Remove the sequences created and the blocks added (after a failed commit)."""
+        self.abort()
+        for name in self.created:
+            with contextlib.suppress(TlkvError, OSError):
+                self.store.delete_sequence(name)
+        for h in self.added:
+            with contextlib.suppress(TlkvError, OSError, PinnedError):
+                self.store.delete(h)

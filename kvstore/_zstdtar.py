@@ -1,0 +1,613 @@
+"""The container under a tlkv archive: a ustar stream cut into independent zstd frames, and a
+seek index in a zstd skippable frame at the end (see ARCHIVE.md, sections 2-4).
+
+This module knows tar headers, zstd frames and the index; it knows nothing about envelopes,
+manifests or the store. Every struct format and size of the container is declared here once.
+Reading is strict: a header must be byte-identical to the one the writer would produce, a
+frame must declare its size and checksum, and nothing is decompressed before its declared
+size has been checked against the caller's limits.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+import numpy as np
+import zstandard
+
+from .checksum import crc32c
+from .errors import ArchiveError, TruncatedArchiveError, UnsafeArchiveError
+
+# --- tar (POSIX.1-1988 ustar, POSIX.1-2001 pax) -------------------------------------------
+
+TAR_BLOCK = 512
+# name, mode, uid, gid, size, mtime, chksum, typeflag, linkname, magic, version, uname, gname,
+# devmajor, devminor, prefix, pad: the 512-byte ustar header (ARCHIVE.md 2.1).
+USTAR_HEADER = struct.Struct("100s8s8s8s12s12s8s1s100s6s2s32s32s8s8s155s12s")
+assert USTAR_HEADER.size == TAR_BLOCK
+USTAR_CHKSUM_OFFSET = 148
+USTAR_CHKSUM_SIZE = 8
+USTAR_NAME_MAX = 100
+USTAR_SIZE_DIGITS = 11  # 12-byte size field: 11 octal digits and a NUL
+TYPE_FILE = b"0"
+TYPE_PAX = b"x"
+FILE_MODE = b"0000644\0"
+ZERO_ID = b"0000000\0"  # uid, gid, devmajor, devminor
+ZERO_MTIME = b"00000000000\0"
+USTAR_MAGIC = b"ustar\0"
+USTAR_VERSION = b"00"
+PAX_HEADER_NAME = "././@PaxHeader"
+PAX_PATH_KEY = "path"
+PAX_MAX_BYTES = TAR_BLOCK  # one pax record "NNN path=<= 148 chars>\n" always fits
+# The end-of-archive marker: two zero blocks, alone in the last data frame.
+END_OF_ARCHIVE = bytes(2 * TAR_BLOCK)
+
+# --- zstd frames (RFC 8878) ---------------------------------------------------------------
+
+ZSTD_FRAME_MAGIC = b"\x28\xb5\x2f\xfd"  # 0xFD2FB528 little-endian (RFC 8878 3.1.1)
+# Skippable frame: u32 magic 0x184D2A5?, u32 frame size (RFC 8878 3.1.2).
+SKIPPABLE_HEADER = struct.Struct("<II")
+INDEX_SKIPPABLE_MAGIC = 0x184D2A5B
+# A frame's window may not exceed this (the decompressor refuses larger ones).
+MAX_WINDOW_SIZE = 1 << 27
+
+# --- the seek index (ARCHIVE.md 4) ----------------------------------------------------------
+
+# skippable magic, frame size S, u16 index version, u16 reserved (0), u32 n_frames, u32 n_blocks
+INDEX_HEADER = struct.Struct("<IIHHII")
+INDEX_VERSION = 1
+# per data frame: u32 compressed size, u32 decompressed size
+INDEX_FRAME = struct.Struct("<II")
+# per block member, ascending hash: u64 hash, u32 frame, u32 offset of its tar header in the frame
+INDEX_BLOCK = struct.Struct("<QII")
+INDEX_BLOCK_DTYPE = np.dtype([("hash", "<u8"), ("frame", "<u4"), ("offset", "<u4")])
+assert INDEX_BLOCK_DTYPE.itemsize == INDEX_BLOCK.size
+# u32 crc32c of the index frame before the footer, u32 S again, 8-byte magic
+INDEX_FOOTER = struct.Struct("<II8s")
+INDEX_MAGIC = b"TLKVSEEK"
+U32_MAX = 0xFFFFFFFF
+
+
+# --- tar headers --------------------------------------------------------------------------
+
+
+def _octal(value: int, digits: int) -> bytes:
+    return b"%0*o\0" % (digits, value)
+
+
+def ustar_header(name: str, size: int, typeflag: bytes = TYPE_FILE) -> bytes:
+    """The canonical 512-byte ustar header of a regular file (or pax header) member."""
+    raw = name.encode("ascii")[:USTAR_NAME_MAX]
+    if not 0 <= size < 8**USTAR_SIZE_DIGITS:
+        raise ValueError(f"tar member {name!r}: size {size} does not fit the ustar size field")
+    fields = [
+        raw,
+        FILE_MODE,
+        ZERO_ID,
+        ZERO_ID,
+        _octal(size, USTAR_SIZE_DIGITS),
+        ZERO_MTIME,
+        b" " * USTAR_CHKSUM_SIZE,
+        typeflag,
+        b"",
+        USTAR_MAGIC,
+        USTAR_VERSION,
+        b"",
+        b"",
+        ZERO_ID,
+        ZERO_ID,
+        b"",
+        b"",
+    ]
+    header = bytearray(USTAR_HEADER.pack(*fields))
+    chksum = sum(header)
+    header[USTAR_CHKSUM_OFFSET : USTAR_CHKSUM_OFFSET + USTAR_CHKSUM_SIZE] = b"%06o\0 " % chksum
+    return bytes(header)
+
+
+def _pax_record(key: str, value: str) -> bytes:
+    """One pax record ``"<len> key=value\\n"``, its length counting its own digits."""
+    body = f" {key}={value}\n".encode("ascii")
+    length = len(body) + 1
+    while len(str(length)) + len(body) != length:
+        length += 1
+    return str(length).encode("ascii") + body
+
+
+def padding(size: int) -> bytes:
+    """Zero bytes after ``size`` bytes of member data up to the next 512-byte boundary."""
+    return bytes(-size % TAR_BLOCK)
+
+
+def padded(size: int) -> int:
+    """``size`` rounded up to a multiple of 512."""
+    return size + (-size % TAR_BLOCK)
+
+
+def member_prefix(name: str, size: int) -> bytes:
+    """The headers before a member's data: a pax ``path`` member when the name is longer
+    than 100 bytes, then the ustar header."""
+    if len(name) <= USTAR_NAME_MAX:
+        return ustar_header(name, size)
+    record = _pax_record(PAX_PATH_KEY, name)
+    pax = ustar_header(PAX_HEADER_NAME, len(record), TYPE_PAX) + record + padding(len(record))
+    return pax + ustar_header(name, size)
+
+
+def member_size(name: str, size: int) -> int:
+    """Bytes a member occupies in the tar stream: headers, data and padding."""
+    return len(member_prefix(name, 0)) + padded(size)
+
+
+@dataclass(frozen=True)
+class Member:
+    """One tar member of a frame: its name, where its headers start, and its data (a view)."""
+
+    name: str
+    frame: int
+    offset: int
+    data: memoryview
+
+
+def _parse_octal(field: bytes, where: str) -> int:
+    text = field.rstrip(b"\0")
+    if not text or not all(48 <= c <= 55 for c in text):
+        raise ArchiveError(f"{where}: expected an octal number, found {field!r}")
+    return int(text, 8)
+
+
+def _parse_header(frame: memoryview, offset: int, where: str) -> tuple[str, int, bytes]:
+    """(name, size, typeflag) of the header at ``offset``; the header must be canonical."""
+    if offset + TAR_BLOCK > len(frame):
+        raise ArchiveError(f"{where}: tar header runs past the end of its frame")
+    raw = bytes(frame[offset : offset + TAR_BLOCK])
+    if not any(raw):
+        raise ArchiveError(f"{where}: end-of-archive zero block before the last frame")
+    fields = USTAR_HEADER.unpack(raw)
+    name_field, size_field, typeflag = fields[0], fields[4], fields[7]
+    name_bytes = name_field.split(b"\0", 1)[0]
+    try:
+        name = name_bytes.decode("ascii")
+    except UnicodeDecodeError:
+        raise UnsafeArchiveError(f"{where}: member name is not ASCII: {name_bytes!r}") from None
+    if typeflag not in (TYPE_FILE, TYPE_PAX):
+        raise UnsafeArchiveError(
+            f"{where}: member {name!r} has tar type {typeflag!r}; only regular files ('0') "
+            f"are allowed (no links, devices or directories)"
+        )
+    size = _parse_octal(size_field, f"{where}: size field of {name!r}")
+    if raw != ustar_header(name, size, typeflag):
+        raise ArchiveError(
+            f"{where}: tar header of {name!r} is not canonical (mode, owner, mtime, magic, "
+            f"checksum or padding differ from ARCHIVE.md 2.1)"
+        )
+    return name, size, typeflag
+
+
+def _parse_pax(data: memoryview, where: str) -> str:
+    """The path of a pax header holding exactly one canonical ``path`` record."""
+    raw = bytes(data)
+    try:
+        text = raw.decode("ascii")
+        length_text, rest = text.split(" ", 1)
+        key, value = rest[:-1].split("=", 1)
+    except (UnicodeDecodeError, ValueError):
+        raise ArchiveError(f"{where}: malformed pax header {raw[:64]!r}") from None
+    if key != PAX_PATH_KEY or _pax_record(key, value) != raw or length_text != str(len(raw)):
+        raise ArchiveError(f"{where}: pax header must hold exactly one path record")
+    if len(value) <= USTAR_NAME_MAX:
+        raise ArchiveError(f"{where}: pax header for a name that fits the ustar header")
+    return value
+
+
+def iter_members(
+    frame: memoryview, index: int, limit: Callable[[str], int] | None = None
+) -> Iterator[Member]:
+    """Every member of one decompressed frame, strictly parsed (ARCHIVE.md 2).
+
+    ``limit(name)`` gives the largest data size allowed for a name (and raises for a name
+    that is not allowed); it is called before the data is sliced.
+    """
+    offset = 0
+    end = len(frame)
+    while offset < end:
+        where = f"frame {index}, offset {offset}"
+        start = offset
+        name, size, typeflag = _parse_header(frame, offset, where)
+        offset += TAR_BLOCK
+        if typeflag == TYPE_PAX:
+            if name != PAX_HEADER_NAME or size > PAX_MAX_BYTES or offset + size > end:
+                raise ArchiveError(f"{where}: malformed pax header member {name!r}")
+            long_name = _parse_pax(frame[offset : offset + size], where)
+            offset += padded(size)
+            name, size, typeflag = _parse_header(frame, offset, where)
+            if typeflag != TYPE_FILE or name != long_name[:USTAR_NAME_MAX]:
+                raise ArchiveError(f"{where}: pax header not followed by its member")
+            name = long_name
+            offset += TAR_BLOCK
+        elif len(name) >= USTAR_NAME_MAX and name.startswith(PAX_HEADER_NAME):
+            raise ArchiveError(f"{where}: stray pax header name {name!r}")
+        if limit is not None:
+            allowed = limit(name)
+            if size > allowed:
+                raise UnsafeArchiveError(
+                    f"{where}: member {name!r} is {size} bytes, larger than the "
+                    f"{allowed} bytes the format allows"
+                )
+        if offset + padded(size) > end:
+            raise ArchiveError(f"{where}: member {name!r} ({size} bytes) runs past its frame")
+        pad = frame[offset + size : offset + padded(size)]
+        if any(pad):
+            raise ArchiveError(f"{where}: padding after {name!r} is not zero")
+        yield Member(name, index, start, frame[offset : offset + size])
+        offset += padded(size)
+
+
+# --- the seek index -------------------------------------------------------------------------
+
+
+@dataclass
+class Index:
+    """The seek index: every data frame's sizes and every block member's position."""
+
+    comp_sizes: np.ndarray  # u4 per frame
+    decomp_sizes: np.ndarray  # u4 per frame
+    blocks: np.ndarray  # INDEX_BLOCK_DTYPE, ascending hash
+
+    @property
+    def n_frames(self) -> int:
+        """Number of data frames."""
+        return len(self.comp_sizes)
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """File offset of every data frame, plus the index frame's offset at the end."""
+        out = np.zeros(self.n_frames + 1, dtype=np.uint64)
+        np.cumsum(self.comp_sizes, dtype=np.uint64, out=out[1:])
+        return out
+
+    @property
+    def data_bytes(self) -> int:
+        """Decompressed bytes of every data frame together (the tar stream's length)."""
+        return int(self.decomp_sizes.sum(dtype=np.uint64))
+
+    def find(self, block_hash: int) -> tuple[int, int] | None:
+        """``(frame, offset)`` of a block member, or None."""
+        hashes = self.blocks["hash"]
+        i = int(np.searchsorted(hashes, np.uint64(block_hash)))
+        if i < len(hashes) and int(hashes[i]) == block_hash:
+            return int(self.blocks["frame"][i]), int(self.blocks["offset"][i])
+        return None
+
+
+def encode_index(
+    frames: Sequence[tuple[int, int]], blocks: Sequence[tuple[int, int, int]]
+) -> bytes:
+    """The index skippable frame for data frames ``(comp, decomp)`` and blocks
+    ``(hash, frame, offset)`` (ascending hash)."""
+    size = (
+        INDEX_HEADER.size
+        - SKIPPABLE_HEADER.size
+        + len(frames) * INDEX_FRAME.size
+        + len(blocks) * INDEX_BLOCK.size
+        + INDEX_FOOTER.size
+    )
+    header = INDEX_HEADER.pack(
+        INDEX_SKIPPABLE_MAGIC, size, INDEX_VERSION, 0, len(frames), len(blocks)
+    )
+    frame_table = np.array(list(frames), dtype="<u4").reshape(-1, 2)
+    block_table = np.array(list(blocks), dtype=INDEX_BLOCK_DTYPE)
+    parts = [header, frame_table.tobytes(), block_table.tobytes()]
+    body = b"".join(parts)
+    return body + INDEX_FOOTER.pack(crc32c(body), size, INDEX_MAGIC)
+
+
+def _read_exact(fd: int, size: int, offset: int, what: str) -> bytes:
+    data = os.pread(fd, size, offset)
+    if len(data) != size:
+        raise TruncatedArchiveError(
+            f"{what}: expected {size} bytes at offset {offset}, found {len(data)} (truncated)"
+        )
+    return data
+
+
+def read_index(fd: int, file_size: int) -> Index:
+    """Locate, check and parse the index frame at the end of the file (ARCHIVE.md 4)."""
+    min_size = INDEX_HEADER.size + INDEX_FOOTER.size
+    if file_size < min_size:
+        raise TruncatedArchiveError(
+            f"archive is {file_size} bytes, shorter than an empty index ({min_size}): truncated"
+        )
+    crc, size, magic = INDEX_FOOTER.unpack(
+        _read_exact(fd, INDEX_FOOTER.size, file_size - INDEX_FOOTER.size, "index footer")
+    )
+    if magic != INDEX_MAGIC:
+        raise TruncatedArchiveError(
+            f"rule 'the file ends with the index magic {INDEX_MAGIC!r}' failed at offset "
+            f"{file_size - 8}: found {magic!r} (truncated, or not a tlkv archive)"
+        )
+    start = file_size - SKIPPABLE_HEADER.size - size
+    if start < 0 or size < min_size - SKIPPABLE_HEADER.size:
+        raise ArchiveError(f"index footer: frame size {size} does not fit a {file_size}-byte file")
+    raw = _read_exact(fd, size + SKIPPABLE_HEADER.size, start, "index frame")
+    body = memoryview(raw)[: -INDEX_FOOTER.size]
+    if crc32c(body) != crc:
+        raise ArchiveError(
+            f"index frame at offset {start}: CRC-32C expected {crc32c(body):#010x}, "
+            f"found {crc:#010x}"
+        )
+    smagic, size2, version, reserved, n_frames, n_blocks = INDEX_HEADER.unpack_from(raw, 0)
+    if smagic != INDEX_SKIPPABLE_MAGIC or size2 != size or reserved != 0:
+        raise ArchiveError(f"index frame at offset {start}: malformed skippable header")
+    if version != INDEX_VERSION:
+        raise ArchiveError(f"index frame: expected index version {INDEX_VERSION}, found {version}")
+    expected = (
+        INDEX_HEADER.size
+        + n_frames * INDEX_FRAME.size
+        + n_blocks * INDEX_BLOCK.size
+        + INDEX_FOOTER.size
+    )
+    if expected != len(raw):
+        raise ArchiveError(
+            f"index frame: {n_frames} frames and {n_blocks} blocks need {expected} bytes, "
+            f"found {len(raw)}"
+        )
+    pos = INDEX_HEADER.size
+    frames = np.frombuffer(raw, dtype="<u4", count=2 * n_frames, offset=pos).reshape(-1, 2)
+    pos += n_frames * INDEX_FRAME.size
+    blocks = np.frombuffer(raw, dtype=INDEX_BLOCK_DTYPE, count=n_blocks, offset=pos)
+    index = Index(frames[:, 0], frames[:, 1], blocks)
+    if int(index.comp_sizes.sum(dtype=np.uint64)) != start:
+        raise ArchiveError(
+            f"index: the data frames' sizes add up to {int(index.comp_sizes.sum())} bytes, "
+            f"but the index frame starts at offset {start}"
+        )
+    if n_blocks > 1 and not bool(np.all(blocks["hash"][1:] > blocks["hash"][:-1])):
+        raise ArchiveError("index: block hashes are not strictly ascending")
+    if n_blocks and int(blocks["frame"].max()) >= n_frames:
+        raise ArchiveError("index: a block entry names a frame that does not exist")
+    return index
+
+
+# --- reading frames -----------------------------------------------------------------------
+
+_local = threading.local()
+
+
+def _dctx() -> zstandard.ZstdDecompressor:
+    ctx = getattr(_local, "dctx", None)
+    if ctx is None:
+        ctx = _local.dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW_SIZE)
+    return ctx
+
+
+class FrameReader:
+    """Reads and decompresses the data frames of an archive file, checked against its index.
+
+    Every frame must be a zstd frame that declares its content size (equal to the index's,
+    at most ``max_frame_bytes``) and a content checksum, with a bounded window; it is
+    decompressed in one call into a buffer of exactly that size.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], max_frame_bytes: int) -> None:
+        self.fd = os.open(path, os.O_RDONLY)
+        try:
+            self.file_size = os.fstat(self.fd).st_size
+            self.index = read_index(self.fd, self.file_size)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.offsets = self.index.offsets
+        self.max_frame_bytes = max_frame_bytes
+
+    def close(self) -> None:
+        """Close the file."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> FrameReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def check_sizes(self, i: int) -> None:
+        """The index's sizes of frame ``i`` are within limits (before reading anything)."""
+        decomp = int(self.index.decomp_sizes[i])
+        if decomp > self.max_frame_bytes:
+            raise UnsafeArchiveError(
+                f"frame {i}: declares {decomp} decompressed bytes, more than the "
+                f"{self.max_frame_bytes} this archive's geometry allows"
+            )
+        if decomp == 0 or decomp % TAR_BLOCK:
+            raise ArchiveError(f"frame {i}: {decomp} bytes is not a positive multiple of 512")
+
+    def read_frame(self, i: int) -> bytes:
+        """Decompress data frame ``i`` after checking its header against the index."""
+        self.check_sizes(i)
+        offset = int(self.offsets[i])
+        comp = int(self.index.comp_sizes[i])
+        decomp = int(self.index.decomp_sizes[i])
+        where = f"frame {i} at offset {offset}"
+        raw = _read_exact(self.fd, comp, offset, where)
+        if raw[:4] != ZSTD_FRAME_MAGIC:
+            raise ArchiveError(f"{where}: not a zstd frame (magic {raw[:4].hex()})")
+        try:
+            params = zstandard.get_frame_parameters(raw)
+        except zstandard.ZstdError as exc:
+            raise ArchiveError(f"{where}: bad zstd frame header: {exc}") from None
+        if params.content_size != decomp:
+            raise ArchiveError(
+                f"{where}: frame header declares {params.content_size} bytes, the index {decomp}"
+            )
+        if not params.has_checksum:
+            raise ArchiveError(f"{where}: the zstd frame has no content checksum")
+        if params.window_size > MAX_WINDOW_SIZE:
+            raise UnsafeArchiveError(
+                f"{where}: zstd window of {params.window_size} bytes exceeds {MAX_WINDOW_SIZE}"
+            )
+        try:
+            data = _dctx().decompress(raw, max_output_size=decomp, allow_extra_data=False)
+        except zstandard.ZstdError as exc:
+            raise ArchiveError(f"{where}: zstd: {exc}") from None
+        if len(data) != decomp:
+            raise ArchiveError(f"{where}: decompressed to {len(data)} bytes, expected {decomp}")
+        return data
+
+    def iter_frames(
+        self, frames: Sequence[int], threads: int = 0, budget: int = 64 << 20
+    ) -> Iterator[tuple[int, bytes | ArchiveError]]:
+        """``(i, data or the error)`` for the given frames, in order, decompressed ahead on a
+        thread pool with at most ``budget`` decompressed bytes in flight."""
+        if threads <= 0:
+            threads = min(4, os.cpu_count() or 1)
+        if threads == 1 or len(frames) <= 1:
+            for i in frames:
+                yield i, self._read_or_error(i)
+            return
+        pending: deque[tuple[int, int, Future[bytes | ArchiveError]]] = deque()
+        in_flight = 0
+        todo = iter(frames)
+        with ThreadPoolExecutor(threads, thread_name_prefix="tlkv-unzstd") as pool:
+            try:
+                nxt = next(todo, None)
+                while nxt is not None or pending:
+                    while nxt is not None and (
+                        not pending or (len(pending) < 2 * threads and in_flight < budget)
+                    ):
+                        size = int(self.index.decomp_sizes[nxt])
+                        pending.append((nxt, size, pool.submit(self._read_or_error, nxt)))
+                        in_flight += size
+                        nxt = next(todo, None)
+                    i, size, fut = pending.popleft()
+                    in_flight -= size
+                    yield i, fut.result()
+            finally:
+                for _, _, fut in pending:
+                    fut.cancel()
+
+    def _read_or_error(self, i: int) -> bytes | ArchiveError:
+        try:
+            return self.read_frame(i)
+        except ArchiveError as exc:
+            return exc
+
+
+# --- writing frames -------------------------------------------------------------------------
+
+
+class FrameWriter:
+    """Packs tar members into frames of about ``target`` bytes (never splitting a member),
+    compresses the frames on a thread pool, and writes them in order, then the index.
+
+    ``add`` keeps a reference to the member's data (any buffer) until its frame has been
+    compressed, so the buffer must stay valid until ``finish`` returns (the store's
+    snapshot guarantees that for the whole write); ``release`` is then called with the
+    frame's buffers.
+    """
+
+    def __init__(
+        self,
+        out: BinaryIO,
+        *,
+        level: int = 3,
+        threads: int = 0,
+        target: int = 4 << 20,
+        on_frame: Callable[[int, int], None] | None = None,
+        release: Callable[[list[Any]], None] | None = None,
+    ) -> None:
+        self.out = out
+        self.level = level
+        self.threads = threads if threads > 0 else (os.cpu_count() or 1)
+        self.target = target
+        self.on_frame = on_frame
+        self.release = release
+        self._parts: list[Any] = []
+        self._size = 0
+        self._blocks_here: list[tuple[int, int]] = []
+        self.frames: list[tuple[int, int]] = []
+        self.blocks: list[tuple[int, int, int]] = []
+        self.bytes_written = 0
+        self._pending: deque[tuple[int, list[tuple[int, int, int]], Future[bytes], list[Any]]] = (
+            deque()
+        )
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="tlkv-zstd")
+        self._local = threading.local()
+
+    def _cctx(self) -> zstandard.ZstdCompressor:
+        ctx = getattr(self._local, "cctx", None)
+        if ctx is None:
+            ctx = self._local.cctx = zstandard.ZstdCompressor(
+                level=self.level, write_checksum=True, write_content_size=True
+            )
+        return ctx
+
+    def _compress(self, parts: list[Any]) -> bytes:
+        return self._cctx().compress(b"".join(parts))
+
+    def add(self, name: str, data: Any, block_hash: int | None = None) -> None:
+        """Append one member; ``block_hash`` records it in the index."""
+        size = memoryview(data).nbytes
+        total = member_size(name, size)
+        if self._size and self._size + total > self.target:
+            self.seal()
+        if block_hash is not None:
+            self._blocks_here.append((block_hash, self._size))
+        self._parts += [member_prefix(name, size), data, padding(size)]
+        self._size += total
+
+    def seal(self) -> None:
+        """End the current frame (the next member starts a new one)."""
+        if not self._size:
+            return
+        index = len(self.frames) + len(self._pending)
+        blocks = [(h, index, off) for h, off in self._blocks_here]
+        fut = self._pool.submit(self._compress, self._parts)
+        self._pending.append((self._size, blocks, fut, self._parts))
+        self._parts, self._size, self._blocks_here = [], 0, []
+        while len(self._pending) > 2 * self.threads:
+            self._drain_one()
+
+    def add_raw_frame(self, data: bytes) -> None:
+        """Append a frame holding exactly ``data`` (e.g. the end-of-archive marker)."""
+        self.seal()
+        self._parts, self._size = [data], len(data)
+        self.seal()
+
+    def _drain_one(self) -> None:
+        size, blocks, fut, parts = self._pending.popleft()
+        comp = fut.result()
+        if self.release is not None:
+            self.release(parts)
+        self.out.write(comp)
+        self.bytes_written += len(comp)
+        self.frames.append((len(comp), size))
+        self.blocks.extend(blocks)
+        if self.on_frame is not None:
+            self.on_frame(size, len(blocks))
+
+    def finish(self) -> int:
+        """Seal, write every pending frame and the index; returns the archive's size."""
+        self.seal()
+        while self._pending:
+            self._drain_one()
+        self._pool.shutdown()
+        index = encode_index(self.frames, self.blocks)
+        self.out.write(index)
+        self.bytes_written += len(index)
+        return self.bytes_written
+
+    def abort(self) -> None:
+        """Drop pending work (after an error)."""
+        for entry in self._pending:
+            entry[2].cancel()
+        self._pending.clear()
+        self._pool.shutdown(wait=True, cancel_futures=True)
