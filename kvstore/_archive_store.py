@@ -31,7 +31,7 @@ from ._archive_format import (
 )
 from .checksum import crc32c
 from .envelope import decode
-from .errors import ArchiveError, PinnedError, TlkvError
+from .errors import PinnedError, TlkvError
 from .layout import DTYPE_FOR_VERSION, HEADER, HEADER_SIZE, MAGIC, NO_HASH, TRAILER, TRAILER_SIZE
 
 # Restore commits blocks in transactions of about this many envelope bytes: LMDB holds a
@@ -230,7 +230,8 @@ class Importer:
         self.existing_names = set(store.sequences())
         self.created: list[str] = []
         self._queue: queue.Queue[list[ArchiveBlock] | None] = queue.Queue(maxsize=1)
-        self._error: BaseException | None = None
+        self._error: BaseException | None = None  # the commit thread's failure, raised once
+        self._failed = threading.Event()  # sticky: no batch is committed after a failure
         self._thread: threading.Thread | None = None
 
     def _commit_loop(self) -> None:
@@ -238,12 +239,13 @@ class Importer:
             batch = self._queue.get()
             if batch is None:
                 return
-            if self._error is not None:
-                continue  # drain after a failure
+            if self._failed.is_set():
+                continue  # drain after a failure (or an abort)
             try:
                 self._commit_blocks(batch)
             except BaseException as exc:
                 self._error = exc
+                self._failed.set()
 
     def _commit_blocks(self, batch: list[ArchiveBlock]) -> None:
         present = self.store.has([b.hash for b in batch])
@@ -345,7 +347,7 @@ class Importer:
     def abort(self) -> None:
         """Stop the commit thread (after a failure), keeping what it committed."""
         if self._thread is not None:
-            self._error = self._error or ArchiveError("restore aborted")
+            self._failed.set()
             with contextlib.suppress(BaseException):
                 self._join()
 
