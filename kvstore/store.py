@@ -171,9 +171,11 @@ class Store:
         capacity_bytes: bound on the stored bytes (block envelopes + sequence records);
             a put beyond it first evicts least-recently-used unpinned blocks. None: the
             store grows until the disk is full (then ``StoreFullError``).
-        sync: True: a write returns once LMDB has fsynced its commit (durable). False: a
-            commit survives a crash of the process but an OS crash or power loss may undo
-            the latest ones (the database stays consistent); ``close`` syncs.
+        sync: True: a write returns once LMDB has fsynced its commit (durable). False
+            (LMDB's MDB_NOSYNC): a commit survives a crash of the process, but an OS crash
+            or power loss may undo the latest ones and, on a filesystem that does not
+            preserve write order, may corrupt the environment (LMDB's documented risk);
+            ``close`` syncs. Use it only for a cache that can be rebuilt.
 
     Raises:
         ShapeError: the store exists with another geometry.

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import lmdb
 import numpy as np
-from bench_common import Row, gbps
+from bench_common import Row, gbps, median_seconds
 
 from kvstore import Block, Geometry, Store, encode, split
 
@@ -41,13 +41,8 @@ def _envelope(geometry: Geometry, kv: np.ndarray, first_hash: int, n: int) -> by
 
 
 def _median_us(fn: Callable[[], object], repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
+    """Median wall time of one call, in microseconds."""
+    return median_seconds(fn, repeat) * 1e6
 
 
 def _bench_view(root: Path, kv: np.ndarray, repeat: int) -> list[Row]:
