@@ -9,9 +9,12 @@ never sees an ``lmdb`` exception.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import shutil
+import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -38,6 +41,11 @@ _SPARE_TXNS = 8
 _SPACE_SLACK = 16 << 20  # a failed write with less free disk than need + this: disk full
 
 
+# Environments whose close was skipped because zero-copy arrays still point into their
+# map: kept (mapped) until the process exits.
+_KEPT_OPEN: list[LmdbEnv] = []
+
+
 class LmdbEnv:
     """One LMDB environment in a directory, with guarded transactions and a managed map.
 
@@ -55,6 +63,9 @@ class LmdbEnv:
         self.path = path
         self.guard = MapGuard()
         self._grow_floor = grow_floor
+        # Read transactions kept open for zero-copy arrays that outlived their reader.
+        self._lingering: list[tuple[Any, list[weakref.ref[Any]]]] = []
+        self._linger_lock = threading.Lock()
         os.makedirs(path, exist_ok=True)
         try:
             self.env = lmdb.open(
@@ -99,10 +110,23 @@ class LmdbEnv:
         raise StoreError(f"cannot open the store in {self.path}: the map keeps changing size")
 
     def close(self, sync: bool) -> None:
-        """Wait for this process's transactions to end, then close (after an fsync)."""
+        """Wait for this process's transactions to end, then close (after an fsync).
+
+        If zero-copy arrays of a closed reader are still referenced, the environment is
+        left open (and its map in place) for the rest of the process instead: closing
+        would unmap memory they point into.
+        """
         with self.guard.exclusive():
             if sync:
                 self.env.sync(True)
+            if self._pinned_arrays():
+                log.warning(
+                    "%s: zero-copy arrays from a closed reader are still referenced; the "
+                    "LMDB environment stays mapped until the process exits",
+                    self.path,
+                )
+                _KEPT_OPEN.append(self)
+                return
             self.env.close()
 
     def begin_read(self, buffers: bool) -> Any:
@@ -124,6 +148,36 @@ class LmdbEnv:
         finally:
             self.guard.release()
 
+    def linger(self, txn: Any, refs: list[weakref.ref[Any]]) -> None:
+        """End a read like ``end_read``, but keep ``txn`` open while any of ``refs`` lives.
+
+        Zero-copy arrays that escaped a reader point into LMDB's map: the open snapshot
+        keeps their pages from being reused, and the map is not moved while they live
+        (``resize`` refuses). The transaction ends at the first ``reap`` after they die.
+        """
+        with self._linger_lock:
+            self._lingering.append((txn, refs))
+        self.guard.release()
+
+    def reap(self) -> int:
+        """End the lingering transactions whose arrays are gone; how many remain."""
+        with self._linger_lock:
+            keep = []
+            for txn, refs in self._lingering:
+                if any(r() is not None for r in refs):
+                    keep.append((txn, refs))
+                else:
+                    txn.abort()
+            self._lingering = keep
+            return len(keep)
+
+    def _pinned_arrays(self) -> int:
+        """Lingering transactions left after reaping (and collecting cycles)."""
+        if not self._lingering or not self.reap():
+            return 0
+        gc.collect()
+        return self.reap()
+
     def write(self, body: Callable[[Any], T], need: int = 0) -> T:
         """Run ``body(txn)`` in one write transaction (``buffers=True``) and commit it.
 
@@ -135,6 +189,8 @@ class LmdbEnv:
             StoreFullError: the disk is full (nothing was written).
             StoreError: any other LMDB failure.
         """
+        if self._lingering:
+            self.reap()
         if need and self.map_room() < need + need // 4:
             self.resize(grow=True, need=need)
         while True:
@@ -160,6 +216,14 @@ class LmdbEnv:
     def resize(self, *, grow: bool, need: int) -> None:
         """Grow the map (at least doubling), or adopt the size another process set."""
         with self.guard.exclusive():
+            pinned = self._pinned_arrays()
+            if pinned:
+                raise StoreError(
+                    f"{self.path}: cannot remap LMDB's map while zero-copy arrays from "
+                    f"{pinned} closed reader(s) are still referenced (they point into it): "
+                    "views are valid only inside `with store.reader()`; copy what you keep "
+                    "(bytes(), .copy())"
+                )
             if not grow:
                 self.env.set_mapsize(0)
                 return

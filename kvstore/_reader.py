@@ -3,12 +3,21 @@
 Everything a ``Reader`` hands out points into LMDB's memory map and lives only as long
 as its read transaction: views check a liveness hook on every access and raise
 ``ViewClosedError`` afterwards; raw memoryviews are released on exit.
+
+Arrays a caller takes from a view (``bv.kv``, ``np.frombuffer(r.envelope(h))``) cannot
+be revoked. Every export of stored memory therefore goes through a numpy array the
+reader registers (a view's ``kv``, the array behind an exported memoryview). If any is
+still referenced when the reader closes (checked by weak reference), its read
+transaction stays open (its pages are not reused) until they are gone, and the map is
+not remapped meanwhile (see ``LmdbEnv.linger``). Such an array never reads freed
+or reused memory.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections.abc import Callable, Iterator
 from functools import lru_cache
 from types import TracebackType
@@ -117,32 +126,35 @@ def assemble_sequence(
 class _StoredView(BlockView):
     """A ``BlockView`` over a stored single-block envelope; every field is read on demand.
 
-    Construction parses nothing (the hot path of ``Reader.view``); ``kv`` is built once,
-    in one ``np.ndarray`` call over LMDB's read-only buffer, so it is read-only too.
+    Construction parses nothing (the hot path of ``Reader.view``). Arrays and memoryviews
+    it hands out are registered with its reader (``kv`` is built once, in one
+    ``np.ndarray`` call over LMDB's read-only buffer, so it is read-only too); the view
+    keeps none of them itself, so a view kept past its reader pins nothing (and raises).
     """
 
-    __slots__ = ("_kv", "_spec", "_value")
+    __slots__ = ("_kv_slot", "_reader", "_spec", "_value")
 
     def __init__(  # no super().__init__: it would parse eagerly
         self,
         value: memoryview,
+        reader: Reader,
         geometry: Geometry,
         version: int,
-        alive: Callable[[], None],
         spec: KvSpec,
     ) -> None:
-        self._alive: Callable[[], None] = alive  # never None here
+        self._alive: Callable[[], None] = reader._alive
         self._value = value
+        self._reader = reader
+        self._kv_slot = -1
         self._geometry = geometry
         self._version = version
         self._spec = spec
-        self._kv: np.ndarray | None = None
 
     @property
     def raw_record(self) -> memoryview:  # type: ignore[override]
         """The block record (hash, n_tokens, payload)."""
         self._alive()
-        return self._value[HEADER_SIZE:-TRAILER_SIZE]
+        return self._reader._export(self._value)[HEADER_SIZE:-TRAILER_SIZE]
 
     @property
     def hash(self) -> int:  # type: ignore[override]
@@ -159,17 +171,18 @@ class _StoredView(BlockView):
     @property
     def _payload(self) -> memoryview:  # type: ignore[override]
         self._alive()
-        return self._value[HEADER_SIZE + RECORD_SIZE : -TRAILER_SIZE]
+        return self._reader._export(self._value)[HEADER_SIZE + RECORD_SIZE : -TRAILER_SIZE]
 
     @property
     def kv(self) -> np.ndarray:
         """Read-only payload view: f16 (v1) or uint8 codes (v2), ``[L][2][Hkv][B][D]``."""
         self._alive()
-        kv = self._kv
-        if kv is None:
+        kvs = self._reader._arrays
+        if self._kv_slot < 0:
             shape, dtype = self._spec
-            kv = self._kv = np.ndarray(shape, dtype, self._value, HEADER_SIZE + RECORD_SIZE)
-        return kv
+            self._kv_slot = len(kvs)
+            kvs.append(np.ndarray(shape, dtype, self._value, HEADER_SIZE + RECORD_SIZE))
+        return kvs[self._kv_slot]
 
     def __repr__(self) -> str:
         try:
@@ -184,14 +197,20 @@ class Reader:
     Everything it returns points into LMDB's memory map and is valid only inside the
     ``with`` block: afterwards a ``BlockView`` raises ``ViewClosedError`` and a returned
     memoryview raises ``ValueError`` (released). Arrays taken from a view (``bv.kv``) are
-    numpy views too: copy them (``.copy()``) to keep them past the block. One thread per
-    reader; its hits and misses reach ``stats()`` when it closes.
+    numpy views too: copy them (``.copy()``) to keep them past the block; one kept anyway
+    keeps this reader's snapshot open until it is freed (see the module docstring). One
+    thread per reader; its hits and misses reach ``stats()`` when it closes.
     """
 
     def __init__(self, store: Store) -> None:
         self._store = store
         self._txn: Any = None
-        self._issued: list[memoryview] = []
+        self._used = False
+        self._issued: list[memoryview] = []  # memoryviews handed out: released on exit
+        # Every array handed out over stored memory (views' kv, the arrays behind exported
+        # memoryviews): anything the caller derives from them references them. Plain
+        # arrays are not tracked by the cyclic GC, so many views per reader stay cheap.
+        self._arrays: list[np.ndarray] = []
         self._corrupt: list[int] = []
         self._geometry: Geometry | None = None
         self._version_of: dict[int, int] = {}
@@ -200,8 +219,9 @@ class Reader:
         self.misses = 0
 
     def __enter__(self) -> Reader:
-        if self._txn is not None or self._issued:
+        if self._used:
             raise StoreError("a Reader is single-use; call store.reader() again")
+        self._used = True
         store = self._store
         self._txn = txn = store._begin_read(True)
         try:
@@ -225,10 +245,25 @@ class Reader:
         txn, self._txn = self._txn, None
         if txn is None:
             return
+        refs = [weakref.ref(array) for array in self._arrays]
+        self._arrays.clear()
         for mv in self._issued:
-            with contextlib.suppress(BufferError):  # a numpy array holds it: documented
+            with contextlib.suppress(BufferError):  # an array made from it holds it
                 mv.release()
-        self._store._end_read(txn)
+        self._issued.clear()
+        # With this reader's own references gone, an array still alive is held by
+        # something the caller kept (derived from a view's kv, raw or an envelope).
+        escaped = [ref for ref in refs if ref() is not None]
+        if escaped:
+            log.warning(
+                "%s: %d zero-copy array(s) outlived their reader; its snapshot stays open "
+                "until they are freed (copy what you keep past `with store.reader()`)",
+                self._store.path,
+                len(escaped),
+            )
+            self._store._lmdb.linger(txn, escaped)
+        else:
+            self._store._end_read(txn)
         self._store.hits += self.hits
         self._store.misses += self.misses
         if self._corrupt:
@@ -275,31 +310,35 @@ class Reader:
         self._touch(block_hash)
         if verify:
             try:
-                bv = decode(value, self._geometry, alive=self._alive)[0]
+                version = decode(value, self._geometry).version  # every rule, the CRC too
             except EnvelopeError:
                 self._corrupt.append(int(block_hash))
                 self.hits -= 1
                 self.misses += 1
                 return None
-            self._issued.append(bv.raw_record)
-            return bv
-        version = self._version_of.get(len(value)) or HEADER.unpack_from(value)[1]
-        return _StoredView(value, self._geometry, version, self._alive, self._specs[version])  # type: ignore[arg-type]
+        else:
+            version = self._version_of.get(len(value)) or HEADER.unpack_from(value)[1]
+        return _StoredView(value, self, self._geometry, version, self._specs[version])  # type: ignore[arg-type]
+
+    def _export(self, value: memoryview) -> memoryview:
+        """A read-only memoryview of ``value`` through a watched array (see the module)."""
+        array = np.frombuffer(value, np.uint8)
+        self._arrays.append(array)
+        mv = array.data
+        self._issued.append(mv)
+        return mv
 
     def envelope(self, block_hash: int) -> memoryview | None:
         """The stored single-block envelope as a read-only memoryview (unverified), or None."""
         value = self._lookup(block_hash)
-        if value is not None:
-            self._issued.append(value)
-        return value
+        return None if value is None else self._export(value)
 
     def iter_blocks(self) -> Iterator[tuple[int, memoryview]]:
         """Every stored ``(hash, envelope memoryview)`` in hash order, unverified (decode
         them with the CRC when exporting)."""
         self._alive()
         for key, value in self._txn.cursor(db=self._blocks):
-            self._issued.append(value)
-            yield BLOCK_KEY.unpack(key)[0], value
+            yield BLOCK_KEY.unpack(key)[0], self._export(value)
 
     def _records(self) -> Iterator[tuple[str, SequenceRecord | None]]:
         self._alive()

@@ -423,6 +423,113 @@ def test_view_is_a_zero_copy_read_only_blockview(store: Store) -> None:
         r.__enter__()
 
 
+def test_a_view_kept_past_its_reader_pins_nothing(store: Store) -> None:
+    envelope = make_envelope(SMALL, 8, seed=19)
+    store.put(envelope)
+    h = hashes_of(envelope)[0]
+    with store.reader() as r:
+        bv = r.view(h)
+        checked = r.view(h, verify=True)
+        assert bv.kv.sum() == checked.kv.sum() and len(bv.raw) and bv.scales is None
+    assert store._lmdb._lingering == []  # the views themselves hold no stored memory
+    with pytest.raises(ViewClosedError):
+        bv.kv  # noqa: B018
+
+
+def test_arrays_kept_past_the_reader_never_see_reused_pages(store: Store) -> None:
+    """An array taken from a view cannot be revoked: the reader's snapshot stays open
+    while it lives, so deleting the block and churning the store never changes it."""
+    envelope = make_envelope(SMALL, 8, seed=20)
+    store.put(envelope)
+    h = hashes_of(envelope)[0]
+    with store.reader() as r:
+        bv = r.view(h)
+        kv, k = bv.kv, bv.k  # numpy views into LMDB's map
+        raw = bv.raw[4:20]  # a slice of a memoryview
+        whole = np.frombuffer(r.envelope(h), np.uint8)
+        expected = (kv.copy(), k.copy(), bytes(raw), whole.tobytes())
+    assert len(store._lmdb._lingering) == 1
+    assert store.delete(h)
+    for seed in range(5):  # churn: freed pages would be reused by these writes
+        store.put(encode(SMALL, full_blocks(SMALL, 64, seed=100 + seed)))
+    assert np.array_equal(kv, expected[0]) and np.array_equal(k, expected[1])
+    assert bytes(raw) == expected[2] and whole.tobytes() == expected[3]
+    del bv, kv, k, raw, whole
+    store.put(encode(SMALL, full_blocks(SMALL, 1, seed=200)))  # a write reaps
+    assert store._lmdb._lingering == []
+
+
+def test_remapping_under_an_escaped_array_is_refused_not_a_crash(tmp_path: Path) -> None:
+    """Growing the map moves it: with an array from a closed reader still alive, the
+    store refuses (StoreError) instead of unmapping memory under it (a segfault)."""
+    script = textwrap.dedent(
+        f"""
+        import numpy as np
+        import kvstore.store
+        from kvstore import Geometry, Store, StoreError, encode
+        from conftest import make_blocks
+
+        kvstore.store._INITIAL_MAP_SIZE = 1 << 20
+        g = Geometry(16, 4, 2, 64)
+        with Store({str(tmp_path / "s")!r}) as s:
+            first = make_blocks(g, 32, seed=1)
+            s.put(encode(g, first))
+            with s.reader() as r:
+                kv = r.view(first[0].hash).kv
+            expected = kv.copy()
+            try:
+                for i in range(8):  # 4 MiB into a 1 MiB map
+                    s.put(encode(g, make_blocks(g, 16 * 32, seed=10 + i)))
+                print("grew")
+            except StoreError as exc:
+                print("refused", "zero-copy" in str(exc))
+            print("intact", bool(np.array_equal(kv, expected)))
+            del kv
+            s.put(encode(g, make_blocks(g, 16 * 32, seed=50)))
+            print("grows after", s._env.info()["map_size"] > 1 << 20)
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])},
+    )
+    assert out.returncode == 0, out.stderr  # a segfault would be -11
+    assert out.stdout.split("\n")[:3] == ["refused True", "intact True", "grows after True"]
+
+
+def test_closing_with_an_escaped_array_keeps_the_map(tmp_path: Path) -> None:
+    """Closing would unmap what the array points into: the environment stays mapped."""
+    script = textwrap.dedent(
+        f"""
+        import numpy as np
+        from kvstore import Store, encode
+        from conftest import SMALL, make_blocks
+
+        s = Store({str(tmp_path / "s")!r})
+        blocks = make_blocks(SMALL, 16, seed=21)
+        s.put(encode(SMALL, blocks))
+        with s.reader() as r:
+            kv = r.view(blocks[0].hash).kv
+        expected = kv.copy()
+        s.close()
+        print("intact", bool(np.array_equal(kv, expected)))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])},
+    )
+    assert out.returncode == 0, out.stderr  # a segfault would be -11
+    assert out.stdout.strip() == "intact True"
+    assert "stays mapped" in out.stderr
+
+
 def test_v2_views_have_codes_and_scales(store: Store) -> None:
     envelope = make_envelope(SMALL, 4, version=2, seed=18)
     store.put(envelope)
