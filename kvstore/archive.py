@@ -96,11 +96,12 @@ MAX_CORRUPT_RETRIES = 16
 class Progress(Protocol):
     """What long operations report to (the CLI's progress bar)."""
 
-    def start(self, total_blocks: int, total_bytes: int) -> None:
-        """Totals, once known."""
+    def start(self, total_blocks: int, phase: str = "") -> None:
+        """A (new) phase over ``total_blocks`` blocks begins: counts restart from 0."""
 
     def update(self, blocks: int, nbytes: int) -> None:
-        """Blocks and tar bytes done so far."""
+        """Blocks done in this phase (the bar's fraction and ETA) and bytes processed in it
+        (its MB/s)."""
 
 
 # --- create -------------------------------------------------------------------------------
@@ -190,8 +191,7 @@ def _create_once(
             block_hashes = sorted({h for info in infos for h in info.hashes})
         n_blocks = len(block_hashes) if wanted is not None else len(keys)
         if progress is not None:
-            size = 0 if geometry is None else geometry.envelope_bytes(1)
-            progress.start(n_blocks, n_blocks * size)
+            progress.start(n_blocks)
 
         def blocks() -> Iterator[tuple[int, Any]]:
             source: Iterable[tuple[int, Any]]
@@ -271,7 +271,7 @@ def verify(
         blocks = sequences = 0
         done = 0
         if progress is not None:
-            progress.start(ar.manifest.blocks, ar.index.data_bytes)
+            progress.start(ar.manifest.blocks)
         for item in ar.scan():
             if isinstance(item, ArchiveBlock):
                 blocks += 1
@@ -440,8 +440,7 @@ def restore(
     report = RestoreReport()
     with ArchiveReader(path, threads=threads) as ar:
         _check_geometry(ar.geometry, store.geometry, "the store")
-        total = ar.index.data_bytes
-        done = [0, 0]  # blocks in this pass, bytes in both passes
+        done = [0, 0]  # blocks and envelope bytes in this pass
 
         def tick(item: Any) -> None:
             if progress is not None and isinstance(item, ArchiveBlock):
@@ -449,12 +448,16 @@ def restore(
                 done[1] += len(item.envelope)
                 progress.update(done[0], done[1])
 
-        if progress is not None:
-            progress.start(ar.manifest.blocks, total if partial else 2 * total)
+        def phase(name: str) -> None:
+            done[:] = [0, 0]
+            if progress is not None:
+                progress.start(ar.manifest.blocks, name)
+
         if not partial:
+            phase("validating")
             for item in ar.scan():  # pass 1: validate everything, write nothing
                 tick(item)
-            done[0] = 0
+        phase("importing")
         importer = Importer(store, ar, report)
         try:
             # The store checks every CRC again while it writes: pass 2 need not.

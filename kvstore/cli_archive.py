@@ -44,17 +44,19 @@ class ProgressBar:
 
     def __init__(self, label: str, stream: TextIO | None = None, enabled: bool = True) -> None:
         self.label = label
+        self.phase = ""
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = enabled and self.stream.isatty()
         self.total_blocks = 0
-        self.total_bytes = 0
         self.t0 = time.monotonic()
         self.last = 0.0
         self.drawn = False
 
-    def start(self, total_blocks: int, total_bytes: int) -> None:
-        """Set the totals and the clock."""
-        self.total_blocks, self.total_bytes = total_blocks, total_bytes
+    def start(self, total_blocks: int, phase: str = "") -> None:
+        """Begin a phase over ``total_blocks`` blocks (restore validates, then imports)."""
+        if self.drawn and phase != self.phase:
+            self.stream.write("\n")  # keep the finished phase's line
+        self.total_blocks, self.phase = total_blocks, phase
         self.t0 = time.monotonic()
 
     def update(self, blocks: int, nbytes: int) -> None:
@@ -66,14 +68,17 @@ class ProgressBar:
         self._draw(blocks, nbytes, now)
 
     def _draw(self, blocks: int, nbytes: int, now: float) -> None:
+        """The fraction and ETA come from blocks (what the totals count); MB/s from bytes."""
         elapsed = max(now - self.t0, 1e-9)
         rate = nbytes / elapsed
-        frac = min(nbytes / self.total_bytes, 1.0) if self.total_bytes else 1.0
+        total = self.total_blocks
+        frac = min(blocks / total, 1.0) if total else 1.0
         filled = int(frac * BAR_WIDTH)
-        eta = (self.total_bytes - nbytes) / rate if rate > 0 and self.total_bytes else 0.0
+        eta = (total - blocks) * elapsed / blocks if 0 < blocks < total else 0.0
+        label = f"{self.label} ({self.phase})" if self.phase else self.label
         line = (
-            f"\r{self.label} [{'#' * filled}{'.' * (BAR_WIDTH - filled)}] "
-            f"{blocks}/{self.total_blocks} blocks  {rate / 1e6:7.1f} MB/s  "
+            f"\r{label} [{'#' * filled}{'.' * (BAR_WIDTH - filled)}] "
+            f"{blocks}/{total} blocks  {rate / 1e6:7.1f} MB/s  "
             f"ETA {int(eta) // 60}:{int(eta) % 60:02d} "
         )
         self.stream.write(line)

@@ -167,22 +167,58 @@ class _Tty(io.StringIO):
 def test_progress_bar_on_a_terminal_only() -> None:
     tty = _Tty()
     bar = ProgressBar("restore", stream=tty)
-    bar.start(10, 10 << 20)
+    bar.start(10)
     bar.last = -1.0
     bar.update(5, 5 << 20)
     bar.close()
     text = tty.getvalue()
-    assert text.startswith("\rrestore [") and "5/10 blocks" in text and "MB/s" in text
-    assert "ETA" in text and text.endswith("\n")
+    assert text.startswith("\rrestore [" + "#" * 12 + "." * 12 + "]") and "5/10 blocks" in text
+    assert "MB/s" in text and "ETA" in text and text.endswith("\n")
     quiet = _Tty()
     bar = ProgressBar("restore", stream=quiet, enabled=False)
-    bar.start(1, 1)
+    bar.start(1)
     bar.update(1, 1)
     bar.close()
     pipe = io.StringIO()
     bar = ProgressBar("restore", stream=pipe)
-    bar.start(1, 1)
+    bar.start(1)
     bar.last = -1.0
     bar.update(1, 1)
     bar.close()
     assert quiet.getvalue() == pipe.getvalue() == ""
+
+
+def _last_draw(lines: list[str]) -> str:
+    return lines[-1].rsplit("\r", 1)[-1]
+
+
+@pytest.mark.parametrize("command", ["create", "verify", "restore"])
+def test_progress_bar_of_the_real_commands_ends_full(
+    command: str, data: Path, archive_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each phase's bar counts the same blocks its total counts: it ends at N/N, all '#'."""
+    import kvstore.cli_archive as cli_archive
+
+    monkeypatch.setattr(cli_archive, "REFRESH_SECONDS", 0.0)  # draw on every update
+    tty = _Tty()
+    monkeypatch.setattr(sys, "stderr", tty)
+    argv = {
+        "create": ["create", "--data", str(data), "-o", str(tmp_path / "p.tar.zst")],
+        "verify": ["verify", str(archive_file)],
+        "restore": [
+            "restore",
+            str(archive_file),
+            "--data",
+            str(tmp_path / "fresh"),
+        ],
+    }[command]
+    assert main(["archive", *argv]) == 0
+    with Store(data) as s:
+        n = s.stats()["blocks"]
+    lines = [line for line in tty.getvalue().split("\n") if line.startswith("\r")]
+    phases = {"restore": ["restore (validating)", "restore (importing)"]}.get(command, [command])
+    assert len(lines) == len(phases)
+    for line, label in zip(lines, phases):
+        last = _last_draw([line])
+        assert last.startswith(f"{label} [" + "#" * 24 + "]"), last
+        assert f" {n}/{n} blocks" in last and "ETA 0:00" in last
