@@ -66,7 +66,10 @@ class LmdbEnv:
         # Read transactions kept open for zero-copy arrays that outlived their reader.
         self._lingering: list[tuple[Any, list[weakref.ref[Any]]]] = []
         self._linger_lock = threading.Lock()
-        os.makedirs(path, exist_ok=True)
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as exc:  # a file in the way, no permission
+            raise StoreError(f"cannot create the store directory {path}: {exc}") from exc
         try:
             self.env = lmdb.open(
                 path,

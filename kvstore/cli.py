@@ -59,7 +59,7 @@ def versions_arg(text: str) -> tuple[int, ...]:
 def _read_tokens(args_tokens: Sequence[str]) -> np.ndarray:
     words = list(args_tokens) if args_tokens else sys.stdin.read().split()
     try:
-        values = [int(w, 0) for w in words]
+        values = [int(w) for w in words]  # decimal ids, as engines print them
     except ValueError as exc:
         raise ValueError(f"token ids must be integers: {exc}") from None
     return np.array(values, dtype=object) if values else np.zeros(0, dtype=np.uint32)

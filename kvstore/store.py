@@ -149,7 +149,9 @@ def _seq_key(name: Any) -> bytes:
 
 
 def _check_sequence_blocks(env: Envelope) -> None:
-    """A partial block (hash 0) may only be a sequence's last block."""
+    """A sequence holds at least one block; a partial block (hash 0) may only be its last."""
+    if len(env) == 0:
+        raise ValueError("a sequence holds at least one block; the envelope has none")
     if len(env) > 1:
         zeros = np.flatnonzero(env.hashes[:-1] == NO_HASH)
         if zeros.size:
@@ -470,7 +472,8 @@ class Store:
         other bytes is kept inside the record too, unpinned).
 
         Raises:
-            ValueError: ``name`` is not 1-128 characters of ``[A-Za-z0-9._-]``.
+            ValueError: ``name`` is not 1-128 characters of ``[A-Za-z0-9._-]``, or the
+                envelope has no block.
             FormatError: a partial block (hash 0) is not the last block.
             EnvelopeError: a reader rule failed.  StoreFullError: it does not fit.
         """

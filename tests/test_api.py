@@ -352,6 +352,12 @@ def test_sequence_bad_names(http: httpx.Client, name: str) -> None:
     assert_error(http.get(f"/v1/sequences/{name}"), 422, "invalid_request")
 
 
+def test_sequence_without_blocks_is_refused(http: httpx.Client) -> None:
+    r = http.put("/v1/sequences/empty", content=encode(SMALL, []), headers=ENVELOPE)
+    assert "at least one block" in assert_error(r, 422, "invalid_request")
+    assert_error(http.get("/v1/sequences/empty"), 404, "not_found")
+
+
 def test_sequence_bad_envelope(http: httpx.Client) -> None:
     data = make_envelope(SMALL, 4, seed=13)
     r = http.put("/v1/sequences/s1", content=_corrupt_crc(data), headers=ENVELOPE)

@@ -118,6 +118,12 @@ def test_restart_finds_every_block(tmp_path: Path) -> None:
     seq = make_envelope(SMALL, 14, seed=300)
     with ServerProcess(data_dir) as srv, srv.client() as http:
         assert http.get("/v1/info").json()["geometry"] is None
+        # Before the first put there is no geometry: hashes are answered, tokens cannot be
+        # hashed (no block_tokens) and no envelope can be built for /v1/prefix.
+        r = http.post("/v1/has-blocks", json={"hashes": ["00000000000000ff"]})
+        assert r.json() == {"present": [False], "prefix": 0}
+        assert_error(http.post("/v1/has-blocks", json={"tokens": [1, 2]}), 422, "invalid_request")
+        assert_error(http.post("/v1/prefix", json={"hashes": []}), 404, "not_found")
         for data in envelopes:
             assert http.put("/v1/blocks", content=data, headers=ENVELOPE).status_code == 200
         assert http.put("/v1/sequences/kept", content=seq, headers=ENVELOPE).status_code == 201

@@ -41,6 +41,20 @@ def test_hash_bad_token_is_usage_error(capsys: pytest.CaptureFixture[str]) -> No
     assert code == 2 and "u32" in err
 
 
+def test_hash_token_ids_are_decimal(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["hash", "--block-tokens", "2", "010", "02"], capsys)
+    assert (code, out) == (0, run(["hash", "--block-tokens", "2", "10", "2"], capsys)[1])
+    code, _, err = run(["hash", "--block-tokens", "2", "0x10", "2"], capsys)
+    assert code == 2 and "integers" in err
+
+
+def test_verify_of_an_unreadable_file_exits_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = run(["verify", str(tmp_path / "missing.tlkv")], capsys)
+    assert code == 1 and "missing.tlkv" in err and len(err.strip().splitlines()) == 1
+
+
 def test_inspect_text_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     f = tmp_path / "e.tlkv"
     f.write_bytes(make_envelope(SMALL, 10, 2))

@@ -693,6 +693,27 @@ def test_a_partial_block_must_be_the_last(store: Store) -> None:
     assert store.sequences() == []
 
 
+def test_a_sequence_needs_a_block(store: Store) -> None:
+    with pytest.raises(ValueError, match="at least one block"):
+        store.put_sequence("empty", encode(SMALL, []))
+    assert store.sequences() == [] and store.stats()["bytes"] == 0
+
+
+def test_a_store_path_that_is_a_file_is_a_store_error(tmp_path: Path) -> None:
+    f = tmp_path / "file"
+    f.write_bytes(b"not a store")
+    with pytest.raises(StoreError):
+        Store(f)
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_sync_reaches_lmdb(tmp_path: Path, sync: bool) -> None:
+    """sync=True must make LMDB fsync data and meta on every commit (no NOSYNC flags)."""
+    with Store(tmp_path / "s", sync=sync) as s:
+        flags = s._env.flags()
+        assert (flags["sync"], flags["metasync"]) == (sync, sync)
+
+
 @pytest.mark.parametrize("name", ["", "a" * 129, "a/b", "..\\x", "ünï", "a b", None, 5, "name\n"])
 def test_bad_sequence_names(store: Store, name: object) -> None:
     with pytest.raises(ValueError):
