@@ -46,6 +46,21 @@ def snapshot(store: Any) -> dict[str, Any]:
     return {"blocks": blocks, "sequences": seqs, "stats": {k: stats[k] for k in keep}}
 
 
+# --- a writer running beside create --------------------------------------------------------
+
+LIVE_FULL = 3  # full blocks of each live sequence (plus a one-token tail)
+
+
+def live_sequence(k: int) -> bytes:
+    """The envelope the live writer puts as sequence ``live-<k>``: unique blocks per k."""
+    return make_envelope(SMALL, 4 * LIVE_FULL + 1, seed=10_000 + k)
+
+
+def live_hashes(k: int) -> list[int]:
+    """The full blocks' hashes of ``live_sequence(k)``."""
+    return [int(h) for h in decode(live_sequence(k)).hashes[:LIVE_FULL]]
+
+
 # --- hand-made archives -----------------------------------------------------------------
 
 

@@ -14,9 +14,18 @@ import pytest
 from archive_helpers import LONG_NAME, frame_bounds, populate, snapshot
 from conftest import SMALL, make_envelope
 
-from kvstore import ChecksumError, Geometry, PinnedError, ShapeError, _archive_format, decode
+from kvstore import (
+    ArchiveError,
+    ChecksumError,
+    Geometry,
+    PinnedError,
+    ShapeError,
+    _archive_format,
+    decode,
+)
 from kvstore import archive as ar
-from kvstore._zstdtar import ustar_header
+from kvstore._zstdtar import FrameReader, ustar_header
+from kvstore.cli import main
 from kvstore.store import Store
 
 
@@ -151,6 +160,69 @@ def test_extract_reads_one_block(store: Store, archive_file: Path, tmp_path: Pat
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
 
 
+def test_extract_reads_only_the_frame_holding_the_block(
+    store: Store,
+    archive_file: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """With every other data frame damaged, extract of X (library and CLI) still yields
+    get(X), reading frame 0 (the manifest) and X's frame only, while verify refuses the
+    file; with X's own frame damaged, extract refuses too."""
+    with ar.ArchiveReader(archive_file) as reader:
+        table = reader.index.blocks
+        home = dict(zip(table["hash"].tolist(), table["frame"].tolist()))  # hash -> frame
+    hashes = sorted(home)
+    x = hashes[len(hashes) // 2]
+    bounds = frame_bounds(archive_file)  # data frames, then the index frame
+    others = [i for i in range(1, len(bounds) - 1) if i != home[x]]
+    assert 0 < home[x] < len(bounds) - 2
+    assert len({home[h] for h in hashes} - {home[x]}) >= 3  # other frames hold blocks
+    raw = bytearray(archive_file.read_bytes())
+
+    def damaged(frames: list[int], name: str) -> Path:
+        data = bytearray(raw)
+        for i in frames:
+            offset, size = bounds[i]
+            data[offset + size // 2] ^= 0x55
+        path = tmp_path / name
+        path.write_bytes(bytes(data))
+        return path
+
+    bad = damaged(others, "others.tar.zst")
+    read: list[int] = []
+    real = FrameReader.read_frame
+
+    def spy(self: FrameReader, i: int) -> bytes:
+        read.append(i)
+        return real(self, i)
+
+    monkeypatch.setattr(FrameReader, "read_frame", spy)
+    out = tmp_path / "x.tlkv"
+    assert ar.extract(bad, x, out) == len(store.get(x) or b"")
+    assert out.read_bytes() == store.get(x)
+    assert read == [0, home[x]]
+    cli_out = tmp_path / "cli.tlkv"
+    assert main(["archive", "extract", str(bad), f"{x:016x}", "-o", str(cli_out)]) == 0
+    assert cli_out.read_bytes() == store.get(x)
+    with pytest.raises(ArchiveError):
+        ar.verify(bad)
+    capsys.readouterr()
+    assert main(["archive", "verify", str(bad)]) == 3
+    # Every other block sits in a damaged frame: extracting one of them fails.
+    y = next(h for h in hashes if home[h] != home[x])
+    with pytest.raises(ArchiveError):
+        ar.extract(bad, y, tmp_path / "y.tlkv")
+
+    own = damaged([home[x]], "own.tar.zst")
+    with pytest.raises(ArchiveError):
+        ar.extract(own, x, tmp_path / "own.tlkv")
+    assert main(["archive", "extract", str(own), f"{x:016x}", "-o", str(tmp_path / "c")]) == 3
+    assert not (tmp_path / "own.tlkv").exists() and not (tmp_path / "c").exists()
+    assert ar.extract(own, y, tmp_path / "y.tlkv") == len(store.get(y) or b"")
+
+
 def test_extract_all_equals_tar(archive_file: Path, tmp_path: Path) -> None:
     dest = tmp_path / "all"
     n = ar.extract_all(archive_file, dest)
@@ -242,6 +314,30 @@ def test_create_replaces_atomically(store: Store, archive_file: Path) -> None:
     assert archive_file.read_bytes() != old
     assert ar.verify(archive_file).blocks == store.stats()["blocks"]
     assert [p.name for p in archive_file.parent.iterdir() if p.name.endswith(".tmp")] == []
+
+
+@pytest.mark.parametrize("command", ["create", "extract", "extract_all"])
+def test_outputs_get_the_usual_permissions(
+    command: str, store: Store, archive_file: Path, tmp_path: Path
+) -> None:
+    """Files (and extract --all's directory) are created as open() would under the umask."""
+    old = os.umask(0o022)
+    try:
+        if command == "create":
+            target = tmp_path / "made.tar.zst"
+            ar.create(store, target)
+            want = 0o644
+        elif command == "extract":
+            target = tmp_path / "one.tlkv"
+            ar.extract(archive_file, int(ar.list_archive(archive_file).hashes[0]), target)
+            want = 0o644
+        else:
+            target = tmp_path / "all"
+            ar.extract_all(archive_file, target)
+            want = 0o755
+    finally:
+        os.umask(old)
+    assert oct(target.stat().st_mode & 0o777) == oct(want)
 
 
 def test_create_quarantines_corrupt_blocks(store: Store, tmp_path: Path) -> None:
