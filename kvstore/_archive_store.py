@@ -75,6 +75,13 @@ class WritebackFile:
         self.raw.close()
 
 
+def current_umask() -> int:
+    """The process umask (read by setting it and putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
     """A sibling temp file renamed onto ``path`` after fsync; removed on any error."""
@@ -82,6 +89,7 @@ def atomic_file(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
     directory = os.path.dirname(final)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(final)}.", suffix=".tmp", dir=directory)
     try:
+        os.fchmod(fd, 0o666 & ~current_umask())  # what open() would give, not mkstemp's 0600
         out = WritebackFile(fd)
         try:
             yield out  # type: ignore[misc]

@@ -53,6 +53,7 @@ from ._archive_store import (
     RestoreReport,
     SnapshotSequence,
     atomic_file,
+    current_umask,
     drop_mapped_pages,
     iter_sequence_records,
 )
@@ -385,6 +386,7 @@ def extract_all(path: str | os.PathLike[str], directory: str | os.PathLike[str])
         raise FileExistsError(f"{final} exists; extract --all writes a new directory")
     parent = os.path.dirname(final)
     tmp = os.path.realpath(tempfile.mkdtemp(prefix=f".{os.path.basename(final)}.", dir=parent))
+    os.chmod(tmp, 0o777 & ~current_umask())  # what mkdir would give, not mkdtemp's 0700
     count = 0
     try:
         with ArchiveReader(path) as ar:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 from typing import Any, TextIO
@@ -129,13 +130,19 @@ def _cmd_restore(args: argparse.Namespace) -> int:
     from .archive import restore
 
     bar = ProgressBar("restore", enabled=not args.quiet)
-    with _open_store(args.data, must_exist=False) as store:
-        try:
-            report = restore(
-                args.file, store, partial=args.partial, threads=args.threads, progress=bar
-            )
-        finally:
-            bar.close()
+    created = not os.path.exists(args.data)
+    try:
+        with _open_store(args.data, must_exist=False) as store:
+            try:
+                report = restore(
+                    args.file, store, partial=args.partial, threads=args.threads, progress=bar
+                )
+            finally:
+                bar.close()
+    except BaseException:
+        if created:  # a refused restore into a new directory leaves no empty store behind
+            shutil.rmtree(args.data, ignore_errors=True)
+        raise
     for problem in report.problems:
         print(f"tlkv archive restore: skipped {problem}", file=sys.stderr)
     if not args.quiet:

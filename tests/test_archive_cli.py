@@ -222,3 +222,17 @@ def test_progress_bar_of_the_real_commands_ends_full(
         last = _last_draw([line])
         assert last.startswith(f"{label} [" + "#" * 24 + "]"), last
         assert f" {n}/{n} blocks" in last and "ETA 0:00" in last
+
+
+def test_refused_restore_into_a_new_directory_leaves_nothing(
+    archive_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.tar.zst"
+    raw = bytearray(archive_file.read_bytes())
+    raw[len(raw) // 3] ^= 0xFF
+    bad.write_bytes(bytes(raw))
+    target = tmp_path / "new-store"
+    code, _, err = tlkv(capsys, "restore", str(bad), "--data", str(target), "--quiet")
+    assert code == 3 and err and not target.exists()
+    code, _, _ = tlkv(capsys, "restore", str(archive_file), "--data", str(target), "--quiet")
+    assert code == 0 and target.is_dir()
