@@ -615,7 +615,7 @@ def test_import_batch_is_all_or_nothing(store: Store) -> None:
 # --- sequences ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("n_tokens", [0, 3, 8, 10, 29])
+@pytest.mark.parametrize("n_tokens", [3, 8, 10, 29])  # 0 tokens: refused (no block)
 @pytest.mark.parametrize("version", [1, 2])
 def test_sequence_round_trip_is_byte_identical(tmp_path: Path, n_tokens: int, version: int) -> None:
     envelope = make_envelope(SMALL, n_tokens, version=version, seed=n_tokens)

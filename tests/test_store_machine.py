@@ -174,6 +174,10 @@ class StoreModel(RuleBasedStateMachine):
     def put_sequence(self, name: str, idx: list[int], version: int, tail: int | None) -> None:
         envelope = _envelope(idx, version, tail)
         self.sync_evictions()
+        if not idx and tail is None:  # a sequence needs a block: refused, nothing changes
+            with pytest.raises(ValueError, match="at least one block"):
+                self.store.put_sequence(name, envelope)
+            return
         try:
             result = self.store.put_sequence(name, envelope)
         except StoreFullError:
