@@ -123,6 +123,10 @@ def assemble_sequence(
     return b"".join(parts)
 
 
+_ndarray = np.ndarray
+_PAYLOAD_OFFSET = HEADER_SIZE + RECORD_SIZE  # of a single-block envelope
+
+
 class _StoredView(BlockView):
     """A ``BlockView`` over a stored single-block envelope; every field is read on demand.
 
@@ -176,13 +180,17 @@ class _StoredView(BlockView):
     @property
     def kv(self) -> np.ndarray:
         """Read-only payload view: f16 (v1) or uint8 codes (v2), ``[L][2][Hkv][B][D]``."""
-        self._alive()
-        kvs = self._reader._arrays
-        if self._kv_slot < 0:
-            shape, dtype = self._spec
+        reader = self._reader
+        if reader._txn is None:
+            reader._alive()  # raises
+        kvs = reader._arrays
+        slot = self._kv_slot
+        if slot < 0:
+            kv = _ndarray(*self._spec, self._value, _PAYLOAD_OFFSET)
             self._kv_slot = len(kvs)
-            kvs.append(np.ndarray(shape, dtype, self._value, HEADER_SIZE + RECORD_SIZE))
-        return kvs[self._kv_slot]
+            kvs.append(kv)
+            return kv
+        return kvs[slot]
 
     def __repr__(self) -> str:
         try:

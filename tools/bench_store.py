@@ -233,7 +233,7 @@ def run(args: argparse.Namespace) -> list[Row]:
     kv = rng.standard_normal(GEOMETRY.kv_shape).astype(np.float16)
     try:
         rows = _bench_view(root, kv, 200 if quick else 2000)
-        rows += _bench_put(root, kv, 2 if quick else 5, 16 if quick else 64)
+        rows += _bench_put(root, kv, 2 if quick else 9, 16 if quick else 64)
         rows += _bench_lookup(root, 16_384, 20 if quick else 200)
         capacity = (256 << 20) if quick else (2 << 30)
         turnover = 5 if quick else 20
