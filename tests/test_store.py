@@ -459,6 +459,19 @@ def test_arrays_kept_past_the_reader_never_see_reused_pages(store: Store) -> Non
     assert store._lmdb._lingering == []
 
 
+def _run_isolated(script: str) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` in a fresh interpreter (a crash there fails the test, not pytest)."""
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])},
+    )
+    assert out.returncode == 0, out.stderr  # a segfault would be -11
+    return out
+
+
 def test_remapping_under_an_escaped_array_is_refused_not_a_crash(tmp_path: Path) -> None:
     """Growing the map moves it: with an array from a closed reader still alive, the
     store refuses (StoreError) instead of unmapping memory under it (a segfault)."""
@@ -489,14 +502,7 @@ def test_remapping_under_an_escaped_array_is_refused_not_a_crash(tmp_path: Path)
             print("grows after", s._env.info()["map_size"] > 1 << 20)
         """
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])},
-    )
-    assert out.returncode == 0, out.stderr  # a segfault would be -11
+    out = _run_isolated(script)
     assert out.stdout.split("\n")[:3] == ["refused True", "intact True", "grows after True"]
 
 
@@ -518,14 +524,7 @@ def test_closing_with_an_escaped_array_keeps_the_map(tmp_path: Path) -> None:
         print("intact", bool(np.array_equal(kv, expected)))
         """
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])},
-    )
-    assert out.returncode == 0, out.stderr  # a segfault would be -11
+    out = _run_isolated(script)
     assert out.stdout.strip() == "intact True"
     assert "stays mapped" in out.stderr
 
