@@ -29,8 +29,9 @@ from ._archive_format import (
     ArchiveSequence,
     Problem,
 )
+from ._writetxn import same_bytes
 from .checksum import crc32c
-from .envelope import decode
+from .envelope import crc_matches, decode
 from .errors import PinnedError, TlkvError
 from .layout import DTYPE_FOR_VERSION, HEADER, HEADER_SIZE, MAGIC, NO_HASH, TRAILER, TRAILER_SIZE
 
@@ -139,14 +140,6 @@ def drop_mapped_pages(parts: list[Any]) -> None:
             _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
 
 
-def _single_envelope(env: Any, index: int) -> bytes:
-    """Record ``index`` of a decoded envelope as a one-block envelope."""
-    version = env.version
-    header = HEADER.pack(MAGIC, version, DTYPE_FOR_VERSION[version], 1, *env.geometry.as_tuple())
-    record = env.record(index)
-    return header + bytes(record) + TRAILER.pack(crc32c(record, crc32c(header)))
-
-
 class CorruptBlock(Exception):
     def __init__(self, block_hash: int) -> None:
         super().__init__(f"block {block_hash:016x} fails its CRC")
@@ -177,7 +170,7 @@ def iter_sequence_records(reader: Any) -> Iterator[tuple[str, list[int] | None, 
         hashes = env.hashes.tolist()
         tail = None
         if hashes and hashes[-1] == NO_HASH:
-            tail = _single_envelope(env, len(hashes) - 1)
+            tail = env.single(len(hashes) - 1)
             hashes.pop()
         reason = None
         for i, h in enumerate(hashes):
@@ -185,7 +178,7 @@ def iter_sequence_records(reader: Any) -> Iterator[tuple[str, list[int] | None, 
             if (
                 stored is None
                 or HEADER.unpack_from(stored)[1] != env.version
-                or not _same_bytes(stored[HEADER_SIZE:-TRAILER_SIZE], env.record(i))
+                or not same_bytes(stored[HEADER_SIZE:-TRAILER_SIZE], env.record(i))
             ):
                 reason = f"keeps its own copy of block {h:016x} (another format version)"
                 break
@@ -193,18 +186,6 @@ def iter_sequence_records(reader: Any) -> Iterator[tuple[str, list[int] | None, 
             yield name, hashes, tail
         else:
             yield name, None, reason
-
-
-def _crc_ok(envelope: Any) -> bool:
-    """The envelope's trailing CRC-32C matches its bytes."""
-    (stored,) = TRAILER.unpack_from(envelope, len(envelope) - TRAILER_SIZE)
-    return bool(crc32c(envelope[:-TRAILER_SIZE]) == stored)
-
-
-def _same_bytes(a: Any, b: Any) -> bool:
-    x = np.frombuffer(a, dtype=np.uint8)
-    y = np.frombuffer(b, dtype=np.uint8)
-    return x.shape == y.shape and bool(np.array_equal(x, y))
 
 
 @dataclass
@@ -321,7 +302,7 @@ class Importer:
                 if (
                     stored is None
                     or HEADER.unpack_from(stored)[1] != version
-                    or not _crc_ok(stored)
+                    or not crc_matches(stored)
                 ):
                     fallback.append(i)  # absent, another version, or damaged: the archive's
                     parts.append(b"")

@@ -213,6 +213,10 @@ class Envelope(Sequence[BlockView]):
         start = HEADER_SIZE + index * self.record_bytes
         return self.data[start : start + self.record_bytes]
 
+    def single(self, index: int) -> bytes:
+        """Block ``index`` as a single-block envelope (its own header and CRC)."""
+        return _from_records(self.version, self.geometry, [self.record(index)])
+
     def _field(self, dtype: str, offset: int) -> np.ndarray:
         return np.ndarray(
             shape=(self._n,),
@@ -353,6 +357,16 @@ def peek_header(data: Any) -> tuple[int, Geometry | None, int]:
 # --- writing -----------------------------------------------------------------------------
 
 
+def crc_matches(data: Any) -> bool:
+    """The trailing CRC-32C of an envelope matches its bytes (False when too short to be
+    one). A quick integrity check of bytes already validated once, e.g. stored ones."""
+    n = len(data)
+    if n < MIN_ENVELOPE_SIZE:
+        return False
+    (stored,) = TRAILER.unpack_from(data, n - TRAILER_SIZE)
+    return bool(crc32c(memoryview(data)[: n - TRAILER_SIZE]) == stored)
+
+
 def _header(version: int, geometry: Geometry, n_blocks: int) -> bytes:
     return HEADER.pack(MAGIC, version, DTYPE_FOR_VERSION[version], n_blocks, *geometry.as_tuple())
 
@@ -418,7 +432,7 @@ def split(data: Any) -> list[bytes]:
     env = decode(data)
     if len(env) == 1:
         return [bytes(env.data)]
-    return [_from_records(env.version, env.geometry, [env.record(i)]) for i in range(len(env))]
+    return [env.single(i) for i in range(len(env))]
 
 
 def join(envelopes: Iterable[Any]) -> bytes:

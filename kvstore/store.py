@@ -56,8 +56,7 @@ from ._storelayout import (
     parse_sequence,
 )
 from ._writetxn import CrcMismatch, Dbs, WriteTxn
-from .checksum import crc32c
-from .envelope import Envelope, decode, transcode
+from .envelope import Envelope, crc_matches, decode, transcode
 from .errors import (
     ChecksumError,
     EnvelopeError,
@@ -71,11 +70,8 @@ from .geometry import Geometry
 from .layout import (
     HEADER,
     HEADER_SIZE,
-    MIN_ENVELOPE_SIZE,
     NO_HASH,
     SUPPORTED_VERSIONS,
-    TRAILER,
-    TRAILER_SIZE,
     U64_MAX,
 )
 
@@ -124,15 +120,6 @@ class PutReport(NamedTuple):
     def counts(self) -> PutResult:
         """The same outcome as counts."""
         return PutResult(len(self.stored), len(self.duplicate), self.partial)
-
-
-def _crc_ok(value: Any) -> bool:
-    """The stored envelope's trailing CRC-32C matches its bytes."""
-    n = len(value)
-    if n < MIN_ENVELOPE_SIZE:
-        return False
-    (stored,) = TRAILER.unpack_from(value, n - TRAILER_SIZE)
-    return bool(crc32c(memoryview(value)[: n - TRAILER_SIZE]) == stored)
 
 
 def _check_hash(block_hash: Any) -> int:
@@ -559,7 +546,7 @@ class Store:
 
         def body(w: WriteTxn) -> None:
             for h in dict.fromkeys(hashes):
-                w.quarantine(h, lambda value: not _crc_ok(value))
+                w.quarantine(h, lambda value: not crc_matches(value))
 
         try:
             self._write(body)
@@ -602,7 +589,7 @@ class Store:
         out: list[bytes | None] = []
         corrupt: list[int] = []
         for h, data in zip(hs, values):
-            if data is not None and not _crc_ok(data):
+            if data is not None and not crc_matches(data):
                 corrupt.append(h)
                 data = None
             if data is None:
