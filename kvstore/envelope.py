@@ -346,14 +346,6 @@ def _check_fills(env: Envelope) -> None:
         _check_fill(f"block {i} at offset {offset}", int(hashes[i]), int(fills[i]), b)
 
 
-def peek_header(data: Any) -> tuple[int, Geometry | None, int]:
-    """``(version, geometry, n_blocks)`` from a header, after only the length/magic checks."""
-    mv = _as_bytes_view(data)
-    version, _dtype, n_blocks, _, dims = _parse_header(mv)
-    geometry = Geometry(*dims) if min(dims) > 0 else None
-    return version, geometry, n_blocks
-
-
 # --- writing -----------------------------------------------------------------------------
 
 

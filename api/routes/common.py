@@ -94,17 +94,6 @@ def store_of(request: Request) -> Store:
     return store  # type: ignore[no-any-return]
 
 
-def parse_hash(text: str) -> int:
-    """A block hash from exactly 16 lowercase hex digits.
-
-    Raises:
-        InvalidRequestError: anything else.
-    """
-    if not _HASH.fullmatch(text):
-        raise InvalidRequestError(f"a block hash is 16 lowercase hex digits, found {text[:40]!r}")
-    return int(text, 16)
-
-
 def parse_hash_list(items: Any) -> np.ndarray:
     """``<u8`` hashes from a JSON list of 16-lowercase-hex-digit strings, vectorized.
 
