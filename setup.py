@@ -1,4 +1,4 @@
-"""Build hook: the optional C kernels (kvstore/_native.c, kvstore/_fp8.c).
+"""Build hook: the optional C extensions (kvstore/_native.c, _fp8.c, _syscalls.c).
 
 The extension is optional: if it cannot be compiled, the package installs and
 falls back to the pure-Python/NumPy implementations, which are also the test oracle.
@@ -20,5 +20,6 @@ setup(
             extra_compile_args=["-O3"],
             optional=True,
         ),
+        Extension("kvstore._syscalls", sources=["kvstore/_syscalls.c"], optional=True),
     ]
 )
