@@ -22,6 +22,7 @@ import lmdb
 
 from ._mapguard import MapGuard
 from ._storelayout import DB_ATIME, DB_BLOCKS, DB_INDEX, DB_LRU, DB_META, DB_REFS, DB_SEQS
+from ._writebehind import WriteBehind
 from ._writetxn import Dbs
 from .errors import StoreError, StoreFullError
 
@@ -86,6 +87,8 @@ class LmdbEnv:
             self.psize = int(self.env.stat()["psize"])
         except lmdb.Error as exc:
             raise StoreError(f"cannot open an LMDB environment in {path}: {exc}") from exc
+        # Only durable commits wait for the disk; without sync the kernel writes later.
+        self._write_behind = WriteBehind(os.path.join(path, "data.mdb"), enabled=sync)
 
     def open(self, check: Callable[[Any, Dbs], None]) -> Dbs:
         """Open (creating) every sub-database in one write transaction, run ``check``."""
@@ -120,6 +123,7 @@ class LmdbEnv:
         would unmap memory they point into.
         """
         with self.guard.exclusive():
+            self._write_behind.close()
             if sync:
                 self.env.sync(True)
             if self._pinned_arrays():
@@ -186,7 +190,8 @@ class LmdbEnv:
 
         ``body`` may run more than once: after MapFullError the map grows and it is
         retried, after MapResizedError the new size is adopted and it is retried. ``need``
-        is the bytes it writes (to grow ahead, and to diagnose a full disk).
+        is the bytes it writes (to grow ahead, to diagnose a full disk, and to start the
+        disk writing during a large durable commit: ``WriteBehind``).
 
         Raises:
             StoreFullError: the disk is full (nothing was written).
@@ -199,8 +204,15 @@ class LmdbEnv:
         while True:
             self.guard.acquire()
             try:
-                with self.env.begin(write=True, buffers=True) as txn:
-                    return body(txn)
+                txn = self.env.begin(write=True, buffers=True)
+                try:
+                    result = body(txn)
+                except BaseException:
+                    txn.abort()
+                    raise
+                with self._write_behind.during(need):
+                    txn.commit()
+                return result
             except lmdb.MapFullError:
                 grow = True
             except lmdb.MapResizedError:
