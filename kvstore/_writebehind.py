@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -30,82 +31,110 @@ INTERVAL = 0.002  # seconds between writeback requests during a commit
 MIN_BYTES = 8 << 20  # smaller commits copy in ~1 ms: nothing to overlap
 
 
+class _Requester:
+    """The helper thread's state; it owns the file descriptor and closes it on exit.
+
+    It holds no reference to its ``WriteBehind``, so a store dropped without ``close``
+    is still collected, and a finalizer stops the thread.
+    """
+
+    def __init__(self, fd: int, path: str) -> None:
+        self.fd, self.path = fd, path
+        self.active = threading.Event()
+        self.stopping = False
+        self.requests = 0
+
+    def run(self) -> None:
+        try:
+            while True:
+                self.active.wait()
+                if self.stopping:
+                    return
+                try:
+                    _syscalls.start_writeback(self.fd)
+                    self.requests += 1
+                except OSError as exc:  # never takes a commit down: fdatasync decides
+                    log.debug("%s: sync_file_range failed: %s", self.path, exc)
+                time.sleep(INTERVAL)
+        finally:
+            os.close(self.fd)
+
+    def stop(self) -> None:
+        self.stopping = True
+        self.active.set()  # wake it so it sees stopping
+
+
 class WriteBehind:
     """Starts the kernel writing ``path`` (LMDB's data file) during large commits.
 
-    ``enabled=False`` (commits that do not sync) makes ``during`` do nothing.
+    ``enabled=False`` (commits that do not sync) makes ``during`` do nothing. The helper
+    thread and its file descriptor are made on the first large commit.
     """
 
     def __init__(self, path: str, *, enabled: bool = True) -> None:
         self._path = path
-        self._fd = -1
+        self._off = not enabled or _syscalls is None
+        self._requester: _Requester | None = None
         self._thread: threading.Thread | None = None
-        self._active = threading.Event()
-        self._closed = not enabled
-        self.requests = 0  # writeback requests made (for tests and diagnostics)
         self._lock = threading.Lock()
+
+    @property
+    def requests(self) -> int:
+        """Writeback requests made so far (for tests and diagnostics)."""
+        return 0 if self._requester is None else self._requester.requests
 
     @contextmanager
     def during(self, nbytes: int) -> Iterator[None]:
         """Write behind while the block runs, if it commits at least ``MIN_BYTES``."""
-        if nbytes < MIN_BYTES or not self._ready():
+        requester = self._start() if nbytes >= MIN_BYTES else None
+        if requester is None:
             yield
             return
-        self._active.set()
+        requester.active.set()
         try:
             yield
         finally:
-            self._active.clear()
+            requester.active.clear()
 
     def close(self) -> None:
-        """Stop the helper thread and close the file."""
+        """Stop the helper thread (its descriptor closes with it); later commits skip it."""
         with self._lock:
-            self._closed = True
-            self._active.set()  # wake the helper so it sees _closed
-            thread, self._thread = self._thread, None
+            self._off = True
+            requester, thread = self._requester, self._thread
+        if requester is not None:
+            requester.stop()
         if thread is not None and thread.is_alive():
             thread.join()
-        self._active.clear()
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
 
-    def _ready(self) -> bool:
-        """Open the file and start the helper on first use; False if unavailable."""
-        if _syscalls is None or self._closed:
-            return False
-        if self._thread is not None:
-            return True
+    def _start(self) -> _Requester | None:
+        """The running requester, started on first use; None if write-behind is off."""
+        if self._off:
+            return None
+        if self._requester is not None:
+            return self._requester
         with self._lock:
-            if self._closed:
-                return False
-            if self._thread is None:
-                try:
-                    self._fd = os.open(self._path, os.O_RDONLY | os.O_CLOEXEC)
-                    if not _syscalls.start_writeback(self._fd):
-                        os.close(self._fd)
-                        self._fd = -1
-                        self._closed = True  # no sync_file_range here
-                        return False
-                except OSError as exc:
-                    log.debug("%s: no write-behind: %s", self._path, exc)
-                    self._closed = True
-                    return False
-                self._thread = threading.Thread(
-                    target=self._run, name="tlkv-store-writebehind", daemon=True
-                )
-                self._thread.start()
-        return True
-
-    def _run(self) -> None:
-        active, fd = self._active, self._fd
-        while True:
-            active.wait()
-            if self._closed:
-                return
+            if self._off or self._requester is not None:
+                return self._requester
             try:
-                _syscalls.start_writeback(fd)
-                self.requests += 1
-            except OSError as exc:  # never take a commit down: LMDB's fdatasync decides
-                log.debug("%s: sync_file_range failed: %s", self._path, exc)
-            time.sleep(INTERVAL)
+                fd = os.open(self._path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as exc:
+                log.debug("%s: no write-behind: %s", self._path, exc)
+                self._off = True
+                return None
+            try:
+                available = _syscalls.start_writeback(fd)
+            except OSError as exc:
+                log.debug("%s: no write-behind: %s", self._path, exc)
+                available = False
+            if not available:  # no sync_file_range on this system
+                os.close(fd)
+                self._off = True
+                return None
+            requester = _Requester(fd, self._path)
+            self._thread = threading.Thread(
+                target=requester.run, name="tlkv-store-writebehind", daemon=True
+            )
+            self._thread.start()
+            weakref.finalize(self, requester.stop)
+            self._requester = requester
+            return requester

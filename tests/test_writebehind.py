@@ -7,9 +7,11 @@ way: not for small or non-durable commits, not after ``close``, not in the way o
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -91,6 +93,22 @@ def test_close_stops_the_helper_and_later_commits_skip_it(tmp_path: Path) -> Non
     wb.close()  # twice is fine
 
 
+def test_an_unclosed_write_behind_is_collected_and_its_thread_ends(tmp_path: Path) -> None:
+    path = tmp_path / "data"
+    _dirty_file(path, 1 << 20)
+    wb = WriteBehind(str(path))
+    with wb.during(MIN_BYTES):
+        pass
+    thread = wb._thread
+    assert thread is not None and thread.is_alive()
+    ref = weakref.ref(wb)
+    del wb
+    gc.collect()
+    assert ref() is None
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+
+
 def test_a_missing_file_disables_it_quietly(tmp_path: Path) -> None:
     wb = WriteBehind(str(tmp_path / "absent"))
     with wb.during(MIN_BYTES):
@@ -113,4 +131,4 @@ def test_store_writes_behind_only_durable_large_puts(tmp_path: Path, sync: bool)
         store.put(large)
         assert (wb._thread is not None) is sync
         assert store.get(2) == encode(g, [Block(2, 16, kv)])
-    assert wb._thread is None  # closed with the store
+    assert wb._thread is None or not wb._thread.is_alive()  # stopped with the store
