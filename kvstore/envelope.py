@@ -242,9 +242,9 @@ class Envelope(Sequence[BlockView]):
 
 def _as_bytes_view(data: Any) -> memoryview:
     mv = data if isinstance(data, memoryview) else memoryview(data)
+    if not mv.c_contiguous:  # e.g. a strided numpy slice: no byte offsets to read
+        raise FormatError("envelope buffer must be C-contiguous")
     if mv.format != "B" or mv.ndim != 1:
-        if not mv.c_contiguous:
-            raise FormatError("envelope buffer must be C-contiguous")
         mv = mv.cast("B")
     return mv
 

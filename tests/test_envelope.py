@@ -352,6 +352,16 @@ def test_decoded_views_are_read_only_and_zero_copy(buffer_type: type) -> None:
         assert kv.view(np.uint8).reshape(-1)[0] == raw[28 + 12 + SMALL.record_bytes()]
 
 
+def test_non_contiguous_buffers_are_refused_with_a_format_error() -> None:
+    raw = np.frombuffer(make_envelope(SMALL, 2), dtype=np.uint8)
+    strided = np.repeat(raw, 2)[::2]  # the same bytes, not contiguous
+    assert strided.tobytes() == raw.tobytes() and not strided.flags.c_contiguous
+    for data in (strided, memoryview(strided), np.stack([raw, raw], axis=1)[:, 0]):
+        with pytest.raises(FormatError, match="C-contiguous"):
+            decode(data)
+    assert decode(np.ascontiguousarray(strided)).hashes.tolist() == decode(raw).hashes.tolist()
+
+
 def test_envelope_indexing() -> None:
     env = decode(make_envelope(SMALL, 10))
     assert len(env) == 3 and [b.n_tokens for b in env] == [4, 4, 2]
