@@ -160,7 +160,8 @@ class Store:
         capacity_bytes: bound on the stored bytes (block envelopes + sequence records);
             a put beyond it first evicts least-recently-used unpinned blocks. None: the
             store grows until the disk is full (then ``StoreFullError``).
-        sync: True: a write returns once LMDB has fsynced its commit (durable). False
+        sync: True: a write returns once LMDB has fsynced its commit (durable; a commit of
+            8 MiB or more starts the disk while LMDB still copies, ``_writebehind``). False
             (LMDB's MDB_NOSYNC): a commit survives a crash of the process, but an OS crash
             or power loss may undo the latest ones and, on a filesystem that does not
             preserve write order, may corrupt the environment (LMDB's documented risk);
