@@ -7,8 +7,9 @@ baseline measured in this same run, in temporary directories on the same filesys
 - view: ``with store.reader() as r: r.view(h).kv`` against py-lmdb's own zero-copy
   ``txn.get(key)`` + ``np.frombuffer`` on the same environment.
 - put: ``Store.put`` (sync, validation included, 64 blocks per put) against raw LMDB
-  puts of the same single-block envelopes (sync, 64 per transaction) and against a
-  file-per-block store (write a temp file, fsync, rename).
+  puts of the same single-block envelopes (sync, 64 per transaction), against a
+  file-per-block store (write a temp file, fsync, rename), and against the same store
+  with write-behind turned off (what it adds).
 - churn: puts at capacity until 20x the capacity went through; the last window's put
   throughput against the first's.
 """
@@ -93,10 +94,14 @@ def _bench_put(root: Path, kv: np.ndarray, rounds: int, per_put: int) -> list[Ro
     raw_db = raw_env.open_db(b"blocks")
     files = root / "files"
     files.mkdir()
-    t_ours, t_raw, t_files = [], [], []
-    with Store(root / "put", geometry=GEOMETRY, sync=True) as store:
+    t_ours, t_raw, t_files, t_plain = [], [], [], []
+    with (
+        Store(root / "put", geometry=GEOMETRY, sync=True) as store,
+        Store(root / "plain", geometry=GEOMETRY, sync=True) as plain,
+    ):
+        plain._lmdb._write_behind.close()  # the same store without write-behind
         # Round 0 warms up (file creation, first map growth) and is not counted; the
-        # three writers are interleaved so the disk's weather hits them alike.
+        # four writers are interleaved so the disk's weather hits them alike.
         for r in range(rounds + 1):
             first = 1_000_000 * (r + 1)
             t0 = time.perf_counter()
@@ -119,15 +124,19 @@ def _bench_put(root: Path, kv: np.ndarray, rounds: int, per_put: int) -> list[Ro
             os.fsync(dfd)
             os.close(dfd)
             t3 = time.perf_counter()
+            assert plain.put(envelopes[r]).stored == per_put
+            t4 = time.perf_counter()
             if r:
                 t_raw.append(t1 - t0)
                 t_ours.append(t2 - t1)
                 t_files.append(t3 - t2)
+                t_plain.append(t4 - t3)
     raw_env.close()
-    ours, raw, fpb = (nbytes / statistics.median(t) for t in (t_ours, t_raw, t_files))
-    # Ratios: the median of the per-round ratios (each round's three runs are adjacent).
+    ours, raw, fpb, off = (nbytes / statistics.median(t) for t in (t_ours, t_raw, t_files, t_plain))
+    # Ratios: the median of the per-round ratios (each round's runs are adjacent).
     vs_raw = statistics.median(r / o for o, r in zip(t_ours, t_raw))
     vs_files = statistics.median(f / o for o, f in zip(t_ours, t_files))
+    vs_off = statistics.median(p / o for o, p in zip(t_ours, t_plain))
     return [
         Row(
             f"put sync, {per_put} x 2 MiB per put (median of {rounds})",
@@ -144,6 +153,12 @@ def _bench_put(root: Path, kv: np.ndarray, rounds: int, per_put: int) -> list[Ro
             vs_files,
             ">= 1x",
             vs_files >= 1,
+        ),
+        Row(
+            "  same put vs the store without write-behind",
+            gbps(nbytes, nbytes / ours),
+            f"write-behind off {gbps(nbytes, nbytes / off)}",
+            vs_off,
         ),
     ]
 
