@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 import kvstore
-from kvstore.store import Store
+from kvstore.store.store import Store
 
 from .errors import install_error_handlers
 from .metrics import Metrics, MetricsMiddleware

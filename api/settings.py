@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstore.geometry import Geometry
+from kvstore.codec.geometry import Geometry
 
 ENV_DATA = "TLKV_DATA"
 ENV_GEOMETRY = "TLKV_GEOMETRY"

@@ -15,7 +15,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from .envelope import decode, join, split
+from .codec.envelope import decode, join, split
+from .codec.layout import NO_HASH, U64_MAX
 from .errors import (
     FormatError,
     InvalidRequestError,
@@ -30,7 +31,6 @@ from .errors import (
     UnauthorizedError,
     UnsupportedVersionError,
 )
-from .layout import NO_HASH, U64_MAX
 
 __all__ = ["Client", "HasResult", "PutResult", "error_from_response"]
 

@@ -14,8 +14,8 @@ import zstandard
 from conftest import SMALL, make_envelope
 
 from kvstore import Geometry, decode, split
-from kvstore._archive_format import BLOCK_NAME, Manifest, SequenceRecord, canonical_json
-from kvstore._zstdtar import (
+from kvstore.archive.format import BLOCK_NAME, Manifest, SequenceRecord, canonical_json
+from kvstore.archive.zstdtar import (
     END_OF_ARCHIVE,
     encode_index,
     member_prefix,
@@ -157,7 +157,7 @@ def craft(
 
 def frame_bounds(path: Path) -> list[tuple[int, int]]:
     """``(offset, size)`` of every frame of an archive, the index frame last."""
-    from kvstore._zstdtar import read_index
+    from kvstore.archive.zstdtar import read_index
 
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -179,7 +179,7 @@ REPO = Path(__file__).resolve().parent.parent
 # in the parent would also count the pages the child inherits from the test process.
 _TLKV = (
     "import sys\n"
-    "from kvstore.cli import main\n"
+    "from kvstore.cli.main import main\n"
     "rc = main(sys.argv[1:])\n"
     "hwm = next(l for l in open('/proc/self/status') if l.startswith('VmHWM'))\n"
     "sys.stderr.write('VmHWM ' + hwm.split()[1] + '\\n')\n"

@@ -16,7 +16,7 @@ from conftest import SMALL, make_blocks, make_envelope
 from http_server import ServerProcess, assert_error
 
 from kvstore import Block, Geometry, chain_hashes, crc32c, decode, encode, split, transcode
-from kvstore.layout import TRAILER
+from kvstore.codec.layout import TRAILER
 
 ENVELOPE = {"content-type": "application/vnd.tlkv"}
 GEOMETRY_ARG = ",".join(map(str, SMALL.as_tuple()))

@@ -14,19 +14,13 @@ import pytest
 from archive_helpers import LONG_NAME, frame_bounds, populate, snapshot
 from conftest import SMALL, make_envelope
 
-from kvstore import (
-    ArchiveError,
-    ChecksumError,
-    Geometry,
-    PinnedError,
-    ShapeError,
-    _archive_format,
-    decode,
-)
+from kvstore import ArchiveError, ChecksumError, Geometry, ShapeError, decode
 from kvstore import archive as ar
-from kvstore._zstdtar import FrameReader, ustar_header
-from kvstore.cli import main
-from kvstore.store import Store
+from kvstore.archive import format as _archive_format
+from kvstore.archive.zstdtar import FrameReader, ustar_header
+from kvstore.cli.main import main
+from kvstore.errors import PinnedError
+from kvstore.store.store import Store
 
 
 @pytest.fixture
@@ -385,7 +379,8 @@ def test_partial_restore_skips_a_damaged_frame(archive_file: Path, tmp_path: Pat
 def test_failed_commit_phase_is_undone(
     archive_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvstore import StoreFullError, _archive_store
+    from kvstore import StoreFullError
+    from kvstore.archive import importer as _archive_store
 
     monkeypatch.setattr(_archive_store, "COMMIT_BATCH_BYTES", 2000)  # many batches
     with Store(tmp_path / "dst") as dst:

@@ -11,7 +11,7 @@ from archive_helpers import frame_bounds
 from conftest import SMALL, make_envelope
 
 from kvstore import decode, split
-from kvstore._archive_format import (
+from kvstore.archive.format import (
     ArchiveBlock,
     ArchiveReader,
     ArchiveSequence,
@@ -19,8 +19,8 @@ from kvstore._archive_format import (
     SequenceRecord,
     write_archive,
 )
-from kvstore._zstdtar import encode_index, member_prefix, ustar_header
-from kvstore.checksum import crc32c
+from kvstore.archive.zstdtar import encode_index, member_prefix, ustar_header
+from kvstore.codec.checksum import crc32c
 
 
 def test_golden_manifest_and_record() -> None:
@@ -81,7 +81,7 @@ def _members() -> tuple[list[tuple[int, bytes]], list[SequenceRecord]]:
 def test_pure_round_trip(
     tmp_path: Path, buffer_type: type, frame_target: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvstore import _archive_format
+    from kvstore.archive import format as _archive_format
 
     monkeypatch.setattr(_archive_format, "FRAME_TARGET", frame_target)
     blocks, seqs = _members()

@@ -10,9 +10,9 @@ import numpy as np
 from archive_helpers import run_tlkv
 
 from kvstore import Block, Geometry, crc32c, encode
-from kvstore._archive_format import write_archive
-from kvstore.layout import HEADER_SIZE, RECORD, TRAILER, TRAILER_SIZE
-from kvstore.store import Store
+from kvstore.archive.format import write_archive
+from kvstore.codec.layout import HEADER_SIZE, RECORD, TRAILER, TRAILER_SIZE
+from kvstore.store.store import Store
 
 GEOMETRY = Geometry(16, 32, 8, 128)  # a 2 MiB v1 payload per block
 N_BLOCKS = 512  # 1 GiB of envelopes

@@ -22,7 +22,7 @@ from conftest import SMALL, make_envelope
 
 from kvstore import Geometry, decode
 from kvstore import archive as ar
-from kvstore.store import Store
+from kvstore.store.store import Store
 
 TESTS = Path(__file__).resolve().parent
 WINDOW = 3  # the writer keeps the newest WINDOW (+1 while it turns over) live sequences
@@ -33,7 +33,7 @@ _WRITER = """
 import os, sys
 sys.path.insert(0, sys.argv[1])
 from archive_helpers import live_hashes, live_sequence
-from kvstore.store import Store
+from kvstore.store.store import Store
 
 data, stop, window = sys.argv[2], sys.argv[3], int(sys.argv[4])
 with Store(data, sync=False) as store:

@@ -21,7 +21,6 @@ from kvstore import (
     Block,
     FormatError,
     Geometry,
-    PinnedError,
     ShapeError,
     StoreFullError,
     UnsupportedVersionError,
@@ -32,15 +31,16 @@ from kvstore import (
     join,
     split,
 )
-from kvstore.cli import main
+from kvstore.cli.main import main
 from kvstore.client import Client, HasResult
+from kvstore.codec.layout import TRAILER
 from kvstore.errors import (
     InvalidRequestError,
     NotFoundError,
+    PinnedError,
     TooLargeError,
     UnauthorizedError,
 )
-from kvstore.layout import TRAILER
 
 TOKEN = "client-test-token"
 GEOMETRY_ARG = ",".join(map(str, SMALL.as_tuple()))

@@ -14,14 +14,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvstore import (
-    BadMagicError,
     Block,
     ChecksumError,
     EnvelopeError,
     FormatError,
     Geometry,
     ShapeError,
-    TruncatedError,
     UnsupportedVersionError,
     crc32c,
     decode,
@@ -30,6 +28,7 @@ from kvstore import (
     split,
     transcode,
 )
+from kvstore.errors import BadMagicError, TruncatedError
 
 # Spec "Worked example (v1)": the 60-byte envelope, byte for byte.
 SPEC_GEOMETRY = Geometry(block_tokens=2, n_layers=1, n_kv_heads=1, head_dim=2)

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore import block_hash, chain_hashes, fnv1a64, hashing
+from kvstore import block_hash, chain_hashes, fnv1a64
+from kvstore.codec import hashing
 
 
 def test_fnv1a64_of_a_is_the_spec_vector() -> None:

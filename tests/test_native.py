@@ -1,7 +1,7 @@
-"""The compiled kernels in kvstore._native against independent oracles.
+"""The compiled kernels in kvstore.codec._native against independent oracles.
 
 crc32c is checked against the ``crc32c`` package; fnv1a64/fnv_chain against the tiny
-pure-Python loops below (not kvstore.hashing, so a shared mistake cannot hide);
+pure-Python loops below (not kvstore.codec.hashing, so a shared mistake cannot hide);
 f16_finite against ``np.isfinite``.
 """
 
@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-native = pytest.importorskip("kvstore._native")
+native = pytest.importorskip("kvstore.codec._native")
 
 FNV_BASIS = 0xCBF29CE484222325
 FNV_PRIME = 0x100000001B3

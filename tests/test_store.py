@@ -24,28 +24,24 @@ import numpy as np
 import pytest
 from conftest import SMALL, make_blocks, make_envelope
 
-import kvstore._keyset as keyset_module
-import kvstore._lmdbenv as lmdbenv_module
-import kvstore._storelayout as L
-import kvstore._writetxn as writetxn_module
-import kvstore.store as store_module
+import kvstore.store.diskformat as L
+import kvstore.store.keyset as keyset_module
+import kvstore.store.lmdbenv as lmdbenv_module
+import kvstore.store.store as store_module
+import kvstore.store.writetxn as writetxn_module
 from kvstore import (
-    BadMagicError,
     Block,
     BlockView,
     ChecksumError,
     FormatError,
     Geometry,
-    PinnedError,
     PutReport,
     PutResult,
     ShapeError,
     Store,
     StoreError,
     StoreFullError,
-    TruncatedError,
     UnsupportedVersionError,
-    ViewClosedError,
     chain_hashes,
     crc32c,
     decode,
@@ -54,8 +50,9 @@ from kvstore import (
     split,
     transcode,
 )
-from kvstore._crcmath import crc_combine, crc_shift
-from kvstore.layout import HEADER_SIZE, TRAILER_SIZE
+from kvstore.codec.crcmath import crc_combine, crc_shift
+from kvstore.codec.layout import HEADER_SIZE, TRAILER_SIZE
+from kvstore.errors import BadMagicError, PinnedError, TruncatedError, ViewClosedError
 
 REPO = Path(__file__).resolve().parent.parent
 SINGLE = SMALL.envelope_bytes(1)  # bytes of one stored SMALL v1 block
@@ -478,11 +475,11 @@ def test_remapping_under_an_escaped_array_is_refused_not_a_crash(tmp_path: Path)
     script = textwrap.dedent(
         f"""
         import numpy as np
-        import kvstore.store
+        import kvstore.store.store
         from kvstore import Geometry, Store, StoreError, encode
         from conftest import make_blocks
 
-        kvstore.store._INITIAL_MAP_SIZE = 1 << 20
+        kvstore.store.store._INITIAL_MAP_SIZE = 1 << 20
         g = Geometry(16, 4, 2, 64)
         with Store({str(tmp_path / "s")!r}) as s:
             first = make_blocks(g, 32, seed=1)
@@ -1015,9 +1012,9 @@ def test_a_map_grown_by_another_process_is_adopted(
         script = textwrap.dedent(
             f"""
             import numpy as np
-            import kvstore.store
+            import kvstore.store.store
             from kvstore import Block, Geometry, Store, encode
-            kvstore.store._INITIAL_MAP_SIZE = 1 << 20
+            kvstore.store.store._INITIAL_MAP_SIZE = 1 << 20
             g = Geometry(16, 4, 2, 64)
             kv = np.ones(g.kv_shape, np.float32)
             with Store({str(path)!r}) as s:
@@ -1048,7 +1045,7 @@ def test_growing_while_this_thread_holds_a_reader_is_refused(
 
 def _mp_worker(path: str, me: int, rounds: int, queue: multiprocessing.Queue) -> None:
     """One of two processes writing and reading the same store at once."""
-    import kvstore.store as sm
+    import kvstore.store.store as sm
 
     sm._INITIAL_MAP_SIZE = 1 << 20  # small, so both processes grow it while racing
     g = Geometry(16, 2, 2, 64)

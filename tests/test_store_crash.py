@@ -29,12 +29,12 @@ WRITER = textwrap.dedent(
     """
     import sys
     import numpy as np
-    import kvstore._writebehind
-    import kvstore.store
+    import kvstore.store.writebehind
+    import kvstore.store.store
     from kvstore import Block, Geometry, Store, crc32c, encode
 
-    kvstore.store._INITIAL_MAP_SIZE = 1 << 20  # small: map growth happens under fire too
-    kvstore._writebehind.MIN_BYTES = 0  # every commit writes behind: kills land mid-way
+    kvstore.store.store._INITIAL_MAP_SIZE = 1 << 20  # small: map growth happens under fire too
+    kvstore.store.writebehind.MIN_BYTES = 0  # every commit writes behind: kills land mid-way
     path, seed = sys.argv[1], int(sys.argv[2])
     g = Geometry(16, 4, 2, 64)  # 32 KiB payloads
     kv = np.random.default_rng(seed).standard_normal(g.kv_shape).astype(np.float16)

@@ -28,9 +28,9 @@ import numpy as np
 from bench_common import Row
 
 from kvstore import Block, Geometry, crc32c, encode
-from kvstore.archive import extract
-from kvstore.layout import HEADER_SIZE, RECORD, TRAILER, TRAILER_SIZE
-from kvstore.store import Store
+from kvstore.archive.operations import extract
+from kvstore.codec.layout import HEADER_SIZE, RECORD, TRAILER, TRAILER_SIZE
+from kvstore.store.store import Store
 
 GEOMETRY = Geometry(16, 32, 8, 128)
 REPO = Path(__file__).resolve().parent.parent
@@ -87,7 +87,7 @@ def _build(root: Path, n: int) -> tuple[Path, Path, list[int]]:
 # also count the pages of this big parent process, which the child inherits at spawn).
 _TLKV = (
     "import sys\n"
-    "from kvstore.cli import main\n"
+    "from kvstore.cli.main import main\n"
     "rc = main(sys.argv[1:])\n"
     "hwm = next(l for l in open('/proc/self/status') if l.startswith('VmHWM'))\n"
     "sys.stderr.write('VmHWM ' + hwm.split()[1] + '\\n')\n"

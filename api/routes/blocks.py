@@ -20,11 +20,10 @@ from fastapi import APIRouter, Path, Query, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response, StreamingResponse
 
-from kvstore.checksum import crc32c
-from kvstore.envelope import decode, encode, join
-from kvstore.errors import NotFoundError, TlkvError
-from kvstore.geometry import Geometry
-from kvstore.layout import (
+from kvstore.codec.checksum import crc32c
+from kvstore.codec.envelope import decode, encode, join
+from kvstore.codec.geometry import Geometry
+from kvstore.codec.layout import (
     DTYPE_FOR_VERSION,
     HEADER,
     HEADER_SIZE,
@@ -33,7 +32,8 @@ from kvstore.layout import (
     TRAILER_SIZE,
     VERSION_V1,
 )
-from kvstore.store import Store
+from kvstore.errors import NotFoundError, TlkvError
+from kvstore.store.store import Store
 
 from ..errors import send_error
 from .common import (

@@ -14,9 +14,9 @@ import numpy as np
 from fastapi import Request
 from starlette.responses import Response
 
+from kvstore.codec.hashing import chain_hashes_array
 from kvstore.errors import InvalidRequestError, ServiceError
-from kvstore.hashing import chain_hashes_array
-from kvstore.store import Store
+from kvstore.store.store import Store
 
 ENVELOPE_MEDIA_TYPE = "application/vnd.tlkv"
 OCTET_STREAM = "application/octet-stream"

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import PlainTextResponse, Response
 
 import kvstore
-from kvstore.layout import SUPPORTED_VERSIONS
+from kvstore.codec.layout import SUPPORTED_VERSIONS
 
 from .common import json_response, store_of
 

@@ -14,8 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .checksum import crc32c
-from .errors import (
+from ..errors import (
     BadMagicError,
     ChecksumError,
     FormatError,
@@ -23,6 +22,7 @@ from .errors import (
     TruncatedError,
     UnsupportedVersionError,
 )
+from .checksum import crc32c
 from .geometry import Geometry
 from .layout import (
     DTYPE_FOR_VERSION,

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .cli import EXIT_FAILURE, EXIT_OK, geometry_arg
+from .main import EXIT_FAILURE, EXIT_OK, geometry_arg
 
 _LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
 DEFAULT_URL_HELP = "server base URL, e.g. http://127.0.0.1:8000"
@@ -59,7 +59,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     # Open and close the store once before any worker starts: a geometry mismatch or an
     # unusable directory is reported here instead of by every worker in a restart loop.
-    from .store import Store
+    from ..store.store import Store
 
     Store(settings.data, geometry=settings.geometry, capacity_bytes=settings.capacity_bytes).close()
     auth = "on" if settings.token else "off"
@@ -91,7 +91,7 @@ def _token(args: argparse.Namespace) -> str | None:
 
 
 def _client(args: argparse.Namespace) -> Any:
-    from .client import Client
+    from ..client import Client
 
     return Client(args.url, token=_token(args))
 

@@ -17,8 +17,21 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._crcmath import CrcShift, crc_shift
-from ._storelayout import (
+from ..codec.checksum import crc32c
+from ..codec.crcmath import CrcShift, crc_shift
+from ..codec.envelope import Envelope
+from ..codec.geometry import Geometry
+from ..codec.layout import (
+    DTYPE_FOR_VERSION,
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    NO_HASH,
+    TRAILER,
+    TRAILER_SIZE,
+)
+from ..errors import StoreFullError
+from .diskformat import (
     BLOCK_KEY,
     COUNTER,
     COUNTER_KEYS,
@@ -30,11 +43,6 @@ from ._storelayout import (
     pack_sequence,
     parse_sequence,
 )
-from .checksum import crc32c
-from .envelope import Envelope
-from .errors import StoreFullError
-from .geometry import Geometry
-from .layout import DTYPE_FOR_VERSION, HEADER, HEADER_SIZE, MAGIC, NO_HASH, TRAILER, TRAILER_SIZE
 
 log = logging.getLogger("tlkv.store")
 

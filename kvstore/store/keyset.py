@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from ._storelayout import BLOCK_KEY, INDEX_DTYPE, INDEX_KEY, INDEX_VALUE
-from ._writetxn import Dbs
+from .diskformat import BLOCK_KEY, INDEX_DTYPE, INDEX_KEY, INDEX_VALUE
+from .writetxn import Dbs
 
 # Reading one index entry costs about 1/16 of a per-key lookup (or less).
 SCAN_PER_LOOKUP = 16

@@ -37,11 +37,25 @@ from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
-from ._keyset import KeySet, hash_array
-from ._lmdbenv import MAP_ALIGN, LmdbEnv
-from ._lru import RecencyBuffer
-from ._reader import KvSpec, Reader, assemble_sequence, reader_consts
-from ._storelayout import (
+from ..codec.envelope import Envelope, crc_matches, decode, transcode
+from ..codec.geometry import Geometry
+from ..codec.layout import (
+    HEADER,
+    HEADER_SIZE,
+    NO_HASH,
+    SUPPORTED_VERSIONS,
+    U64_MAX,
+)
+from ..errors import (
+    ChecksumError,
+    EnvelopeError,
+    FormatError,
+    PinnedError,
+    ShapeError,
+    StoreError,
+    UnsupportedVersionError,
+)
+from .diskformat import (
     BLOCK_KEY,
     COUNTER_KEYS,
     META_BYTES,
@@ -55,25 +69,11 @@ from ._storelayout import (
     counter,
     parse_sequence,
 )
-from ._writetxn import CrcMismatch, Dbs, WriteTxn
-from .envelope import Envelope, crc_matches, decode, transcode
-from .errors import (
-    ChecksumError,
-    EnvelopeError,
-    FormatError,
-    PinnedError,
-    ShapeError,
-    StoreError,
-    UnsupportedVersionError,
-)
-from .geometry import Geometry
-from .layout import (
-    HEADER,
-    HEADER_SIZE,
-    NO_HASH,
-    SUPPORTED_VERSIONS,
-    U64_MAX,
-)
+from .keyset import KeySet, hash_array
+from .lmdbenv import MAP_ALIGN, LmdbEnv
+from .reader import KvSpec, Reader, assemble_sequence, reader_consts
+from .recency import RecencyBuffer
+from .writetxn import CrcMismatch, Dbs, WriteTxn
 
 __all__ = ["PutReport", "PutResult", "Reader", "Store"]
 

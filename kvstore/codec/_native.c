@@ -592,7 +592,7 @@ static PyMethodDef native_methods[] = {
 };
 
 static struct PyModuleDef native_module = {
-    PyModuleDef_HEAD_INIT, "kvstore._native",
+    PyModuleDef_HEAD_INIT, "kvstore.codec._native",
     "Compiled kernels: CRC-32C, FNV-1a 64, the chained block hash, f16 finiteness.", -1,
     native_methods, NULL, NULL, NULL, NULL,
 };

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from .errors import StoreError
+from ..errors import StoreError
 
 
 class _Depth(threading.local):

@@ -28,7 +28,15 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ._archive_format import (
+from ..codec.envelope import decode
+from ..codec.geometry import Geometry
+from ..errors import (
+    ArchiveError,
+    ChecksumError,
+    ShapeError,
+    UnsafeArchiveError,
+)
+from .format import (
     ARCHIVE_FORMAT,
     ARCHIVE_VERSION,
     DEFAULT_LEVEL,
@@ -47,7 +55,7 @@ from ._archive_format import (
     tail_member,
     write_archive,
 )
-from ._archive_store import (
+from .importer import (
     CorruptBlock,
     Importer,
     RestoreReport,
@@ -57,14 +65,6 @@ from ._archive_store import (
     drop_mapped_pages,
     iter_sequence_records,
 )
-from .envelope import decode
-from .errors import (
-    ArchiveError,
-    ChecksumError,
-    ShapeError,
-    UnsafeArchiveError,
-)
-from .geometry import Geometry
 
 __all__ = [
     "ARCHIVE_FORMAT",

@@ -22,8 +22,8 @@ from typing import Any, BinaryIO
 import numpy as np
 import zstandard
 
-from .checksum import crc32c
-from .errors import ArchiveError, TruncatedArchiveError, UnsafeArchiveError
+from ..codec.checksum import crc32c
+from ..errors import ArchiveError, TruncatedArchiveError, UnsafeArchiveError
 
 # --- tar (POSIX.1-1988 ustar, POSIX.1-2001 pax) -------------------------------------------
 

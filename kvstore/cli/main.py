@@ -16,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from .envelope import decode
-from .errors import EnvelopeError, ShapeError, TlkvError, UnsupportedVersionError
-from .geometry import Geometry
-from .hashing import chain_hashes_array
+from ..codec.envelope import decode
+from ..codec.geometry import Geometry
+from ..codec.hashing import chain_hashes_array
+from ..errors import EnvelopeError, ShapeError, TlkvError, UnsupportedVersionError
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -149,13 +149,13 @@ def _register_codec(sub: Any) -> None:
 # Each group registers its subcommands; other modules' groups are imported lazily so the
 # codec commands need neither the server nor the HTTP client.
 def _register_http(sub: Any) -> None:
-    from .cli_http import register
+    from .http import register
 
     register(sub)
 
 
 def _register_archive(sub: Any) -> None:
-    from .cli_archive import register
+    from .archive import register
 
     register(sub)
 

@@ -20,11 +20,11 @@ from typing import Any, TypeVar
 
 import lmdb
 
-from ._mapguard import MapGuard
-from ._storelayout import DB_ATIME, DB_BLOCKS, DB_INDEX, DB_LRU, DB_META, DB_REFS, DB_SEQS
-from ._writebehind import WriteBehind
-from ._writetxn import Dbs
-from .errors import StoreError, StoreFullError
+from ..errors import StoreError, StoreFullError
+from .diskformat import DB_ATIME, DB_BLOCKS, DB_INDEX, DB_LRU, DB_META, DB_REFS, DB_SEQS
+from .mapguard import MapGuard
+from .writebehind import WriteBehind
+from .writetxn import Dbs
 
 try:
     import resource

@@ -23,17 +23,25 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from ._archive_format import (
+from ..codec.checksum import crc32c
+from ..codec.envelope import crc_matches, decode
+from ..codec.layout import (
+    DTYPE_FOR_VERSION,
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    NO_HASH,
+    TRAILER,
+    TRAILER_SIZE,
+)
+from ..errors import PinnedError, TlkvError
+from ..store.writetxn import same_bytes
+from .format import (
     ArchiveBlock,
     ArchiveReader,
     ArchiveSequence,
     Problem,
 )
-from ._writetxn import same_bytes
-from .checksum import crc32c
-from .envelope import crc_matches, decode
-from .errors import PinnedError, TlkvError
-from .layout import DTYPE_FOR_VERSION, HEADER, HEADER_SIZE, MAGIC, NO_HASH, TRAILER, TRAILER_SIZE
 
 # Restore commits blocks in transactions of about this many envelope bytes: LMDB holds a
 # transaction's dirty pages in memory until it commits. One batch commits (on its own

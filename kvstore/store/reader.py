@@ -25,13 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._storelayout import BLOCK_KEY, SequenceRecord, parse_sequence
-from ._writetxn import block_consts
-from .checksum import crc32c
-from .envelope import BlockView, decode
-from .errors import EnvelopeError, StoreError, ViewClosedError
-from .geometry import Geometry
-from .layout import (
+from ..codec.checksum import crc32c
+from ..codec.envelope import BlockView, decode
+from ..codec.geometry import Geometry
+from ..codec.layout import (
     DTYPE_FOR_VERSION,
     F16_DTYPE,
     HEADER,
@@ -45,6 +42,9 @@ from .layout import (
     TRAILER_SIZE,
     VERSION_V1,
 )
+from ..errors import EnvelopeError, StoreError, ViewClosedError
+from .diskformat import BLOCK_KEY, SequenceRecord, parse_sequence
+from .writetxn import block_consts
 
 if TYPE_CHECKING:
     from .store import Store

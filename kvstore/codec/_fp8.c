@@ -95,7 +95,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "kvstore._fp8", "FP8 E4M3FN quantization kernel.", -1, methods,
+    PyModuleDef_HEAD_INIT, "kvstore.codec._fp8", "FP8 E4M3FN quantization kernel.", -1, methods,
     NULL, NULL, NULL, NULL,
 };
 

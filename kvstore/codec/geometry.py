@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import UnsupportedVersionError
+from ..errors import UnsupportedVersionError
 from .layout import (
     F16_SIZE,
     HEADER_SIZE,

@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from .errors import ArchiveError, ShapeError, TlkvError, UnsupportedVersionError
+from ..errors import ArchiveError, ShapeError, TlkvError, UnsupportedVersionError
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -35,7 +35,7 @@ def archive_exit_code(error: BaseException) -> int:
         return EXIT_VERSION
     if isinstance(error, ArchiveError):
         return EXIT_FORMAT
-    from .cli import exit_code_for
+    from .main import exit_code_for
 
     return exit_code_for(error)
 
@@ -94,7 +94,7 @@ class ProgressBar:
 
 
 def _open_store(data: str, *, must_exist: bool) -> Any:
-    from .store import Store
+    from ..store.store import Store
 
     if must_exist and not os.path.isdir(data):
         raise FileNotFoundError(f"no store at {data!r}")
@@ -102,7 +102,7 @@ def _open_store(data: str, *, must_exist: bool) -> Any:
 
 
 def _cmd_create(args: argparse.Namespace) -> int:
-    from .archive import create
+    from ..archive.operations import create
 
     bar = ProgressBar("create", enabled=not args.quiet)
     with _open_store(args.data, must_exist=True) as store:
@@ -127,7 +127,7 @@ def _cmd_create(args: argparse.Namespace) -> int:
 
 
 def _cmd_restore(args: argparse.Namespace) -> int:
-    from .archive import restore
+    from ..archive.operations import restore
 
     bar = ProgressBar("restore", enabled=not args.quiet)
     created = not os.path.exists(args.data)
@@ -156,7 +156,7 @@ def _cmd_restore(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from .archive import verify
+    from ..archive.operations import verify
 
     bar = ProgressBar("verify", enabled=not args.quiet)
     try:
@@ -173,7 +173,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
-    from .archive import list_archive
+    from ..archive.operations import list_archive
 
     listing = list_archive(args.file)
     if args.json:
@@ -197,7 +197,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _cmd_extract(args: argparse.Namespace) -> int:
-    from .archive import extract, extract_all
+    from ..archive.operations import extract, extract_all
 
     if args.all:
         if args.hashes:
@@ -236,7 +236,7 @@ def _run(func: Any) -> Any:
 
 def register(sub: Any) -> None:
     """Add the ``archive`` command group to the ``tlkv`` parser."""
-    from .cli import geometry_arg
+    from .main import geometry_arg
 
     p = sub.add_parser("archive", help="create, restore, verify, list and extract archives")
     group = p.add_subparsers(dest="archive_command", required=True, metavar="ACTION")

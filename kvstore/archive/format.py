@@ -18,7 +18,17 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from ._zstdtar import (
+from ..codec.envelope import decode
+from ..codec.geometry import Geometry
+from ..codec.layout import NO_HASH, SUPPORTED_VERSIONS, U32_MAX, U64_MAX
+from ..errors import (
+    ArchiveError,
+    EnvelopeError,
+    FormatError,
+    UnsafeArchiveError,
+    UnsupportedVersionError,
+)
+from .zstdtar import (
     END_OF_ARCHIVE,
     TAR_BLOCK,
     FrameReader,
@@ -28,16 +38,6 @@ from ._zstdtar import (
     member_size,
     padded,
 )
-from .envelope import decode
-from .errors import (
-    ArchiveError,
-    EnvelopeError,
-    FormatError,
-    UnsafeArchiveError,
-    UnsupportedVersionError,
-)
-from .geometry import Geometry
-from .layout import NO_HASH, SUPPORTED_VERSIONS, U32_MAX, U64_MAX
 
 ARCHIVE_FORMAT = "tlkv-archive"
 ARCHIVE_VERSION = 1
@@ -60,7 +60,7 @@ DEFAULT_LEVEL = 3
 
 def tool_version() -> str:
     """The ``tool`` string of the manifest: ``tlkv <version>``."""
-    from . import __version__
+    from .._version import __version__
 
     return f"tlkv {__version__}"
 

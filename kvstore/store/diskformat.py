@@ -25,9 +25,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .checksum import crc32c
-from .geometry import Geometry
-from .layout import NO_HASH, SUPPORTED_VERSIONS
+from ..codec.checksum import crc32c
+from ..codec.geometry import Geometry
+from ..codec.layout import NO_HASH, SUPPORTED_VERSIONS
 
 STORE_FORMAT = 1
 
