@@ -16,46 +16,23 @@ import httpx
 import numpy as np
 
 from .codec.envelope import decode, join, split
-from .codec.layout import NO_HASH, U64_MAX
+from .codec.layout import NO_HASH
 from .errors import (
-    FormatError,
-    InvalidRequestError,
-    MethodNotAllowedError,
     NotFoundError,
-    PinnedError,
     ServiceError,
-    ShapeError,
-    StoreFullError,
     TlkvError,
-    TooLargeError,
-    UnauthorizedError,
-    UnsupportedVersionError,
+)
+from .protocol import (
+    ENVELOPE_MEDIA_TYPE,
+    ERROR_KINDS,
+    check_sequence_name,
+    error_for_kind,
+    hash_hex,
 )
 
 __all__ = ["Client", "HasResult", "PutResult", "error_from_response"]
 
-ENVELOPE_MEDIA_TYPE = "application/vnd.tlkv"
-PREFIX_HEADER = "x-tlkv-prefix-blocks"
-
-_ERRORS: dict[str, type[TlkvError]] = {
-    cls.kind: cls
-    for cls in (
-        FormatError,
-        ShapeError,
-        UnsupportedVersionError,
-        NotFoundError,
-        PinnedError,
-        TooLargeError,
-        UnauthorizedError,
-        StoreFullError,
-        InvalidRequestError,
-        MethodNotAllowedError,
-        ServiceError,
-    )
-}
-
 HashLike = int | str | np.integer
-_NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
 
 
 @dataclass(frozen=True)
@@ -83,29 +60,16 @@ def error_from_response(response: httpx.Response) -> TlkvError:
     except (ValueError, KeyError, TypeError):
         text = response.text[:200]
         return ServiceError(f"HTTP {response.status_code} without the error shape: {text!r}")
-    cls = _ERRORS.get(kind)
-    if cls is None:
+    if kind not in ERROR_KINDS:
         exc = ServiceError(f"{kind}: {message}")
         exc.http_status = response.status_code
         return exc
-    return cls(message)
-
-
-def _hex(h: HashLike) -> str:
-    if isinstance(h, str):
-        if len(h) != 16 or h.lower() != h or any(c not in "0123456789abcdef" for c in h):
-            raise ValueError(f"a block hash is 16 lowercase hex digits, found {h!r}")
-        return h
-    value = int(h)
-    if not 0 <= value <= U64_MAX:
-        raise ValueError(f"a block hash must fit u64, found {value}")
-    return f"{value:016x}"
+    return error_for_kind(kind, message)
 
 
 def _name_path(name: str) -> str:
     """The URL path of a sequence; ``.`` and ``..`` are escaped (URL dot segments)."""
-    if not isinstance(name, str) or not name or set(name) - _NAME_CHARS or len(name) > 128:
-        raise ValueError(f"a sequence name is 1-128 characters of [A-Za-z0-9._-], found {name!r}")
+    check_sequence_name(name)
     return "/v1/sequences/" + (name.replace(".", "%2E") if set(name) == {"."} else name)
 
 
@@ -115,7 +79,7 @@ def _u64(hashes: Iterable[HashLike]) -> np.ndarray:
         if hashes.dtype.kind not in "iu" or (hashes.dtype.kind == "i" and (hashes < 0).any()):
             raise ValueError(f"hashes must be u64 values, found dtype {hashes.dtype}")
         return np.ascontiguousarray(hashes.reshape(-1), dtype="<u8")
-    return np.array([int(_hex(h), 16) for h in hashes], dtype="<u8")
+    return np.array([int(hash_hex(h), 16) for h in hashes], dtype="<u8")
 
 
 class Client:
@@ -208,12 +172,12 @@ class Client:
     def get(self, hash: HashLike, format: int | None = None) -> bytes | None:
         """The block's single-block envelope (transcoded to ``format``), None when absent."""
         params = {"format": format} if format is not None else None
-        reply = self._request("GET", f"/v1/blocks/{_hex(hash)}", params=params, missing_ok=True)
+        reply = self._request("GET", f"/v1/blocks/{hash_hex(hash)}", params=params, missing_ok=True)
         return None if reply is None else reply.content
 
     def delete(self, hash: HashLike) -> bool:
         """Delete a block; False when absent. Raises PinnedError when a sequence pins it."""
-        return self._request("DELETE", f"/v1/blocks/{_hex(hash)}", missing_ok=True) is not None
+        return self._request("DELETE", f"/v1/blocks/{hash_hex(hash)}", missing_ok=True) is not None
 
     def _query(
         self, url: str, hashes: Iterable[HashLike] | None, tokens: Sequence[int] | None, **kw: Any

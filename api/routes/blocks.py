@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Annotated, Any
@@ -33,7 +32,8 @@ from kvstore.codec.layout import (
     VERSION_V1,
 )
 from kvstore.errors import NotFoundError, TlkvError
-from kvstore.store.store import Store
+from kvstore.protocol import PREFIX_HEADER, is_hash_hex, parse_hash_hex
+from kvstore.store import Store
 
 from ..errors import send_error
 from .common import (
@@ -52,7 +52,6 @@ from .common import (
 
 router = APIRouter(tags=["blocks"])
 
-PREFIX_HEADER = "x-tlkv-prefix-blocks"
 # A prefix answer up to this size is gathered first (and cut at a block that vanished);
 # a larger one streams block by block, so memory stays flat whatever the prefix length.
 PREFIX_BUFFER_BYTES = 64 * 1024 * 1024
@@ -94,7 +93,7 @@ def _put(store: Store, body: bytes | bytearray) -> tuple[list[int], list[int], i
 async def get_block(request: Request, hash: HashPath, format: FormatQuery = None) -> Response:
     """The stored single-block envelope, verbatim (or transcoded with ``?format=``)."""
     store = store_of(request)
-    h = int(hash, 16)
+    h = parse_hash_hex(hash)
     if format is None:
         data = store.get(h)
     else:  # transcoding quantizes or widens 2 MiB: off the event loop
@@ -109,7 +108,6 @@ async def get_block(request: Request, hash: HashPath, format: FormatQuery = None
 
 _BLOCK_PREFIX = "/v1/blocks/"
 _BLOCK_PATH_LEN = len(_BLOCK_PREFIX) + 16
-_HEX16 = re.compile(r"[0-9a-f]{16}")
 
 
 class BlockReadFastPath:
@@ -134,7 +132,7 @@ class BlockReadFastPath:
             and scope["method"] in ("GET", "HEAD")
             and not scope.get("query_string")
             and path.startswith(_BLOCK_PREFIX)
-            and _HEX16.fullmatch(path, len(_BLOCK_PREFIX))
+            and is_hash_hex(path[len(_BLOCK_PREFIX) :])
         ):
             store = getattr(scope["app"].state, "store", None)
         if store is None:
@@ -142,7 +140,7 @@ class BlockReadFastPath:
             return
         scope["route"] = self.route
         try:
-            data = store.get(int(path[len(_BLOCK_PREFIX) :], 16))
+            data = store.get(parse_hash_hex(path[len(_BLOCK_PREFIX) :]))
         except TlkvError as exc:
             await send_error(send, exc)
             return
@@ -170,7 +168,7 @@ class BlockReadFastPath:
 async def delete_block(request: Request, hash: HashPath) -> Response:
     """Delete a block: 204, 404 when absent, 409 when a sequence pins it."""
     store = store_of(request)
-    if not await run_in_threadpool(store.delete, int(hash, 16)):
+    if not await run_in_threadpool(store.delete, parse_hash_hex(hash)):
         raise NotFoundError(f"block {hash} not found")
     return Response(status_code=204)
 

@@ -28,6 +28,7 @@ from ..errors import (
     UnsafeArchiveError,
     UnsupportedVersionError,
 )
+from ..protocol import HASH_HEX_REGEX, SEQUENCE_NAME_REGEX, check_sequence_name, is_hash_hex
 from .zstdtar import (
     END_OF_ARCHIVE,
     TAR_BLOCK,
@@ -42,10 +43,9 @@ from .zstdtar import (
 ARCHIVE_FORMAT = "tlkv-archive"
 ARCHIVE_VERSION = 1
 MANIFEST_NAME = "manifest.json"
-BLOCK_NAME = re.compile(r"blocks/([0-9a-f]{16})\.tlkv")
-SEQUENCE_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
-SEQUENCE_JSON_NAME = re.compile(r"sequences/([A-Za-z0-9._-]{1,128})\.json")
-SEQUENCE_TAIL_NAME = re.compile(r"sequences/([A-Za-z0-9._-]{1,128})\.tail\.tlkv")
+BLOCK_NAME = re.compile(rf"blocks/({HASH_HEX_REGEX})\.tlkv")
+SEQUENCE_JSON_NAME = re.compile(rf"sequences/({SEQUENCE_NAME_REGEX})\.json")
+SEQUENCE_TAIL_NAME = re.compile(rf"sequences/({SEQUENCE_NAME_REGEX})\.tail\.tlkv")
 MANIFEST_KEYS = ("archive_version", "blocks", "format", "geometry", "sequences", "tool")
 GEOMETRY_KEYS = ("block_tokens", "head_dim", "n_kv_heads", "n_layers")
 SEQUENCE_KEYS = ("hashes", "name", "tail")
@@ -107,13 +107,6 @@ def sequence_member(name: str) -> str:
 def tail_member(name: str) -> str:
     """Member name of a sequence's tail envelope."""
     return f"sequences/{name}.tail.tlkv"
-
-
-def check_sequence_name(name: str) -> str:
-    """``name`` if it is 1-128 characters of ``[A-Za-z0-9._-]``, else ``ValueError``."""
-    if not isinstance(name, str) or not SEQUENCE_NAME.fullmatch(name):
-        raise ValueError(f"sequence name must be 1-128 chars of [A-Za-z0-9._-], found {name!r}")
-    return name
 
 
 def _escapes(name: str) -> bool:
@@ -216,9 +209,6 @@ class SequenceRecord:
         )
 
 
-_HEX16 = re.compile(r"[0-9a-f]{16}")
-
-
 def parse_sequence_json(data: Any, name: str) -> tuple[list[int], bool]:
     """``(hashes, has_tail)`` of a sequence record named ``name`` (ARCHIVE.md 1.4)."""
     what = sequence_member(name)
@@ -230,7 +220,7 @@ def parse_sequence_json(data: Any, name: str) -> tuple[list[int], bool]:
     hashes, tail = obj["hashes"], obj["tail"]
     if not isinstance(tail, bool) or not isinstance(hashes, list):
         raise ArchiveError(f"{what}: hashes must be a list and tail a boolean")
-    if not all(isinstance(h, str) and _HEX16.fullmatch(h) for h in hashes):
+    if not all(map(is_hash_hex, hashes)):
         raise ArchiveError(f"{what}: every hash must be 16 lowercase hex digits")
     values = [int(h, 16) for h in hashes]
     if NO_HASH in values:

@@ -36,6 +36,7 @@ from ..errors import (
     ShapeError,
     UnsafeArchiveError,
 )
+from ..protocol import check_sequence_name
 from .format import (
     ARCHIVE_FORMAT,
     ARCHIVE_VERSION,
@@ -49,7 +50,6 @@ from .format import (
     SequenceRecord,
     WriteSummary,
     block_member,
-    check_sequence_name,
     find_positions,
     sequence_member,
     tail_member,

@@ -17,6 +17,7 @@ import time
 from typing import Any, TextIO
 
 from ..errors import ArchiveError, ShapeError, TlkvError, UnsupportedVersionError
+from ..protocol import parse_hash_hex
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -208,10 +209,7 @@ def _cmd_extract(args: argparse.Namespace) -> int:
         return EXIT_OK
     if len(args.hashes) != 1:
         raise ValueError("extract takes one block hash (or --all)")
-    try:
-        block_hash = int(args.hashes[0], 16)
-    except ValueError:
-        raise ValueError(f"a block hash is 16 hex digits, found {args.hashes[0]!r}") from None
+    block_hash = parse_hash_hex(args.hashes[0])
     size = extract(args.file, block_hash, args.output)
     if not args.quiet and args.output != "-":
         print(f"wrote {args.output}: {size} bytes")

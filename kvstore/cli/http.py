@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..protocol import is_hash_hex
 from .main import EXIT_FAILURE, EXIT_OK, geometry_arg
 
 _LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
@@ -172,7 +173,7 @@ def _add_token(p: argparse.ArgumentParser) -> None:
 
 
 def _hash_arg(text: str) -> str:
-    if len(text) != 16 or any(c not in "0123456789abcdef" for c in text):
+    if not is_hash_hex(text):
         raise argparse.ArgumentTypeError(f"a block hash is 16 lowercase hex digits: {text!r}")
     return text
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import operator
 import os
-import re
 import threading
 import time
 import weakref
@@ -55,6 +54,7 @@ from ..errors import (
     StoreError,
     UnsupportedVersionError,
 )
+from ..protocol import check_sequence_name
 from .diskformat import (
     BLOCK_KEY,
     COUNTER_KEYS,
@@ -81,7 +81,6 @@ log = logging.getLogger("tlkv.store")
 
 _INITIAL_MAP_SIZE = 64 << 20  # LMDB map of a new store without a capacity; grows by doubling
 _FLUSH_INTERVAL = 5.0  # seconds: pending read hits are persisted at least this often
-_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 T = TypeVar("T")
 
@@ -130,9 +129,7 @@ def _check_hash(block_hash: Any) -> int:
 
 
 def _seq_key(name: Any) -> bytes:
-    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
-        raise ValueError(f"a sequence name is 1-128 characters of [A-Za-z0-9._-], found {name!r}")
-    return name.encode("ascii")
+    return check_sequence_name(name).encode("ascii")
 
 
 def _check_sequence_blocks(env: Envelope) -> None:
