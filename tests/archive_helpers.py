@@ -179,7 +179,7 @@ REPO = Path(__file__).resolve().parent.parent
 # in the parent would also count the pages the child inherits from the test process.
 _TLKV = (
     "import sys\n"
-    "from kvstore.cli.main import main\n"
+    "from kvstore.cli import main\n"
     "rc = main(sys.argv[1:])\n"
     "hwm = next(l for l in open('/proc/self/status') if l.startswith('VmHWM'))\n"
     "sys.stderr.write('VmHWM ' + hwm.split()[1] + '\\n')\n"

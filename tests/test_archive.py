@@ -18,7 +18,7 @@ from kvstore import ArchiveError, ChecksumError, Geometry, ShapeError, decode
 from kvstore import archive as ar
 from kvstore.archive import format as _archive_format
 from kvstore.archive.zstdtar import FrameReader, ustar_header
-from kvstore.cli.main import main
+from kvstore.cli import main
 from kvstore.errors import PinnedError
 from kvstore.store.store import Store
 

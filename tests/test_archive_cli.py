@@ -24,7 +24,7 @@ from conftest import SMALL
 
 from kvstore import Geometry, decode
 from kvstore.cli.archive import ProgressBar
-from kvstore.cli.main import main
+from kvstore.cli import main
 from kvstore.store.store import Store
 
 

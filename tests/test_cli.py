@@ -13,7 +13,7 @@ import pytest
 from conftest import SMALL, make_envelope
 
 from kvstore import crc32c
-from kvstore.cli.main import main
+from kvstore.cli import main
 
 
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:

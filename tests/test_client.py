@@ -31,7 +31,7 @@ from kvstore import (
     join,
     split,
 )
-from kvstore.cli.main import main
+from kvstore.cli import main
 from kvstore.client import Client, HasResult
 from kvstore.codec.layout import TRAILER
 from kvstore.errors import (

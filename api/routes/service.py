@@ -40,16 +40,7 @@ async def info(request: Request) -> Response:
     store = store_of(request)
     stats = store.stats()
     g = store.geometry
-    geometry = (
-        None
-        if g is None
-        else {
-            "block_tokens": g.block_tokens,
-            "n_layers": g.n_layers,
-            "n_kv_heads": g.n_kv_heads,
-            "head_dim": g.head_dim,
-        }
-    )
+    geometry = None if g is None else g.as_dict()
     return json_response(
         {
             "version": kvstore.__version__,

@@ -47,7 +47,7 @@ BLOCK_NAME = re.compile(rf"blocks/({HASH_HEX_REGEX})\.tlkv")
 SEQUENCE_JSON_NAME = re.compile(rf"sequences/({SEQUENCE_NAME_REGEX})\.json")
 SEQUENCE_TAIL_NAME = re.compile(rf"sequences/({SEQUENCE_NAME_REGEX})\.tail\.tlkv")
 MANIFEST_KEYS = ("archive_version", "blocks", "format", "geometry", "sequences", "tool")
-GEOMETRY_KEYS = ("block_tokens", "head_dim", "n_kv_heads", "n_layers")
+GEOMETRY_KEYS = tuple(sorted(Geometry.FIELDS))
 SEQUENCE_KEYS = ("hashes", "name", "tail")
 TOOL_NAME = re.compile(r"[ -~]{1,64}")
 
@@ -131,14 +131,7 @@ class Manifest:
             "archive_version": self.archive_version,
             "blocks": self.blocks,
             "format": ARCHIVE_FORMAT,
-            "geometry": None
-            if g is None
-            else {
-                "block_tokens": g.block_tokens,
-                "head_dim": g.head_dim,
-                "n_kv_heads": g.n_kv_heads,
-                "n_layers": g.n_layers,
-            },
+            "geometry": None if g is None else g.as_dict(),
             "sequences": self.sequences,
             "tool": self.tool,
         }
@@ -180,7 +173,7 @@ class Manifest:
                 raise ArchiveError(f"manifest: geometry must have the keys {GEOMETRY_KEYS}")
             if not all(_is_int(g[k], 1, U32_MAX) for k in GEOMETRY_KEYS):
                 raise ArchiveError(f"manifest: geometry values must be in 1..{U32_MAX}")
-            geometry = Geometry(g["block_tokens"], g["n_layers"], g["n_kv_heads"], g["head_dim"])
+            geometry = Geometry.from_dict(g)
         return cls(geometry, obj["blocks"], obj["sequences"], obj["tool"], version)
 
     def max_envelope(self) -> int:

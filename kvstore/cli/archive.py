@@ -16,29 +16,12 @@ import sys
 import time
 from typing import Any, TextIO
 
-from ..errors import ArchiveError, ShapeError, TlkvError, UnsupportedVersionError
+from ..errors import TlkvError
 from ..protocol import parse_hash_hex
+from .common import EXIT_FAILURE, EXIT_OK, exit_code_for, geometry_arg
 
-EXIT_OK = 0
-EXIT_FAILURE = 1
-EXIT_FORMAT = 3
-EXIT_SHAPE = 4
-EXIT_VERSION = 5
 BAR_WIDTH = 24
 REFRESH_SECONDS = 0.1
-
-
-def archive_exit_code(error: BaseException) -> int:
-    """4 shape, 5 version, 3 any other archive or envelope error, else 1."""
-    if isinstance(error, ShapeError):
-        return EXIT_SHAPE
-    if isinstance(error, UnsupportedVersionError):
-        return EXIT_VERSION
-    if isinstance(error, ArchiveError):
-        return EXIT_FORMAT
-    from .main import exit_code_for
-
-    return exit_code_for(error)
 
 
 class ProgressBar:
@@ -152,7 +135,7 @@ def _cmd_restore(args: argparse.Namespace) -> int:
             f"{report.sequences} sequences; {len(report.problems)} problems"
         )
     if report.problems:
-        return max(archive_exit_code(p.error) for p in report.problems)
+        return max(exit_code_for(p.error) for p in report.problems)
     return EXIT_OK
 
 
@@ -227,14 +210,13 @@ def _run(func: Any) -> Any:
             print(
                 f"tlkv archive {args.archive_command}: {type(exc).__name__}: {exc}", file=sys.stderr
             )
-            return archive_exit_code(exc)
+            return exit_code_for(exc)
 
     return wrapped
 
 
 def register(sub: Any) -> None:
     """Add the ``archive`` command group to the ``tlkv`` parser."""
-    from .main import geometry_arg
 
     p = sub.add_parser("archive", help="create, restore, verify, list and extract archives")
     group = p.add_subparsers(dest="archive_command", required=True, metavar="ACTION")

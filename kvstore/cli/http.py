@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..protocol import is_hash_hex
-from .main import EXIT_FAILURE, EXIT_OK, geometry_arg
+from .common import EXIT_FAILURE, EXIT_OK, geometry_arg
 
 _LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
 DEFAULT_URL_HELP = "server base URL, e.g. http://127.0.0.1:8000"

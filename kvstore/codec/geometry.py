@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from ..errors import UnsupportedVersionError
 from .layout import (
@@ -26,8 +28,11 @@ class Geometry:
     n_kv_heads: int
     head_dim: int
 
+    # The field names, in the header's order (spec: offsets 12..24); also the keys of as_dict.
+    FIELDS: ClassVar[tuple[str, ...]] = ("block_tokens", "n_layers", "n_kv_heads", "head_dim")
+
     def __post_init__(self) -> None:
-        for name in ("block_tokens", "n_layers", "n_kv_heads", "head_dim"):
+        for name in self.FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"Geometry.{name} must be an int, found {type(value).__name__}")
@@ -41,6 +46,24 @@ class Geometry:
         if len(parts) != 4 or not all(p.isdigit() for p in parts):
             raise ValueError(f"geometry must be B,L,H,D (four positive integers), found {text!r}")
         return cls(*(int(p) for p in parts))
+
+    @classmethod
+    def from_dict(cls, fields: Mapping[str, Any]) -> Geometry:
+        """Geometry from a mapping with exactly the keys of :attr:`FIELDS`.
+
+        Raises:
+            ValueError: a key is missing or extra, or a value is out of range.
+            TypeError: a value is not an int.
+        """
+        if set(fields) != set(cls.FIELDS):
+            raise ValueError(
+                f"geometry must have the keys {sorted(cls.FIELDS)}, found {sorted(fields)}"
+            )
+        return cls(*(fields[name] for name in cls.FIELDS))
+
+    def as_dict(self) -> dict[str, int]:
+        """The fields by name (the JSON form of the service, the CLI and archive manifests)."""
+        return dict(zip(self.FIELDS, self.as_tuple()))
 
     def as_tuple(self) -> tuple[int, int, int, int]:
         """``(block_tokens, n_layers, n_kv_heads, head_dim)``."""
