@@ -23,19 +23,19 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from ..codec.checksum import crc32c
-from ..codec.envelope import crc_matches, decode
+from ..codec.assembly import (
+    assemble,
+    crc_matches,
+    envelope_version,
+    holds_record,
+    pack_header,
+    record_of,
+)
+from ..codec.envelope import decode
 from ..codec.layout import (
-    DTYPE_FOR_VERSION,
-    HEADER,
-    HEADER_SIZE,
-    MAGIC,
     NO_HASH,
-    TRAILER,
-    TRAILER_SIZE,
 )
 from ..errors import PinnedError, TlkvError
-from ..store.writetxn import same_bytes
 from .format import (
     ArchiveBlock,
     ArchiveReader,
@@ -183,11 +183,7 @@ def iter_sequence_records(reader: Any) -> Iterator[tuple[str, list[int] | None, 
         reason = None
         for i, h in enumerate(hashes):
             stored = reader.envelope(h)
-            if (
-                stored is None
-                or HEADER.unpack_from(stored)[1] != env.version
-                or not same_bytes(stored[HEADER_SIZE:-TRAILER_SIZE], env.record(i))
-            ):
+            if stored is None or not holds_record(stored, env.version, env.record(i)):
                 reason = f"keeps its own copy of block {h:016x} (another format version)"
                 break
         if reason is None:
@@ -301,31 +297,22 @@ class Importer:
         assert g is not None
         version = item.version
         n = len(item.hashes) + (item.tail is not None)
-        header = HEADER.pack(MAGIC, version, DTYPE_FOR_VERSION[version], n, *g.as_tuple())
-        parts: list[Any] = [header]
+        parts: list[Any] = [pack_header(version, g, n)]
         fallback: list[int] = []
         with self.store.reader() as r:
             for i, h in enumerate(item.hashes):
                 stored = r.envelope(h)
-                if (
-                    stored is None
-                    or HEADER.unpack_from(stored)[1] != version
-                    or not crc_matches(stored)
-                ):
+                if stored is None or envelope_version(stored) != version or not crc_matches(stored):
                     fallback.append(i)  # absent, another version, or damaged: the archive's
                     parts.append(b"")
                     continue
-                parts.append(bytes(stored[HEADER_SIZE:-TRAILER_SIZE]))
+                parts.append(bytes(record_of(stored)))
         for i in fallback:  # read_block checks every rule, the CRC included
-            parts[1 + i] = self.archive.read_block(item.hashes[i])[HEADER_SIZE:-TRAILER_SIZE]
+            parts[1 + i] = record_of(self.archive.read_block(item.hashes[i]))
         if item.tail is not None:
             decode(item.tail, g)  # the CRC, which the second pass does not check
-            parts.append(bytes(item.tail[HEADER_SIZE:-TRAILER_SIZE]))
-        crc = 0
-        for part in parts:
-            crc = crc32c(part, crc)
-        parts.append(TRAILER.pack(crc))
-        return b"".join(parts)
+            parts.append(record_of(item.tail))
+        return assemble(parts)
 
     def flush_sequences(self) -> None:
         if not self.sequences:

@@ -22,6 +22,7 @@ from ..errors import (
     TruncatedError,
     UnsupportedVersionError,
 )
+from .assembly import assemble, pack_header
 from .checksum import crc32c
 from .geometry import Geometry
 from .layout import (
@@ -33,6 +34,10 @@ from .layout import (
     MIN_ENVELOPE_SIZE,
     NO_HASH,
     RECORD,
+    RECORD_HASH_DTYPE,
+    RECORD_HASH_OFFSET,
+    RECORD_NTOKENS_DTYPE,
+    RECORD_NTOKENS_OFFSET,
     RECORD_SIZE,
     SCALE_DTYPE,
     SUPPORTED_VERSIONS,
@@ -229,12 +234,12 @@ class Envelope(Sequence[BlockView]):
     @property
     def hashes(self) -> np.ndarray:
         """Every block's hash as a strided ``<u8`` view (no copy)."""
-        return self._field("<u8", 0)
+        return self._field(RECORD_HASH_DTYPE, RECORD_HASH_OFFSET)
 
     @property
     def fills(self) -> np.ndarray:
         """Every block's n_tokens as a strided ``<u4`` view (no copy)."""
-        return self._field("<u4", 8)
+        return self._field(RECORD_NTOKENS_DTYPE, RECORD_NTOKENS_OFFSET)
 
     def __repr__(self) -> str:
         return f"Envelope(version={self.version}, geometry={self.geometry}, n_blocks={self._n})"
@@ -249,7 +254,7 @@ def _as_bytes_view(data: Any) -> memoryview:
     return mv
 
 
-def _parse_header(mv: memoryview) -> tuple[int, int, int, Geometry | None, tuple[int, ...]]:
+def _parse_header(mv: memoryview) -> tuple[int, int, int, tuple[int, ...]]:
     """Length and magic checks, then the header fields; nothing allocated per block."""
     if len(mv) < MIN_ENVELOPE_SIZE:
         raise TruncatedError(
@@ -258,7 +263,7 @@ def _parse_header(mv: memoryview) -> tuple[int, int, int, Geometry | None, tuple
     magic, version, dtype, n_blocks, *dims = HEADER.unpack_from(mv, 0)
     if magic != MAGIC:
         raise BadMagicError(f"rule 'magic is TLKV' failed at offset 0: found {bytes(magic)!r}")
-    return version, dtype, n_blocks, None, tuple(dims)
+    return version, dtype, n_blocks, tuple(dims)
 
 
 def decode(
@@ -288,7 +293,7 @@ def decode(
         ShapeError: the header's geometry differs from ``geometry``.
     """
     mv = _as_bytes_view(data)
-    version, dtype, n_blocks, _, dims = _parse_header(mv)
+    version, dtype, n_blocks, dims = _parse_header(mv)
     if version not in SUPPORTED_VERSIONS:
         raise UnsupportedVersionError(
             f"rule 'version is one this reader supports' failed: expected one of "
@@ -349,29 +354,6 @@ def _check_fills(env: Envelope) -> None:
 # --- writing -----------------------------------------------------------------------------
 
 
-def crc_matches(data: Any) -> bool:
-    """The trailing CRC-32C of an envelope matches its bytes (False when too short to be
-    one). A quick integrity check of bytes already validated once, e.g. stored ones."""
-    n = len(data)
-    if n < MIN_ENVELOPE_SIZE:
-        return False
-    (stored,) = TRAILER.unpack_from(data, n - TRAILER_SIZE)
-    return bool(crc32c(memoryview(data)[: n - TRAILER_SIZE]) == stored)
-
-
-def _header(version: int, geometry: Geometry, n_blocks: int) -> bytes:
-    return HEADER.pack(MAGIC, version, DTYPE_FOR_VERSION[version], n_blocks, *geometry.as_tuple())
-
-
-def _assemble(parts: list[Any]) -> bytes:
-    """Concatenate header and record parts and append their CRC-32C, with one copy."""
-    crc = 0
-    for part in parts:
-        crc = crc32c(part, crc)
-    parts.append(TRAILER.pack(crc))
-    return b"".join(parts)
-
-
 def _encode_payload(geometry: Geometry, block: Block, version: int) -> list[Any]:
     """Payload parts of one block (views where possible, copies only where needed)."""
     kv = np.asarray(block.kv)
@@ -405,18 +387,18 @@ def encode(geometry: Geometry, blocks: Iterable[Block], version: int = VERSION_V
     if version not in SUPPORTED_VERSIONS:
         raise UnsupportedVersionError(f"format version must be 1 or 2, found {version}")
     blocks = list(blocks)
-    parts: list[Any] = [_header(version, geometry, len(blocks))]
+    parts: list[Any] = [pack_header(version, geometry, len(blocks))]
     for i, block in enumerate(blocks):
         if not 0 <= block.hash <= U64_MAX:
             raise ValueError(f"block {i}: hash must fit u64, found {block.hash}")
         _check_fill(f"block {i}", block.hash, block.n_tokens, geometry.block_tokens)
         parts.append(RECORD.pack(block.hash, block.n_tokens))
         parts.extend(_encode_payload(geometry, block, version))
-    return _assemble(parts)
+    return assemble(parts)
 
 
 def _from_records(version: int, geometry: Geometry, records: Sequence[Any]) -> bytes:
-    return _assemble([_header(version, geometry, len(records)), *records])
+    return assemble([pack_header(version, geometry, len(records)), *records])
 
 
 def split(data: Any) -> list[bytes]:

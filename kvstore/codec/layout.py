@@ -15,12 +15,17 @@ MAGIC = b"TLKV"
 # u32 n_kv_heads, u32 head_dim -- "The header is 28 bytes".
 HEADER = struct.Struct("<4sHHIIIII")
 HEADER_SIZE = HEADER.size  # 28
+# "u16 version" at offset 4, read alone from envelopes already validated once.
+HEADER_VERSION = struct.Struct("<H")
+HEADER_VERSION_OFFSET = 4
 
 # Block record prefix: u64 block_hash, u32 n_tokens -- "each block record 12 + P bytes".
 RECORD = struct.Struct("<QI")
 RECORD_SIZE = RECORD.size  # 12
-RECORD_HASH_OFFSET = 0
-RECORD_NTOKENS_OFFSET = 8
+RECORD_HASH_OFFSET = 0  # u64 block_hash
+RECORD_HASH_DTYPE = "<u8"
+RECORD_NTOKENS_OFFSET = 8  # u32 n_tokens
+RECORD_NTOKENS_DTYPE = "<u4"
 
 # Trailer: u32 crc32c -- "CRC-32C of every byte before it".
 TRAILER = struct.Struct("<I")

@@ -25,26 +25,26 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..codec.checksum import crc32c
+from ..codec.assembly import (
+    EnvelopeStream,
+    crc_matches,
+    envelope_version,
+    single_block,
+)
 from ..codec.envelope import BlockView, decode
 from ..codec.geometry import Geometry
 from ..codec.layout import (
-    DTYPE_FOR_VERSION,
     F16_DTYPE,
-    HEADER,
     HEADER_SIZE,
-    MAGIC,
     NO_HASH,
     RECORD,
     RECORD_SIZE,
     SUPPORTED_VERSIONS,
-    TRAILER,
     TRAILER_SIZE,
     VERSION_V1,
 )
 from ..errors import EnvelopeError, StoreError, ViewClosedError
 from .diskformat import BLOCK_KEY, SequenceRecord, parse_sequence
-from .writetxn import block_consts
 
 if TYPE_CHECKING:
     from .store import Store
@@ -82,44 +82,36 @@ def assemble_sequence(
     the records' CRCs (no second pass). None when a block is missing or corrupt (its hash
     is appended to ``corrupt`` for quarantine).
     """
-    c = block_consts(geometry, seq.version)
-    header = HEADER.pack(
-        MAGIC, seq.version, DTYPE_FOR_VERSION[seq.version], len(seq.hashes), *geometry.as_tuple()
-    )
-    parts: list[Any] = [header]
-    total = crc32c(header)
-    end = c.single_len - TRAILER_SIZE
+    c = single_block(geometry, seq.version)
+    out = EnvelopeStream(seq.version, geometry, len(seq.hashes))
+    parts: list[Any] = [out.header]
     for i, h in enumerate(seq.hashes):
         if i in seq.own:
-            record = seq.own_record(i)
-            total = c.shift(total) ^ crc32c(record)
-        else:
-            value = txn.get(BLOCK_KEY.pack(h), None, blocks_db)
-            if value is None or len(value) != c.single_len:
-                log.warning(
-                    "%s: sequence %r: block %016x is missing (quarantined as corrupt?); "
-                    "the sequence is served again once that block is put",
-                    path,
-                    name,
-                    h,
-                )
-                return None
-            (stored,) = TRAILER.unpack_from(value, end)
-            if crc32c(value[:end]) != stored:
-                corrupt.append(h)
-                return None
-            if HEADER.unpack_from(value)[1] != seq.version:
-                log.warning(
-                    "%s: sequence %r: block %016x was put again in another format version",
-                    path,
-                    name,
-                    h,
-                )
-                return None
-            record = value[HEADER_SIZE:end]
-            total = c.shift(total) ^ stored ^ c.k
-        parts.append(record)
-    parts.append(TRAILER.pack(total))
+            parts.append(out.add(seq.own_record(i)))
+            continue
+        value = txn.get(BLOCK_KEY.pack(h), None, blocks_db)
+        if value is None or len(value) != c.single_len:
+            log.warning(
+                "%s: sequence %r: block %016x is missing (quarantined as corrupt?); "
+                "the sequence is served again once that block is put",
+                path,
+                name,
+                h,
+            )
+            return None
+        if not crc_matches(value):
+            corrupt.append(h)
+            return None
+        if envelope_version(value) != seq.version:
+            log.warning(
+                "%s: sequence %r: block %016x was put again in another format version",
+                path,
+                name,
+                h,
+            )
+            return None
+        parts.append(out.add_checked_single(value))
+    parts.append(out.trailer())
     return b"".join(parts)
 
 
@@ -325,7 +317,7 @@ class Reader:
                 self.misses += 1
                 return None
         else:
-            version = self._version_of.get(len(value)) or HEADER.unpack_from(value)[1]
+            version = self._version_of.get(len(value)) or envelope_version(value)
         return _StoredView(value, self, self._geometry, version, self._specs[version])  # type: ignore[arg-type]
 
     def _export(self, value: memoryview) -> memoryview:
@@ -390,8 +382,6 @@ class Reader:
                 continue
             hashes, tail = seq.hashes, None
             if seq.own:  # the partial tail, as a single-block envelope
-                c = block_consts(self._geometry, seq.version)
-                record = seq.own_record(last)
-                tail = b"".join((c.header1, record, TRAILER.pack(crc32c(record, c.crc_header1))))
+                tail = single_block(self._geometry, seq.version).envelope(seq.own_record(last))
                 hashes = hashes[:-1]
             yield name, hashes, tail

@@ -36,10 +36,10 @@ from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
-from ..codec.envelope import Envelope, crc_matches, decode, transcode
+from ..codec.assembly import crc_matches, envelope_version
+from ..codec.envelope import Envelope, decode, transcode
 from ..codec.geometry import Geometry
 from ..codec.layout import (
-    HEADER,
     HEADER_SIZE,
     NO_HASH,
     SUPPORTED_VERSIONS,
@@ -595,7 +595,7 @@ class Store:
             else:
                 self.hits += 1
                 self._recency.touch(h)
-                if version is not None and HEADER.unpack_from(data)[1] != version:
+                if version is not None and envelope_version(data) != version:
                     data = transcode(data, version)
             out.append(data)
         if corrupt:

@@ -12,22 +12,17 @@ import logging
 from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from functools import lru_cache
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from ..codec.assembly import SingleBlock, holds_record, same_bytes, single_block, stored_crc
 from ..codec.checksum import crc32c
-from ..codec.crcmath import CrcShift, crc_shift
 from ..codec.envelope import Envelope
 from ..codec.geometry import Geometry
 from ..codec.layout import (
-    DTYPE_FOR_VERSION,
-    HEADER,
     HEADER_SIZE,
-    MAGIC,
     NO_HASH,
-    TRAILER,
     TRAILER_SIZE,
 )
 from ..errors import StoreFullError
@@ -62,29 +57,6 @@ class Dbs(NamedTuple):
     seqs: Any
 
 
-class BlockConsts(NamedTuple):
-    """Sizes and CRC constants of one-block envelopes for a geometry and version."""
-
-    record_bytes: int
-    single_len: int
-    header1: bytes  # the header of a one-block envelope
-    crc_header1: int
-    k: int  # crc_header1 shifted over one record: crc(record) = crc(header1 + record) ^ k
-    shift: CrcShift  # a CRC shifted over one record
-
-
-@lru_cache(maxsize=32)
-def block_consts(geometry: Geometry, version: int) -> BlockConsts:
-    """The (cached) ``BlockConsts`` of ``geometry`` and ``version``."""
-    record = geometry.record_bytes(version)
-    header1 = HEADER.pack(MAGIC, version, DTYPE_FOR_VERSION[version], 1, *geometry.as_tuple())
-    crc1 = crc32c(header1)
-    shift = crc_shift(record)
-    return BlockConsts(
-        record, geometry.envelope_bytes(1, version), header1, crc1, shift(crc1), shift
-    )
-
-
 class CrcMismatch(Exception):
     """An envelope's CRC failed while it was being written (the transaction aborts)."""
 
@@ -98,7 +70,7 @@ class _Staging:
 
     __slots__ = ("body", "buf", "consts")
 
-    def __init__(self, consts: BlockConsts) -> None:
+    def __init__(self, consts: SingleBlock) -> None:
         self.consts = consts
         self.buf = bytearray(consts.single_len)
         self.buf[:HEADER_SIZE] = consts.header1
@@ -107,16 +79,7 @@ class _Staging:
     def fill(self, record: memoryview) -> int:
         """Copy ``record`` in and seal the CRC; returns the record's own CRC-32C."""
         np.copyto(self.body, np.frombuffer(record, np.uint8))  # both release the GIL
-        single = crc32c(self.body, self.consts.crc_header1)
-        TRAILER.pack_into(self.buf, HEADER_SIZE + self.consts.record_bytes, single)
-        return single ^ self.consts.k
-
-
-def same_bytes(a: Any, b: Any) -> bool:
-    """Byte equality of two buffers (vectorized, no copies)."""
-    x = np.frombuffer(a, dtype=np.uint8)
-    y = np.frombuffer(b, dtype=np.uint8)
-    return x.shape == y.shape and bool(np.array_equal(x, y))
+        return self.consts.seal(self.buf)
 
 
 class WriteTxn:
@@ -270,14 +233,14 @@ class WriteTxn:
         """
         mv = env.data
         end = len(mv) - TRAILER_SIZE
-        (expected,) = TRAILER.unpack_from(mv, end)
+        expected = stored_crc(mv)
         if len(env) == 1:  # the envelope is the value: no copy
             if crc32c(mv[:end]) != expected:
                 raise CrcMismatch(env)
             if new[0]:
                 self.insert_block(hashes[0], mv)
             return
-        c = block_consts(env.geometry, env.version)
+        c = single_block(env.geometry, env.version)
         total = crc32c(mv[:HEADER_SIZE])
         if c.record_bytes >= PIPELINE_MIN_RECORD and sum(new) > 1:
             total = self._write_pipelined(env, hashes, new, c, total)
@@ -295,7 +258,7 @@ class WriteTxn:
             raise CrcMismatch(env)
 
     def _write_pipelined(
-        self, env: Envelope, hashes: list[int], new: list[bool], c: BlockConsts, total: int
+        self, env: Envelope, hashes: list[int], new: list[bool], c: SingleBlock, total: int
     ) -> int:
         """``write_records`` with a helper thread filling the next of two staging buffers."""
         pool = self._pool()
@@ -356,7 +319,7 @@ class WriteTxn:
                 duplicate.append(h)
                 self.touch(h)  # a re-put is a use: keep it over older blocks
         self.protect |= seen
-        self.make_room(len(stored) * block_consts(env.geometry, env.version).single_len)
+        self.make_room(len(stored) * single_block(env.geometry, env.version).single_len)
         self.write_records(env, hashes, new)
         return stored, duplicate, partial
 
@@ -371,7 +334,7 @@ class WriteTxn:
         """
         self.drop_sequence(key, env.geometry)
         txn = self.txn
-        c = block_consts(env.geometry, env.version)
+        c = single_block(env.geometry, env.version)
         hashes = env.hashes.tolist()
         new = [False] * len(hashes)
         own: list[int] = []
@@ -400,11 +363,7 @@ class WriteTxn:
                 pins[h] += 1
                 continue
             duplicate += 1
-            if (
-                len(value) == c.single_len
-                and HEADER.unpack_from(value)[1] == env.version
-                and same_bytes(memoryview(value)[HEADER_SIZE : c.single_len - TRAILER_SIZE], record)
-            ):
+            if holds_record(value, env.version, record):
                 pins[h] += 1
             else:  # stored in another version or with other bytes: keep ours in the record
                 own.append(i)
