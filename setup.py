@@ -1,4 +1,4 @@
-"""Build hook: the optional C extensions (kvstore/codec/_native.c, codec/_fp8.c, store/_syscalls.c).
+"""Build hook: the optional C extensions (kvstore/codec/_native.c, codec/_fp8.c, fileio/_syscalls.c).
 
 The extension is optional: if it cannot be compiled, the package installs and
 falls back to the pure-Python/NumPy implementations, which are also the test oracle.
@@ -21,7 +21,7 @@ setup(
             optional=True,
         ),
         Extension(
-            "kvstore.store._syscalls", sources=["kvstore/store/_syscalls.c"], optional=True
+            "kvstore.fileio._syscalls", sources=["kvstore/fileio/_syscalls.c"], optional=True
         ),
     ]
 )

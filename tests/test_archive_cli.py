@@ -23,8 +23,8 @@ from archive_helpers import (
 from conftest import SMALL
 
 from kvstore import Geometry, decode
-from kvstore.cli.archive import ProgressBar
 from kvstore.cli import main
+from kvstore.cli.archive import ProgressBar
 from kvstore.store.store import Store
 
 

@@ -23,7 +23,7 @@ from kvstore.store.writebehind import INTERVAL, MIN_BYTES, WriteBehind
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="sync_file_range is Linux-only"
 )
-syscalls = pytest.importorskip("kvstore.store._syscalls")
+syscalls = pytest.importorskip("kvstore.fileio._syscalls")
 
 
 def _dirty_file(path: Path, nbytes: int) -> None:

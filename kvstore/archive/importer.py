@@ -10,18 +10,10 @@ on a thread of its own.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import mmap
-import os
-import queue
-import sys
-import tempfile
-import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
-
-import numpy as np
+from typing import Any
 
 from ..codec.assembly import (
     assemble,
@@ -36,6 +28,7 @@ from ..codec.layout import (
     NO_HASH,
 )
 from ..errors import PinnedError, TlkvError
+from ..pipeline import OrderedPipeline
 from .format import (
     ArchiveBlock,
     ArchiveReader,
@@ -47,105 +40,6 @@ from .format import (
 # transaction's dirty pages in memory until it commits. One batch commits (on its own
 # thread) while the next one is validated and filled.
 COMMIT_BATCH_BYTES = 16 << 20
-# Archive files are handed to the kernel's writeback every this many bytes.
-WRITEBACK_BYTES = 16 << 20
-
-
-class WritebackFile:
-    """An unbuffered file that asks the kernel to start writing back every few MiB, so
-    that the final fsync has little left to wait for (Linux ``sync_file_range``)."""
-
-    def __init__(self, fd: int) -> None:
-        self.raw = os.fdopen(fd, "wb", buffering=0)
-        self.fd = fd
-        self.written = 0
-        self.synced = 0
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data)
-        while view.nbytes:
-            n = self.raw.write(view)
-            view = view[n:]
-            self.written += n
-        if self.written - self.synced >= WRITEBACK_BYTES and _libc is not None:
-            _libc.sync_file_range(
-                self.fd,
-                ctypes.c_longlong(self.synced),
-                ctypes.c_longlong(self.written - self.synced),
-                _SYNC_FILE_RANGE_WRITE,
-            )
-            self.synced = self.written
-        return len(data)
-
-    def fileno(self) -> int:
-        return self.fd
-
-    def close(self) -> None:
-        self.raw.close()
-
-
-def current_umask() -> int:
-    """The process umask (read by setting it and putting it back)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-@contextlib.contextmanager
-def atomic_file(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
-    """A sibling temp file renamed onto ``path`` after fsync; removed on any error."""
-    final = os.path.abspath(os.fspath(path))
-    directory = os.path.dirname(final)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(final)}.", suffix=".tmp", dir=directory)
-    try:
-        os.fchmod(fd, 0o666 & ~current_umask())  # what open() would give, not mkstemp's 0600
-        out = WritebackFile(fd)
-        try:
-            yield out  # type: ignore[misc]
-            os.fsync(fd)
-        finally:
-            out.close()
-        os.replace(tmp, final)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(directory)
-
-
-def _fsync_dir(directory: str) -> None:
-    with contextlib.suppress(OSError):
-        dfd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-
-
-_PAGE = mmap.PAGESIZE
-_MADV_DONTNEED = 4
-_SYNC_FILE_RANGE_WRITE = 2
-_libc: Any = None
-if sys.platform.startswith("linux"):
-    with contextlib.suppress(OSError):
-        _libc = ctypes.CDLL(None, use_errno=True)
-
-
-def drop_mapped_pages(parts: list[Any]) -> None:
-    """Unmap the LMDB pages a frame was read from (they stay in the page cache), so that
-    reading a large store does not grow this process's resident set. The map is a shared
-    file mapping, so ``MADV_DONTNEED`` only drops page-table entries, never data."""
-    if _libc is None:
-        return
-    for part in parts:
-        if not isinstance(part, memoryview) or part.nbytes < _PAGE:
-            continue
-        with contextlib.suppress(ValueError):  # released by the reader already
-            addr = np.frombuffer(part, dtype=np.uint8).ctypes.data
-            start = addr - addr % _PAGE
-            end = addr + part.nbytes
-            end += -end % _PAGE
-            _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
 
 
 class CorruptBlock(Exception):
@@ -222,23 +116,10 @@ class Importer:
         self.added: list[int] = []
         self.existing_names = set(store.sequences())
         self.created: list[str] = []
-        self._queue: queue.Queue[list[ArchiveBlock] | None] = queue.Queue(maxsize=1)
-        self._error: BaseException | None = None  # the commit thread's failure, raised once
-        self._failed = threading.Event()  # sticky: no batch is committed after a failure
-        self._thread: threading.Thread | None = None
-
-    def _commit_loop(self) -> None:
-        while True:
-            batch = self._queue.get()
-            if batch is None:
-                return
-            if self._failed.is_set():
-                continue  # drain after a failure (or an abort)
-            try:
-                self._commit_blocks(batch)
-            except BaseException as exc:
-                self._error = exc
-                self._failed.set()
+        # One batch commits while the next is validated and filled; a batch is sent only
+        # after the one before it committed, so nothing is committed after a failure.
+        self._pool: ThreadPoolExecutor | None = None
+        self._commits: OrderedPipeline[None] | None = None
 
     def _commit_blocks(self, batch: list[ArchiveBlock]) -> None:
         present = self.store.has([b.hash for b in batch])
@@ -249,11 +130,6 @@ class Importer:
         self.report.blocks += len(batch)
         self.report.new_blocks += len(new)
 
-    def _raise_pending(self) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
-
     def add_block(self, item: ArchiveBlock) -> None:
         self.blocks.append(item)
         self.block_bytes += len(item.envelope)
@@ -261,22 +137,28 @@ class Importer:
             self._send_blocks()
 
     def _send_blocks(self) -> None:
-        self._raise_pending()
         if not self.blocks:
             return
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._commit_loop, name="tlkv-restore")
-            self._thread.start()
-        self._queue.put(self.blocks)
+        if self._commits is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="tlkv-restore")
+            self._commits = OrderedPipeline[None](self._pool, max_pending=1)
+        while not self._commits.has_room():
+            self._commits.take()  # the previous batch's failure is raised here
+        self._commits.submit(None, self._commit_blocks, self.blocks)
         self.blocks, self.block_bytes = [], 0
 
     def _join(self) -> None:
         """Wait until every block batch is committed (raising the first failure)."""
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join()
-            self._thread = None
-        self._raise_pending()
+        if self._commits is None:
+            return
+        try:
+            while len(self._commits):
+                self._commits.take()
+        finally:
+            self._commits.cancel()
+            if self._pool is not None:
+                self._pool.shutdown()
+            self._commits = self._pool = None
 
     def flush_blocks(self) -> None:
         self._send_blocks()
@@ -330,10 +212,8 @@ class Importer:
 
     def abort(self) -> None:
         """Stop the commit thread (after a failure), keeping what it committed."""
-        if self._thread is not None:
-            self._failed.set()
-            with contextlib.suppress(BaseException):
-                self._join()
+        with contextlib.suppress(BaseException):
+            self._join()
 
     def undo(self) -> None:
         """Remove the sequences created and the blocks added (after a failed commit)."""

@@ -36,6 +36,7 @@ from ..errors import (
     ShapeError,
     UnsafeArchiveError,
 )
+from ..fileio import atomic_file, current_umask, drop_mapped_pages
 from ..protocol import check_sequence_name
 from .format import (
     ARCHIVE_FORMAT,
@@ -60,9 +61,6 @@ from .importer import (
     Importer,
     RestoreReport,
     SnapshotSequence,
-    atomic_file,
-    current_umask,
-    drop_mapped_pages,
     iter_sequence_records,
 )
 

@@ -13,9 +13,8 @@ from __future__ import annotations
 import os
 import struct
 import threading
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -24,6 +23,7 @@ import zstandard
 
 from ..codec.checksum import crc32c
 from ..errors import ArchiveError, TruncatedArchiveError, UnsafeArchiveError
+from ..pipeline import OrderedPipeline
 
 # --- tar (POSIX.1-1988 ustar, POSIX.1-2001 pax) -------------------------------------------
 
@@ -473,26 +473,22 @@ class FrameReader:
             for i in frames:
                 yield i, self._read_or_error(i)
             return
-        pending: deque[tuple[int, int, Future[bytes | ArchiveError]]] = deque()
-        in_flight = 0
         todo = iter(frames)
-        with ThreadPoolExecutor(threads, thread_name_prefix="tlkv-unzstd") as pool:
-            try:
-                nxt = next(todo, None)
-                while nxt is not None or pending:
-                    while nxt is not None and (
-                        not pending or (len(pending) < 2 * threads and in_flight < budget)
-                    ):
-                        size = int(self.index.decomp_sizes[nxt])
-                        pending.append((nxt, size, pool.submit(self._read_or_error, nxt)))
-                        in_flight += size
-                        nxt = next(todo, None)
-                    i, size, fut = pending.popleft()
-                    in_flight -= size
-                    yield i, fut.result()
-            finally:
-                for _, _, fut in pending:
-                    fut.cancel()
+        with (
+            ThreadPoolExecutor(threads, thread_name_prefix="tlkv-unzstd") as pool,
+            OrderedPipeline[bytes | ArchiveError](
+                pool, max_pending=2 * threads, max_weight=budget
+            ) as pipeline,
+        ):
+            nxt = next(todo, None)
+            while nxt is not None or len(pipeline):
+                while nxt is not None and pipeline.has_room(size := self._frame_size(nxt)):
+                    pipeline.submit(nxt, self._read_or_error, nxt, weight=size)
+                    nxt = next(todo, None)
+                yield pipeline.take()
+
+    def _frame_size(self, i: int) -> int:
+        return max(1, int(self.index.decomp_sizes[i]))
 
     def _read_or_error(self, i: int) -> bytes | ArchiveError:
         try:
@@ -536,10 +532,8 @@ class FrameWriter:
         self.frames: list[tuple[int, int]] = []
         self.blocks: list[tuple[int, int, int]] = []
         self.bytes_written = 0
-        self._pending: deque[tuple[int, list[tuple[int, int, int]], Future[bytes], list[Any]]] = (
-            deque()
-        )
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="tlkv-zstd")
+        self._pending = OrderedPipeline[bytes](self._pool, max_pending=2 * self.threads)
         self._local = threading.local()
 
     def _cctx(self) -> zstandard.ZstdCompressor:
@@ -570,11 +564,10 @@ class FrameWriter:
             return
         index = len(self.frames) + len(self._pending)
         blocks = [(h, index, off) for h, off in self._blocks_here]
-        fut = self._pool.submit(self._compress, self._parts)
-        self._pending.append((self._size, blocks, fut, self._parts))
-        self._parts, self._size, self._blocks_here = [], 0, []
-        while len(self._pending) > 2 * self.threads:
+        while not self._pending.has_room():
             self._drain_one()
+        self._pending.submit((self._size, blocks, self._parts), self._compress, self._parts)
+        self._parts, self._size, self._blocks_here = [], 0, []
 
     def add_raw_frame(self, data: bytes) -> None:
         """Append a frame holding exactly ``data`` (e.g. the end-of-archive marker)."""
@@ -583,8 +576,7 @@ class FrameWriter:
         self.seal()
 
     def _drain_one(self) -> None:
-        size, blocks, fut, parts = self._pending.popleft()
-        comp = fut.result()
+        (size, blocks, parts), comp = self._pending.take()
         if self.release is not None:
             self.release(parts)
         self.out.write(comp)
@@ -597,7 +589,7 @@ class FrameWriter:
     def finish(self) -> int:
         """Seal, write every pending frame and the index; returns the archive's size."""
         self.seal()
-        while self._pending:
+        while len(self._pending):
             self._drain_one()
         self._pool.shutdown()
         index = encode_index(self.frames, self.blocks)
@@ -607,7 +599,5 @@ class FrameWriter:
 
     def abort(self) -> None:
         """Drop pending work (after an error)."""
-        for entry in self._pending:
-            entry[2].cancel()
-        self._pending.clear()
+        self._pending.cancel()
         self._pool.shutdown(wait=True, cancel_futures=True)

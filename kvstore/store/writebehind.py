@@ -7,7 +7,7 @@ helper thread asks the kernel every ``INTERVAL`` seconds to start writing the fi
 dirty pages (``sync_file_range(SYNC_FILE_RANGE_WRITE)``: asynchronous), so the copy and
 the disk overlap. Durability does not depend on it: LMDB's own ``fdatasync`` and meta
 page write still decide when a commit is durable. Linux only; elsewhere (or without the
-compiled ``kvstore._syscalls``) ``during`` does nothing.
+compiled ``kvstore.fileio._syscalls``) ``during`` does nothing.
 """
 
 from __future__ import annotations
@@ -20,10 +20,7 @@ import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-try:
-    from . import _syscalls
-except ImportError:  # pragma: no cover - the extension is optional
-    _syscalls = None  # type: ignore[assignment]
+from ..fileio import start_writeback, writeback_available
 
 log = logging.getLogger("tlkv.store")
 
@@ -51,7 +48,7 @@ class _Requester:
                 if self.stopping:
                     return
                 try:
-                    _syscalls.start_writeback(self.fd)
+                    start_writeback(self.fd)
                     self.requests += 1
                 except OSError as exc:  # never takes a commit down: fdatasync decides
                     log.debug("%s: sync_file_range failed: %s", self.path, exc)
@@ -73,7 +70,7 @@ class WriteBehind:
 
     def __init__(self, path: str, *, enabled: bool = True) -> None:
         self._path = path
-        self._off = not enabled or _syscalls is None
+        self._off = not enabled or not writeback_available()
         self._requester: _Requester | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -122,7 +119,7 @@ class WriteBehind:
                 self._off = True
                 return None
             try:
-                available = _syscalls.start_writeback(fd)
+                available = start_writeback(fd)
             except OSError as exc:
                 log.debug("%s: no write-behind: %s", self._path, exc)
                 available = False

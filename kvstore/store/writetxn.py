@@ -9,9 +9,9 @@ from the block space; the ``bytes`` counter is the size of every stored value.
 from __future__ import annotations
 
 import logging
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -26,6 +26,7 @@ from ..codec.layout import (
     TRAILER_SIZE,
 )
 from ..errors import StoreFullError
+from ..pipeline import OrderedPipeline
 from .diskformat import (
     BLOCK_KEY,
     COUNTER,
@@ -261,34 +262,26 @@ class WriteTxn:
         self, env: Envelope, hashes: list[int], new: list[bool], c: SingleBlock, total: int
     ) -> int:
         """``write_records`` with a helper thread filling the next of two staging buffers."""
-        pool = self._pool()
         stagings = (_Staging(c), _Staging(c))
-        pending: deque[tuple[int, Future[int], _Staging | None]] = deque()
-        n, nxt, in_flight, turn = len(env), 0, 0, 0
-        try:
+        n, nxt, turn = len(env), 0, 0
+        # A staging buffer weighs 1: both may be filling while neither is inserted yet.
+        with OrderedPipeline[int](self._pool(), max_weight=len(stagings)) as pipeline:
             while True:
-                while nxt < n and (not new[nxt] or in_flight < len(stagings)):
+                while nxt < n and pipeline.has_room(int(new[nxt])):
                     record = env.record(nxt)
-                    staging = stagings[turn] if new[nxt] else None
-                    if staging is not None:
-                        fut = pool.submit(staging.fill, record)
+                    if new[nxt]:
+                        staging = stagings[turn]
                         turn ^= 1
-                        in_flight += 1
+                        pipeline.submit((nxt, staging), staging.fill, record, weight=1)
                     else:
-                        fut = pool.submit(crc32c, record)
-                    pending.append((nxt, fut, staging))
+                        pipeline.submit((nxt, None), crc32c, record)
                     nxt += 1
-                if not pending:
+                if not len(pipeline):
                     return total
-                i, fut, staging = pending.popleft()
-                total = c.shift(total) ^ fut.result()
+                (i, staging), crc = pipeline.take()
+                total = c.shift(total) ^ crc
                 if staging is not None:
                     self.insert_block(hashes[i], staging.buf)
-                    in_flight -= 1
-        finally:
-            for _, fut, _ in pending:
-                fut.cancel()
-            wait([fut for _, fut, _ in pending])
 
     def put_blocks(self, env: Envelope) -> tuple[list[int], list[int], int]:
         """Store every new full block of ``env``.

@@ -41,8 +41,8 @@ static PyMethodDef syscalls_methods[] = {
 };
 
 static struct PyModuleDef syscalls_module = {
-    PyModuleDef_HEAD_INIT, "kvstore.store._syscalls",
-    "sync_file_range: start writeback without waiting (write-behind for the block store).", -1,
+    PyModuleDef_HEAD_INIT, "kvstore.fileio._syscalls",
+    "sync_file_range: start writeback without waiting (write-behind of the store, archive outputs).", -1,
     syscalls_methods, NULL, NULL, NULL, NULL,
 };
 
