@@ -34,8 +34,8 @@ from kvstore import (
     split,
 )
 from kvstore import archive as ar
-from kvstore.archive.format import SequenceRecord, canonical_json
-from kvstore.archive.zstdtar import END_OF_ARCHIVE, USTAR_HEADER, ustar_header
+from kvstore.archive.manifest import SequenceRecord, canonical_json
+from kvstore.archive.tar import END_OF_ARCHIVE, USTAR_HEADER, ustar_header
 from kvstore.errors import TruncatedArchiveError, UnsafeArchiveError
 from kvstore.store.store import Store
 

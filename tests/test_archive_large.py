@@ -10,7 +10,7 @@ import numpy as np
 from archive_helpers import run_tlkv
 
 from kvstore import Block, Geometry, crc32c, encode
-from kvstore.archive.format import write_archive
+from kvstore.archive.writer import write_archive
 from kvstore.codec.layout import HEADER_SIZE, RECORD, TRAILER, TRAILER_SIZE
 from kvstore.store.store import Store
 

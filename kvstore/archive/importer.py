@@ -1,16 +1,15 @@
-"""The store side of archives: crash-safe output files, snapshot helpers, and the
-batched importer that restore commits through (used by ``archive``; no public API).
+"""Restore's commit side: validated archive items imported into the store in bounded batches.
 
-Memory stays bounded whatever the archive's size: pages of LMDB's map that ``create``
-has read are dropped from the resident set once compressed, output is handed to the
-kernel's writeback as it is written, and restore commits in batches of bounded size
-on a thread of its own.
+Blocks commit in transactions of about ``COMMIT_BATCH_BYTES`` (LMDB holds a transaction's
+dirty pages in memory until it commits), one batch committing on a thread of its own while
+the next is validated and filled; sequences follow once every block is in, assembled from
+the store's copies (or the archive's). On a failure, :meth:`Importer.undo` removes what
+this restore added.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,71 +18,18 @@ from ..codec.assembly import (
     assemble,
     crc_matches,
     envelope_version,
-    holds_record,
     pack_header,
     record_of,
 )
 from ..codec.envelope import decode
-from ..codec.layout import (
-    NO_HASH,
-)
 from ..errors import PinnedError, TlkvError
 from ..pipeline import OrderedPipeline
-from .format import (
-    ArchiveBlock,
-    ArchiveReader,
-    ArchiveSequence,
-    Problem,
-)
+from .reader import ArchiveBlock, ArchiveReader, ArchiveSequence, Problem
 
 # Restore commits blocks in transactions of about this many envelope bytes: LMDB holds a
 # transaction's dirty pages in memory until it commits. One batch commits (on its own
 # thread) while the next one is validated and filled.
 COMMIT_BATCH_BYTES = 16 << 20
-
-
-class CorruptBlock(Exception):
-    def __init__(self, block_hash: int) -> None:
-        super().__init__(f"block {block_hash:016x} fails its CRC")
-        self.hash = block_hash
-
-
-@dataclass
-class SnapshotSequence:
-    name: str
-    hashes: list[int]
-    has_tail: bool
-
-
-def iter_sequence_records(reader: Any) -> Iterator[tuple[str, list[int] | None, Any]]:
-    """``(name, hashes, tail envelope or None)`` of every sequence in the snapshot.
-
-    Uses the store's ``iter_sequence_records`` when it has one; otherwise rebuilds them
-    from ``iter_sequences`` (whole envelopes, one at a time). A sequence that keeps its
-    own copy of a full block (stored in another format version than the block space's)
-    cannot be written by reference and is reported as ``(name, None, reason)``.
-    """
-    fast = getattr(reader, "iter_sequence_records", None)
-    if fast is not None:
-        yield from fast()
-        return
-    for name, envelope in reader.iter_sequences():
-        env = decode(envelope, verify_crc=False)  # assembled by the store from checked data
-        hashes = env.hashes.tolist()
-        tail = None
-        if hashes and hashes[-1] == NO_HASH:
-            tail = env.single(len(hashes) - 1)
-            hashes.pop()
-        reason = None
-        for i, h in enumerate(hashes):
-            stored = reader.envelope(h)
-            if stored is None or not holds_record(stored, env.version, env.record(i)):
-                reason = f"keeps its own copy of block {h:016x} (another format version)"
-                break
-        if reason is None:
-            yield name, hashes, tail
-        else:
-            yield name, None, reason
 
 
 @dataclass

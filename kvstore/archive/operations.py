@@ -1,11 +1,13 @@
-"""Archives of a store's KV state: create, restore, verify, list and extract (issue 5).
+"""Archives of a store's KV state: create, restore, verify, list and extract.
 
-The format (ARCHIVE.md beside this module) keeps the store's single-block envelopes
+The format (ARCHIVE.md beside this package) keeps the store's single-block envelopes
 verbatim in a tar stream cut into independent zstd frames, with a seek index in a zstd
 skippable frame at the end: ``zstd -dc FILE | tar -x`` yields the envelopes as files.
 
-Layers: ``_zstdtar`` (tar + zstd frames + index), ``_archive_format`` (manifest, names,
-the pure streaming writer and validator), and this module, which ties them to the store:
+Layers: ``tar`` (member headers), ``frames`` (zstd frames + seek index), ``manifest``
+(names, manifest, sequence records, member rules), ``writer`` and ``reader`` (streaming
+writer and validator, no store), ``importer`` (restore's batched import), and this module,
+which ties them to the store:
 
 - ``create`` reads one consistent snapshot (one LMDB read transaction) and writes a
   sibling temp file that is fsynced and renamed into place.
@@ -38,31 +40,24 @@ from ..errors import (
 )
 from ..fileio import atomic_file, current_umask, drop_mapped_pages
 from ..protocol import check_sequence_name
-from .format import (
+from .importer import (
+    Importer,
+    RestoreReport,
+)
+from .manifest import (
     ARCHIVE_FORMAT,
     ARCHIVE_VERSION,
     DEFAULT_LEVEL,
     MANIFEST_NAME,
-    ArchiveBlock,
-    ArchiveReader,
-    ArchiveSequence,
     Manifest,
-    Problem,
     SequenceRecord,
-    WriteSummary,
     block_member,
     find_positions,
     sequence_member,
     tail_member,
-    write_archive,
 )
-from .importer import (
-    CorruptBlock,
-    Importer,
-    RestoreReport,
-    SnapshotSequence,
-    iter_sequence_records,
-)
+from .reader import ArchiveBlock, ArchiveReader, ArchiveSequence, Problem
+from .writer import WriteSummary, write_archive
 
 __all__ = [
     "ARCHIVE_FORMAT",
@@ -87,6 +82,15 @@ __all__ = [
     "verify",
     "write_archive",
 ]
+
+
+class CorruptBlock(Exception):
+    """A block of the snapshot failed its CRC while ``create`` read it."""
+
+    def __init__(self, block_hash: int) -> None:
+        super().__init__(f"block {block_hash:016x} fails its CRC")
+        self.hash = block_hash
+
 
 # create quarantines a block that fails its CRC and starts over, at most this many times.
 MAX_CORRUPT_RETRIES = 16
@@ -169,8 +173,8 @@ def _create_once(
             keys.append(h)
             drop_mapped_pages([value])
         present = np.array(keys, dtype=np.uint64)
-        infos: list[SnapshotSequence] = []
-        for name, hashes, tail in iter_sequence_records(r):
+        kept: dict[str, list[int]] = {}  # name -> hashes of each sequence archived
+        for name, hashes, tail in r.iter_sequence_records():
             if wanted is not None and name not in wanted:
                 continue
             if hashes is None:
@@ -178,16 +182,16 @@ def _create_once(
             else:
                 missing = find_positions(present, hashes)[1]
                 if missing is None:
-                    infos.append(SnapshotSequence(name, list(hashes), tail is not None))
+                    kept[name] = list(hashes)
                     continue
                 reason = f"block {missing:016x} is missing (quarantined as corrupt?)"
             skipped.append(f"sequence {name!r}: {reason}; not archived")
             skipped_names.add(name)
         if wanted is not None:
-            unknown = wanted - {i.name for i in infos} - skipped_names
+            unknown = wanted - kept.keys() - skipped_names
             if unknown:
                 raise KeyError(f"no sequence named {sorted(unknown)[0]!r} in the store")
-            block_hashes = sorted({h for info in infos for h in info.hashes})
+            block_hashes = sorted({h for hashes in kept.values() for h in hashes})
         n_blocks = len(block_hashes) if wanted is not None else len(keys)
         if progress is not None:
             progress.start(n_blocks)
@@ -206,9 +210,8 @@ def _create_once(
                 yield h, env
 
         def records() -> Iterator[SequenceRecord]:
-            keep = {i.name for i in infos}
-            for name, hashes, tail in iter_sequence_records(r):
-                if name in keep and hashes is not None:
+            for name, hashes, tail in r.iter_sequence_records():
+                if name in kept and hashes is not None:
                     yield SequenceRecord(name, list(hashes), tail)
 
         summary = write_archive(
@@ -217,7 +220,7 @@ def _create_once(
             blocks(),
             records(),
             n_blocks=n_blocks,
-            n_sequences=len(infos),
+            n_sequences=len(kept),
             level=level,
             threads=threads,
             progress=None if progress is None else progress.update,
