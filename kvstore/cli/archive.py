@@ -1,4 +1,4 @@
-"""``tlkv archive``: create, restore, verify, list and extract archives (issue 5).
+"""``tlkv archive``: create, restore, verify, list and extract archives.
 
 Imported lazily by ``kvstore.cli``. Exit codes follow ``tlkv verify``: 3 a malformed or
 unsafe archive or envelope, 4 a geometry mismatch, 5 an unsupported version, 1 anything
