@@ -21,7 +21,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from functools import lru_cache
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -45,9 +45,6 @@ from ..codec.layout import (
 )
 from ..errors import EnvelopeError, StoreError, ViewClosedError
 from .diskformat import BLOCK_KEY, SequenceRecord, parse_sequence
-
-if TYPE_CHECKING:
-    from .store import Store
 
 log = logging.getLogger("tlkv.store")
 
@@ -191,6 +188,37 @@ class _StoredView(BlockView):
             return "BlockView(<reader closed>)"
 
 
+class ReadSnapshot(NamedTuple):
+    """One read transaction of a store and what reading it needs."""
+
+    txn: Any
+    geometry: Geometry | None
+    version_of: dict[int, int]  # single-block envelope length -> its format version
+    specs: dict[int, KvSpec]  # format version -> how its kv array lies in a record
+    blocks_db: Any
+    seqs_db: Any
+    touch: Callable[[int], Any]  # records a hit for the LRU order
+
+
+class ReadHandle(Protocol):
+    """All a :class:`Reader` may use of its store."""
+
+    @property
+    def path(self) -> str: ...
+
+    def open_snapshot(self) -> ReadSnapshot:
+        """Begin a read transaction (holding the map guard)."""
+        ...
+
+    def close_snapshot(self, txn: Any, escaped: list[Any]) -> None:
+        """End ``txn``, or keep it open while the ``escaped`` arrays (weak refs) live."""
+        ...
+
+    def account(self, hits: int, misses: int, corrupt: list[int]) -> None:
+        """Add a closed reader's hits and misses; quarantine the corrupt blocks it met."""
+        ...
+
+
 class Reader:
     """A read transaction giving zero-copy access to stored blocks (``store.reader()``).
 
@@ -202,7 +230,7 @@ class Reader:
     thread per reader; its hits and misses reach ``stats()`` when it closes.
     """
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: ReadHandle) -> None:
         self._store = store
         self._txn: Any = None
         self._used = False
@@ -222,18 +250,13 @@ class Reader:
         if self._used:
             raise StoreError("a Reader is single-use; call store.reader() again")
         self._used = True
-        store = self._store
-        self._txn = txn = store._begin_read(True)
-        try:
-            g = self._geometry = store._geometry_in(txn)
-        except BaseException:
-            self.__exit__(None, None, None)
-            raise
-        if g is not None:
-            self._version_of, self._specs = store._reader_consts(g)
-        self._get = txn.get
-        self._blocks = store._dbs.blocks
-        self._touch = store._recency.touch
+        snap = self._store.open_snapshot()
+        self._txn = snap.txn
+        self._geometry = snap.geometry
+        self._version_of, self._specs = snap.version_of, snap.specs
+        self._get = snap.txn.get
+        self._blocks, self._seqs = snap.blocks_db, snap.seqs_db
+        self._touch = snap.touch
         return self
 
     def __exit__(
@@ -261,14 +284,8 @@ class Reader:
                 self._store.path,
                 len(escaped),
             )
-            self._store._lmdb.linger(txn, escaped)
-        else:
-            self._store._end_read(txn)
-        self._store.hits += self.hits
-        self._store.misses += self.misses
-        if self._corrupt:
-            self._store._quarantine(self._corrupt)
-        self._store._flush_soon()
+        self._store.close_snapshot(txn, escaped)
+        self._store.account(self.hits, self.misses, self._corrupt)
 
     def _alive(self) -> None:
         if self._txn is None:
@@ -342,7 +359,7 @@ class Reader:
 
     def _records(self) -> Iterator[tuple[str, SequenceRecord | None]]:
         self._alive()
-        for key, raw in self._txn.cursor(db=self._store._dbs.seqs):
+        for key, raw in self._txn.cursor(db=self._seqs):
             yield bytes(key).decode("ascii"), parse_sequence(raw, self._geometry)
 
     def iter_sequences(self) -> Iterator[tuple[str, bytes]]:

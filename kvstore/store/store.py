@@ -71,7 +71,7 @@ from .diskformat import (
 )
 from .keyset import KeySet, hash_array
 from .lmdbenv import MAP_ALIGN, LmdbEnv
-from .reader import KvSpec, Reader, assemble_sequence, reader_consts
+from .reader import KvSpec, Reader, ReadSnapshot, assemble_sequence, reader_consts
 from .recency import RecencyBuffer
 from .writetxn import CrcMismatch, Dbs, WriteTxn
 
@@ -145,6 +145,28 @@ def _check_sequence_blocks(env: Envelope) -> None:
                 f"(hash 0) may only be the last block of a sequence, found at position {i} "
                 f"of {len(env)}"
             )
+
+
+class _ReadHandle:
+    """A store as its readers see it (:class:`~kvstore.store.reader.ReadHandle`)."""
+
+    __slots__ = ("_store",)
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+
+    @property
+    def path(self) -> str:
+        return self._store.path
+
+    def open_snapshot(self) -> ReadSnapshot:
+        return self._store._open_snapshot()
+
+    def close_snapshot(self, txn: Any, escaped: list[Any]) -> None:
+        self._store._close_snapshot(txn, escaped)
+
+    def account(self, hits: int, misses: int, corrupt: list[int]) -> None:
+        self._store._account(hits, misses, corrupt)
 
 
 class Store:
@@ -310,6 +332,33 @@ class Store:
                 f"the store {self._path} was opened in process {self._pid}; "
                 "open stores after fork, in the process that uses them"
             )
+
+    # --- the read side's handle (Reader sees only this) -------------------------------------
+
+    def _open_snapshot(self) -> ReadSnapshot:
+        txn = self._begin_read(True)
+        try:
+            g = self._geometry_in(txn)
+        except BaseException:
+            self._end_read(txn)
+            raise
+        version_of, specs = self._reader_consts(g) if g is not None else ({}, {})
+        return ReadSnapshot(
+            txn, g, version_of, specs, self._dbs.blocks, self._dbs.seqs, self._recency.touch
+        )
+
+    def _close_snapshot(self, txn: Any, escaped: list[Any]) -> None:
+        if escaped:
+            self._lmdb.linger(txn, escaped)
+        else:
+            self._end_read(txn)
+
+    def _account(self, hits: int, misses: int, corrupt: list[int]) -> None:
+        self.hits += hits
+        self.misses += misses
+        if corrupt:
+            self._quarantine(corrupt)
+        self._flush_soon()
 
     def _begin_read(self, buffers: bool) -> Any:
         """A read transaction holding the map guard; end it with ``_end_read``."""
@@ -643,7 +692,7 @@ class Store:
         a resize of LMDB's map (a write in this process) waits until it closes.
         """
         self._check_usable()
-        return Reader(self)
+        return Reader(_ReadHandle(self))
 
     def get_sequence(self, name: str) -> bytes | None:
         """The sequence's envelope, byte-identical to the canonical one put; None when
