@@ -69,10 +69,10 @@ from .diskformat import (
     counter,
     parse_sequence,
 )
+from .eviction import RecencyBuffer
 from .keyset import KeySet, hash_array
 from .lmdbenv import MAP_ALIGN, LmdbEnv
 from .reader import KvSpec, Reader, ReadSnapshot, assemble_sequence, reader_consts
-from .recency import RecencyBuffer
 from .writetxn import CrcMismatch, Dbs, WriteTxn
 
 __all__ = ["PutReport", "PutResult", "Reader", "Store"]

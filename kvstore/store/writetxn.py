@@ -33,12 +33,12 @@ from .diskformat import (
     COUNTER_KEYS,
     INDEX_KEY,
     INDEX_VALUE,
-    LRU_KEY,
     REFCOUNT,
     counter,
     pack_sequence,
     parse_sequence,
 )
+from .eviction import LruOrder
 
 log = logging.getLogger("tlkv.store")
 
@@ -100,39 +100,21 @@ class WriteTxn:
         self._pool = pool
         self.path = path
         self._loaded = tuple(counter(txn.get(key, None, dbs.meta)) for key in COUNTER_KEYS)
-        self.bytes, self.tick, self.evictions, self.corrupt = self._loaded
+        self.bytes, tick, self.evictions, self.corrupt = self._loaded
+        self.lru = LruOrder(txn, dbs.atime, dbs.lru, tick)
         self.protect: set[int] = set()  # hashes this transaction must not evict
         self.after_commit: list[Callable[[], None]] = []
 
     def save(self) -> None:
         """Write back the counters that changed (before commit)."""
-        values = (self.bytes, self.tick, self.evictions, self.corrupt)
+        values = (self.bytes, self.lru.tick, self.evictions, self.corrupt)
         for key, old, new in zip(COUNTER_KEYS, self._loaded, values):
             if old != new:
                 self.txn.put(key, COUNTER.pack(new), db=self.dbs.meta)
 
-    # --- recency ------------------------------------------------------------------------
-
-    def lru_add(self, hk: bytes, h: int) -> None:
-        """Give an unpinned block the newest tick."""
-        self.tick += 1
-        self.txn.put(hk, COUNTER.pack(self.tick), db=self.dbs.atime)
-        self.txn.put(LRU_KEY.pack(self.tick, h), b"", db=self.dbs.lru)
-
-    def lru_remove(self, hk: bytes, h: int) -> bool:
-        """Drop a block's recency; False when it had none (pinned or absent)."""
-        raw = self.txn.get(hk, None, self.dbs.atime)
-        if raw is None:
-            return False
-        self.txn.delete(LRU_KEY.pack(COUNTER.unpack(raw)[0], h), db=self.dbs.lru)
-        self.txn.delete(hk, db=self.dbs.atime)
-        return True
-
     def touch(self, h: int) -> None:
-        """A use: move an unpinned stored block to the newest end of the LRU order."""
-        hk = BLOCK_KEY.pack(h)
-        if self.lru_remove(hk, h):
-            self.lru_add(hk, h)
+        """A use of a stored block (the eviction policy's input)."""
+        self.lru.touch(h)
 
     # --- blocks ---------------------------------------------------------------------------
 
@@ -142,12 +124,12 @@ class WriteTxn:
         self.txn.put(INDEX_KEY, INDEX_VALUE.pack(h), db=self.dbs.index)
         self.bytes += len(value)
         if self.txn.get(hk, None, self.dbs.refs) is None:
-            self.lru_add(hk, h)
+            self.lru.add(hk, h)
 
     def remove_block(self, hk: bytes, h: int, size: int) -> None:
         self.txn.delete(hk, db=self.dbs.blocks)
         self.txn.delete(INDEX_KEY, INDEX_VALUE.pack(h), db=self.dbs.index)
-        self.lru_remove(hk, h)
+        self.lru.remove(hk, h)
         self.bytes -= size
 
     def pin(self, h: int, count: int) -> None:
@@ -156,7 +138,7 @@ class WriteTxn:
         old = 0 if raw is None else REFCOUNT.unpack(raw)[0]
         self.txn.put(hk, REFCOUNT.pack(old + count), db=self.dbs.refs)
         if old == 0:
-            self.lru_remove(hk, h)
+            self.lru.remove(hk, h)
 
     def unpin(self, h: int, count: int) -> None:
         hk = BLOCK_KEY.pack(h)
@@ -167,7 +149,7 @@ class WriteTxn:
             return
         self.txn.delete(hk, db=self.dbs.refs)
         if self.txn.get(hk, None, self.dbs.blocks) is not None:
-            self.lru_add(hk, h)  # unpinned blocks re-enter the LRU as recently used
+            self.lru.add(hk, h)  # unpinned blocks re-enter the LRU as recently used
 
     def make_room(self, need: int) -> None:
         """Evict least-recently-used unpinned blocks until ``need`` more bytes fit.
@@ -180,25 +162,15 @@ class WriteTxn:
         if cap is None or self.bytes + need <= cap:
             return
         txn, dbs = self.txn, self.dbs
-        cur = txn.cursor(db=dbs.lru)
-        ok = cur.first()
-        while ok and self.bytes + need > cap:
-            key = bytes(cur.key())
-            _tick, h = LRU_KEY.unpack(key)
-            if h in self.protect:
-                ok = cur.next()
-                continue
+        for h in self.lru.evict(self.protect, lambda: self.bytes + need <= cap):
             hk = BLOCK_KEY.pack(h)
             value = txn.get(hk, None, dbs.blocks)
-            size = None if value is None else len(value)  # before any write moves pages
-            cur.delete()
-            txn.delete(hk, db=dbs.atime)
-            if size is not None:
+            if value is not None:
+                size = len(value)  # before any write moves pages
                 txn.delete(hk, db=dbs.blocks)
                 txn.delete(INDEX_KEY, INDEX_VALUE.pack(h), db=dbs.index)
                 self.bytes -= size
                 self.evictions += 1
-            ok = cur.set_range(key)
         if self.bytes + need > cap:
             raise StoreFullError(
                 f"a write of {need} bytes does not fit in capacity_bytes={cap}: "
