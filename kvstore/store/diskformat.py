@@ -76,6 +76,18 @@ SEQ_POSITION_DTYPE = np.dtype("<u4")
 SEQ_TRAILER = struct.Struct("<I")
 
 
+class Dbs(NamedTuple):
+    """The environment's sub-database handles."""
+
+    meta: Any
+    blocks: Any
+    index: Any
+    refs: Any
+    atime: Any
+    lru: Any
+    seqs: Any
+
+
 def counter(value: Any) -> int:
     """A u64 counter value (0 when absent)."""
     return 0 if value is None else int(COUNTER.unpack(value)[0])

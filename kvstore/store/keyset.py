@@ -14,8 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .diskformat import BLOCK_KEY, INDEX_DTYPE, INDEX_KEY, INDEX_VALUE
-from .writetxn import Dbs
+from .diskformat import BLOCK_KEY, INDEX_DTYPE, INDEX_KEY, INDEX_VALUE, Dbs
 
 # Reading one index entry costs about 1/16 of a per-key lookup (or less).
 SCAN_PER_LOOKUP = 16

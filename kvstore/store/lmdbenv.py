@@ -21,10 +21,9 @@ from typing import Any, TypeVar
 import lmdb
 
 from ..errors import StoreError, StoreFullError
-from .diskformat import DB_ATIME, DB_BLOCKS, DB_INDEX, DB_LRU, DB_META, DB_REFS, DB_SEQS
+from .diskformat import DB_ATIME, DB_BLOCKS, DB_INDEX, DB_LRU, DB_META, DB_REFS, DB_SEQS, Dbs
 from .mapguard import MapGuard
 from .writebehind import WriteBehind
-from .writetxn import Dbs
 
 try:
     import resource

@@ -66,6 +66,7 @@ from .diskformat import (
     META_GEOMETRY,
     META_GEOMETRY_VALUE,
     STORE_FORMAT,
+    Dbs,
     counter,
     parse_sequence,
 )
@@ -73,7 +74,7 @@ from .eviction import RecencyBuffer
 from .keyset import KeySet, hash_array
 from .lmdbenv import MAP_ALIGN, LmdbEnv
 from .reader import KvSpec, Reader, ReadSnapshot, assemble_sequence, reader_consts
-from .writetxn import CrcMismatch, Dbs, WriteTxn
+from .writetxn import CrcMismatch, WriteTxn
 
 __all__ = ["PutReport", "PutResult", "Reader", "Store"]
 

@@ -12,7 +12,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -34,6 +34,7 @@ from .diskformat import (
     INDEX_KEY,
     INDEX_VALUE,
     REFCOUNT,
+    Dbs,
     counter,
     pack_sequence,
     parse_sequence,
@@ -44,18 +45,6 @@ log = logging.getLogger("tlkv.store")
 
 # Blocks at least this large are staged by a helper thread while LMDB copies the last one.
 PIPELINE_MIN_RECORD = 256 << 10
-
-
-class Dbs(NamedTuple):
-    """The environment's sub-database handles."""
-
-    meta: Any
-    blocks: Any
-    index: Any
-    refs: Any
-    atime: Any
-    lru: Any
-    seqs: Any
 
 
 class CrcMismatch(Exception):
