@@ -7,6 +7,7 @@ import random
 from pathlib import Path
 
 import numpy as np
+import pytest
 from archive_helpers import run_tlkv
 
 from kvstore import Block, Geometry, crc32c, encode
@@ -38,6 +39,7 @@ def _envelope(template: bytes, block_hash: int) -> bytes:
     return bytes(buf)
 
 
+@pytest.mark.slow
 def test_one_gib_restore_and_create_in_bounded_memory(tmp_path: Path) -> None:
     hashes, templates = _blocks()
     source = tmp_path / "big.tlkv.tar.zst"

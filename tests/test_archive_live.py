@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from archive_helpers import REPO, live_hashes, live_sequence, populate
 from conftest import SMALL, make_envelope
 
@@ -95,6 +96,7 @@ def _check_live_snapshot(path: Path, base_blocks: set[int], base_seq: bytes) -> 
     return hi
 
 
+@pytest.mark.slow
 def test_create_while_another_process_writes(tmp_path: Path) -> None:
     """Archives made while a writer process keeps putting and retiring sequences each
     verify and each hold one consistent point-in-time state (library and CLI)."""
@@ -207,6 +209,7 @@ def _digest(path: Path) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None
 
 
+@pytest.mark.slow
 def test_killed_create_never_leaves_a_half_archive(tmp_path: Path) -> None:
     """``tlkv archive create`` SIGKILLed before and while it writes: the final name holds
     nothing or the previous complete archive (or, killed after the rename, the new

@@ -76,6 +76,7 @@ def _run_writer(script: Path, path: Path, seed: int, rng: random.Random) -> list
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL is POSIX")
 def test_sigkilled_writers_never_lose_or_corrupt_committed_blocks(tmp_path: Path) -> None:
     script = tmp_path / "writer.py"
