@@ -4,19 +4,12 @@ The format (ARCHIVE.md beside this package) keeps the store's single-block envel
 verbatim in a tar stream cut into independent zstd frames, with a seek index at the end.
 """
 
+from .importer import RestoreReport
+from .manifest import ARCHIVE_FORMAT, ARCHIVE_VERSION, Manifest, SequenceRecord
 from .operations import (
-    ARCHIVE_FORMAT,
-    ARCHIVE_VERSION,
-    ArchiveBlock,
-    ArchiveReader,
-    ArchiveSequence,
     CreateSummary,
     Listing,
-    Manifest,
-    Problem,
     Progress,
-    RestoreReport,
-    SequenceRecord,
     VerifyReport,
     create,
     extract,
@@ -25,8 +18,9 @@ from .operations import (
     list_archive,
     restore,
     verify,
-    write_archive,
 )
+from .reader import ArchiveBlock, ArchiveReader, ArchiveSequence, Problem
+from .writer import write_archive
 
 __all__ = [
     "ARCHIVE_FORMAT",

@@ -45,8 +45,6 @@ from .importer import (
     RestoreReport,
 )
 from .manifest import (
-    ARCHIVE_FORMAT,
-    ARCHIVE_VERSION,
     DEFAULT_LEVEL,
     MANIFEST_NAME,
     Manifest,
@@ -56,32 +54,8 @@ from .manifest import (
     sequence_member,
     tail_member,
 )
-from .reader import ArchiveBlock, ArchiveReader, ArchiveSequence, Problem
+from .reader import ArchiveBlock, ArchiveReader, ArchiveSequence
 from .writer import WriteSummary, write_archive
-
-__all__ = [
-    "ARCHIVE_FORMAT",
-    "ARCHIVE_VERSION",
-    "ArchiveBlock",
-    "ArchiveReader",
-    "ArchiveSequence",
-    "CreateSummary",
-    "Listing",
-    "Manifest",
-    "Problem",
-    "Progress",
-    "RestoreReport",
-    "SequenceRecord",
-    "VerifyReport",
-    "create",
-    "extract",
-    "extract_all",
-    "iter_blocks",
-    "list_archive",
-    "restore",
-    "verify",
-    "write_archive",
-]
 
 
 class CorruptBlock(Exception):
