@@ -30,15 +30,13 @@ WRITER = textwrap.dedent(
     import sys
     import numpy as np
     import kvstore.store.writebehind
-    import kvstore.store.store
     from kvstore import Block, Geometry, Store, crc32c, encode
 
-    kvstore.store.store._INITIAL_MAP_SIZE = 1 << 20  # small: map growth happens under fire too
     kvstore.store.writebehind.MIN_BYTES = 0  # every commit writes behind: kills land mid-way
     path, seed = sys.argv[1], int(sys.argv[2])
     g = Geometry(16, 4, 2, 64)  # 32 KiB payloads
     kv = np.random.default_rng(seed).standard_normal(g.kv_shape).astype(np.float16)
-    with Store(path) as s:
+    with Store(path, map_bytes=1 << 20) as s:  # small: map growth happens under fire too
         print("ready", flush=True)
         i = 0
         while True:

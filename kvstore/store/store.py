@@ -181,11 +181,13 @@ class Store:
             a put beyond it first evicts least-recently-used unpinned blocks. None: the
             store grows until the disk is full (then ``StoreFullError``).
         sync: True: a write returns once LMDB has fsynced its commit (durable; a commit of
-            8 MiB or more starts the disk while LMDB still copies, ``_writebehind``). False
+            8 MiB or more starts the disk while LMDB still copies, ``writebehind``). False
             (LMDB's MDB_NOSYNC): a commit survives a crash of the process, but an OS crash
             or power loss may undo the latest ones and, on a filesystem that does not
             preserve write order, may corrupt the environment (LMDB's documented risk);
             ``close`` syncs. Use it only for a cache that can be rebuilt.
+        map_bytes: the initial size of LMDB's memory map (default 64 MiB, or twice the
+            capacity); it grows on demand by at least doubling, invisibly to the user.
 
     Raises:
         ShapeError: the store exists with another geometry.
@@ -203,7 +205,14 @@ class Store:
         geometry: Geometry | None = None,
         capacity_bytes: int | None = None,
         sync: bool = True,
+        map_bytes: int | None = None,
     ) -> None:
+        if map_bytes is not None and (
+            isinstance(map_bytes, bool) or not isinstance(map_bytes, int)
+        ):
+            raise TypeError(f"map_bytes must be an int, found {type(map_bytes).__name__}")
+        if map_bytes is not None and map_bytes <= 0:
+            raise ValueError(f"map_bytes must be > 0, found {map_bytes}")
         if geometry is not None and not isinstance(geometry, Geometry):
             raise TypeError(f"geometry must be a Geometry, found {type(geometry).__name__}")
         if capacity_bytes is not None and (
@@ -226,12 +235,11 @@ class Store:
         self._rconsts: tuple[Geometry, dict[int, int], dict[int, KvSpec]] | None = None
         self.hits = 0
         self.misses = 0
-        map_size = _INITIAL_MAP_SIZE
+        initial = _INITIAL_MAP_SIZE if map_bytes is None else map_bytes
+        map_size = initial
         if capacity_bytes is not None:
             map_size = max(map_size, -(-(2 * capacity_bytes) // MAP_ALIGN) * MAP_ALIGN)
-        self._lmdb = LmdbEnv(
-            self._path, map_size=map_size, sync=self._sync, grow_floor=_INITIAL_MAP_SIZE
-        )
+        self._lmdb = LmdbEnv(self._path, map_size=map_size, sync=self._sync, grow_floor=initial)
         self._env = self._lmdb.env
         try:
             self._dbs = self._lmdb.open(lambda txn, dbs: self._check_meta(txn, dbs, geometry))
@@ -281,6 +289,11 @@ class Store:
             finally:
                 self._end_read(txn)
         return self._geometry
+
+    @property
+    def map_bytes(self) -> int:
+        """The size of LMDB's memory map now (it grows on demand)."""
+        return int(self._env.info()["map_size"])
 
     @property
     def capacity_bytes(self) -> int | None:
