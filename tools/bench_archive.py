@@ -87,7 +87,7 @@ def _build(root: Path, n: int) -> tuple[Path, Path, list[int]]:
 # also count the pages of this big parent process, which the child inherits at spawn).
 _TLKV = (
     "import sys\n"
-    "from kvstore.cli.main import main\n"
+    "from kvstore.cli import main\n"
     "rc = main(sys.argv[1:])\n"
     "hwm = next(l for l in open('/proc/self/status') if l.startswith('VmHWM'))\n"
     "sys.stderr.write('VmHWM ' + hwm.split()[1] + '\\n')\n"
