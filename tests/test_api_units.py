@@ -1,19 +1,26 @@
-"""In-process pieces of the service: the streamed prefix answer, hash parsing, metrics text."""
+"""In-process pieces of the service: the streamed prefix answer, hash parsing, metrics text,
+which thread transcodes."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 from conftest import SMALL, make_envelope
 
+import kvstore.store.store as store_module
+from api.app import create_app
 from api.errors import error_body
 from api.metrics import Metrics
+from api.routes import blocks as blocks_module
 from api.routes.blocks import _stream
 from api.routes.common import parse_hash_list
+from api.settings import Settings
 from kvstore import Store, decode, join, split
 from kvstore.errors import InvalidRequestError, NotFoundError
 
@@ -84,3 +91,54 @@ def test_error_body_is_bounded() -> None:
     body = json.loads(error_body("invalid_request", "x" * 10_000))
     assert body["error"]["kind"] == "invalid_request"
     assert len(body["error"]["message"]) <= 500
+
+
+# --- transcoding and joins stay off the event loop ------------------------------------
+
+
+def _on_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["gathered", "streamed"])
+def test_prefix_transcodes_and_joins_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, streamed: bool
+) -> None:
+    calls: list[tuple[str, bool]] = []
+
+    def spy(name: str, fn: Any) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            calls.append((name, _on_event_loop()))
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(store_module, "transcode", spy("transcode", store_module.transcode))
+    monkeypatch.setattr(blocks_module, "join", spy("join", blocks_module.join))
+    if streamed:  # every answer above one byte streams block by block
+        monkeypatch.setattr(blocks_module, "PREFIX_BUFFER_BYTES", 1)
+    data = make_envelope(SMALL, 24, seed=3, version=1)  # 6 full blocks, stored as v1
+    hashes = [f"{int(h):016x}" for h in decode(data).hashes]
+    app = create_app(Settings(data=tmp_path / "store", geometry=SMALL))
+
+    async def requests() -> None:
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as http,
+        ):
+            assert (await http.put("/v1/blocks", content=data)).status_code == 200
+            r = await http.post("/v1/prefix", json={"hashes": hashes}, params={"format": 2})
+            assert r.status_code == 200 and r.headers["x-tlkv-prefix-blocks"] == "6"
+            env = decode(r.content)
+            assert env.version == 2 and len(env) == 6
+            r = await http.post("/v1/prefix", json={"hashes": hashes})  # no transcoding
+            assert r.content == join(split(data))
+
+    asyncio.run(requests())
+    names = {name for name, _ in calls}
+    assert "transcode" in names and (streamed or "join" in names), calls
+    assert not [call for call in calls if call[1]], calls
