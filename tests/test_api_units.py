@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +16,7 @@ import httpx
 import numpy as np
 import pytest
 from conftest import SMALL, make_envelope
+from http_server import REPO
 
 import kvstore.store.store as store_module
 from api.app import create_app
@@ -76,15 +81,74 @@ def test_metrics_text() -> None:
     assert 'tlkv_http_requests_total{method="GET",route="/v1/blocks/{hash}",status="200"} 1' in text
     assert 'route="we\\"ird\\\\"' in text
     assert (
-        'tlkv_http_request_duration_seconds_bucket{route="/v1/blocks/{hash}",le="0.001"} 1' in text
+        'tlkv_http_request_duration_seconds_bucket{le="0.001",route="/v1/blocks/{hash}"} 1' in text
     )
     assert (
-        'tlkv_http_request_duration_seconds_bucket{route="/v1/blocks/{hash}",le="+Inf"} 2' in text
+        'tlkv_http_request_duration_seconds_bucket{le="+Inf",route="/v1/blocks/{hash}"} 2' in text
     )
     assert "tlkv_store_blocks 3" in text and "tlkv_store_hits_total 1" in text
     assert "capacity_bytes" not in text  # an unbounded store has no capacity gauge
     for line in text.splitlines():
         assert line.startswith("#") or len(line.rsplit(" ", 1)) == 2
+
+
+def test_metrics_of_two_apps_apart() -> None:
+    a, b = Metrics(), Metrics()
+    a.observe("GET", "/v1/info", 200, 0.001)
+    a.observe_grpc("/tlkv.v1.KvStore/GetBlock", "NOT_FOUND", 0.003)
+    text = b.render(None)
+    assert "/v1/info" not in text and "GetBlock" not in text
+    text = a.render(None)
+    assert 'tlkv_http_requests_total{method="GET",route="/v1/info",status="200"} 1' in text
+    assert 'tlkv_grpc_requests_total{code="NOT_FOUND",method="/tlkv.v1.KvStore/GetBlock"} 1' in text
+    assert (
+        'tlkv_grpc_request_duration_seconds_bucket{le="0.005",method="/tlkv.v1.KvStore/GetBlock"} 1'
+        in text
+    )
+
+
+def test_metrics_store_reads_add_increases() -> None:
+    m = Metrics()
+    m.observe_store_reads(5, 2)
+    m.observe_store_reads(5, 2)
+    m.observe_store_reads(7, 2)
+    m.observe_store_reads(1, 0)  # a store opened again counts from zero
+    text = m.render({"hits": 3, "misses": 4})
+    assert "tlkv_store_hits_total 10.0" in text and "tlkv_store_misses_total 6.0" in text
+
+
+_WORKER = """
+import sys
+from api.metrics import Metrics
+
+m = Metrics()
+n = int(sys.argv[1])
+for _ in range(n):
+    m.observe("GET", "/v1/info", 200, 0.001)
+m.observe_grpc("/tlkv.v1.KvStore/GetBlock", "OK", 0.002)
+text = m.render({"blocks": 1, "hits": n, "misses": 1})
+if sys.argv[2] == "exit":
+    m.close()
+print(text)
+"""
+
+
+def test_metrics_sum_over_processes(tmp_path: Path) -> None:
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+
+    def worker(n: int, then: str) -> str:
+        cmd = [sys.executable, "-c", _WORKER, str(n), then]
+        return subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+
+    worker(3, "stay")
+    worker(4, "exit")  # shuts down cleanly: its start time goes, its counts stay
+    text = worker(0, "stay")
+    assert 'tlkv_http_requests_total{method="GET",route="/v1/info",status="200"} 7.0' in text
+    assert 'tlkv_http_request_duration_seconds_count{route="/v1/info"} 7.0' in text
+    assert 'tlkv_grpc_requests_total{code="OK",method="/tlkv.v1.KvStore/GetBlock"} 3.0' in text
+    assert "tlkv_store_hits_total 7.0" in text and "tlkv_store_misses_total 3.0" in text
+    assert "tlkv_store_blocks 1.0" in text
+    assert len(re.findall(r"^tlkv_worker_start_time_seconds\{pid=", text, re.M)) == 2
 
 
 def test_error_body_is_bounded() -> None:
