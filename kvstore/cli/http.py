@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,7 @@ from .main import EXIT_FAILURE, EXIT_OK, geometry_arg
 
 _LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
 DEFAULT_URL_HELP = "server base URL, e.g. http://127.0.0.1:8000"
+PROMETHEUS_MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"  # prometheus-client's multiprocess mode
 
 
 def _size_arg(text: str) -> int:
@@ -40,6 +43,18 @@ def _positive_int(text: str) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    # The workers' metrics files, summed by whichever worker answers a scrape: a fresh
+    # private directory per run, removed at exit. Set before anything imports
+    # prometheus_client, which chooses between memory and files at import.
+    metrics_dir = tempfile.mkdtemp(prefix="tlkv-metrics-")
+    os.environ[PROMETHEUS_MULTIPROC_DIR] = metrics_dir
+    try:
+        return _serve(args, metrics_dir)
+    finally:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _serve(args: argparse.Namespace, metrics_dir: str) -> int:
     import uvicorn
 
     from api import settings as s
@@ -65,7 +80,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     auth = "on" if settings.token else "off"
     print(
         f"tlkv serve: data {settings.data}, auth {auth}, {args.workers} worker(s), "
-        f"http://{args.host}:{args.port}",
+        f"metrics {metrics_dir}, http://{args.host}:{args.port}",
         file=sys.stderr,
     )
     uvicorn.run(
