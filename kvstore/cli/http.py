@@ -43,9 +43,14 @@ def _positive_int(text: str) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    # The workers' metrics files, summed by whichever worker answers a scrape: a fresh
-    # private directory per run, removed at exit. Set before anything imports
-    # prometheus_client, which chooses between memory and files at import.
+    # Set before anything imports prometheus_client, which chooses between memory and
+    # files at import. One process keeps its metrics in memory (and uvicorn ends it by
+    # re-raising SIGTERM, past any cleanup); several workers write theirs to a fresh
+    # private directory, summed by whichever worker answers a scrape and removed when
+    # the supervisor returns.
+    if args.workers == 1:
+        os.environ.pop(PROMETHEUS_MULTIPROC_DIR, None)
+        return _serve(args, None)
     metrics_dir = tempfile.mkdtemp(prefix="tlkv-metrics-")
     os.environ[PROMETHEUS_MULTIPROC_DIR] = metrics_dir
     try:
@@ -54,7 +59,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
-def _serve(args: argparse.Namespace, metrics_dir: str) -> int:
+def _serve(args: argparse.Namespace, metrics_dir: str | None) -> int:
     import uvicorn
 
     from api import settings as s
@@ -78,9 +83,10 @@ def _serve(args: argparse.Namespace, metrics_dir: str) -> int:
 
     Store(settings.data, geometry=settings.geometry, capacity_bytes=settings.capacity_bytes).close()
     auth = "on" if settings.token else "off"
+    metrics = "" if metrics_dir is None else f"metrics {metrics_dir}, "
     print(
         f"tlkv serve: data {settings.data}, auth {auth}, {args.workers} worker(s), "
-        f"metrics {metrics_dir}, http://{args.host}:{args.port}",
+        f"{metrics}http://{args.host}:{args.port}",
         file=sys.stderr,
     )
     uvicorn.run(
