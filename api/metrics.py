@@ -1,12 +1,13 @@
 """Prometheus metrics through prometheus-client: HTTP and gRPC requests, latency, the store.
 
-Under ``tlkv serve --workers N`` every worker is a process of its own and a scrape of
-``/metrics`` reaches one of them, so the metrics use prometheus-client's multiprocess
-mode: ``tlkv serve`` gives each run a fresh private ``PROMETHEUS_MULTIPROC_DIR`` before
-any worker starts, each worker writes its values to its own files there, and the worker
-answering a scrape sums the files of all workers (those of exited workers included, so a
-counter never goes back). Without that variable (an app created in-process, e.g. by the
-tests) each :class:`Metrics` keeps its values in a registry of its own.
+Under ``tlkv serve --workers N`` (N > 1) every worker is a process of its own and a
+scrape of ``/metrics`` reaches one of them, so the metrics use prometheus-client's
+multiprocess mode: ``tlkv serve`` gives the run a fresh private
+``PROMETHEUS_MULTIPROC_DIR`` before any worker starts, each worker writes its values to
+its own files there, and the worker answering a scrape sums the files of all workers
+(those of exited workers included, so a counter never goes back). Without that variable
+(one worker, or an app created in-process as the tests do) each :class:`Metrics` keeps
+its values in a registry of its own.
 
 The variable must be set before ``prometheus_client`` is first imported in the process:
 the client picks its value store (memory or files) at import time.
@@ -27,7 +28,8 @@ Every scrape reports:
   ``_pinned_blocks``, ``_sequences`` (gauges) and ``tlkv_store_evictions_total``,
   ``tlkv_store_corrupt_total``: read from the shared store when the scrape is answered.
 - ``tlkv_worker_start_time_seconds``: one series per live worker, labelled ``pid`` in
-  multiprocess mode (a worker drops its series when it shuts down).
+  multiprocess mode (a worker drops its series when it shuts down; one that died
+  without shutting down loses it when the next worker starts).
 - ``tlkv_worker_pid``: the process id of the worker that answered this scrape, the one
   value that differs from scrape to scrape.
 """
@@ -36,7 +38,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -60,6 +62,42 @@ _STORE_METRICS = (
     ("evictions", "counter", "Blocks evicted to stay within capacity."),
     ("corrupt", "counter", "Blocks quarantined because their CRC failed."),
 )
+
+
+def _forget_dead_workers(path: str) -> None:
+    """``mark_process_dead`` for every process with per-pid series that is gone (one a
+    supervisor replaced after a crash, so never shut down)."""
+    for name in os.listdir(path):
+        if not (name.startswith("gauge_live") and name.endswith(".db")):
+            continue
+        pid = name[: -len(".db")].rsplit("_", 1)[-1]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            mark_process_dead(int(pid), path)
+        except PermissionError:  # alive, another user's
+            pass
+
+
+class _WorkerFiles:
+    """``MultiProcessCollector`` over the files of ``path`` that a process has finished
+    creating: the client creates a file empty and sizes it a moment later, and a scrape in
+    that moment (a worker starting) would fail on the empty file."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def collect(self) -> Iterable[Metric]:
+        files = []
+        for entry in os.scandir(self.path):
+            try:
+                if entry.name.endswith(".db") and entry.stat().st_size > 0:
+                    files.append(entry.path)
+            except FileNotFoundError:  # a live gauge's file, removed by mark_process_dead
+                pass
+        return MultiProcessCollector.merge(files, accumulate=True)
 
 
 class _ScrapeTime:
@@ -104,6 +142,8 @@ class Metrics:
 
     def __init__(self) -> None:
         self.multiprocess_dir = os.environ.get(MULTIPROC_ENV) or None
+        if self.multiprocess_dir:
+            _forget_dead_workers(self.multiprocess_dir)
         self.registry = CollectorRegistry()
         # In multiprocess mode a scrape reads the files, not a registry.
         registry = None if self.multiprocess_dir else self.registry
@@ -183,11 +223,8 @@ class Metrics:
         """
         if store_stats is not None:
             self.observe_store_reads(store_stats.get("hits") or 0, store_stats.get("misses") or 0)
-        values: Collector
-        if self.multiprocess_dir:
-            values = MultiProcessCollector(None, path=self.multiprocess_dir)
-        else:
-            values = self.registry
+        d = self.multiprocess_dir
+        values: Collector = _WorkerFiles(d) if d else self.registry
         return generate_latest(_Sources(values, _ScrapeTime(store_stats))).decode()
 
     def close(self) -> None:

@@ -126,10 +126,9 @@ n = int(sys.argv[1])
 for _ in range(n):
     m.observe("GET", "/v1/info", 200, 0.001)
 m.observe_grpc("/tlkv.v1.KvStore/GetBlock", "OK", 0.002)
-text = m.render({"blocks": 1, "hits": n, "misses": 1})
-if sys.argv[2] == "exit":
+if sys.argv[2] == "shutdown":
     m.close()
-print(text)
+print(m.render({"blocks": 1, "hits": n, "misses": 1}))
 """
 
 
@@ -140,15 +139,18 @@ def test_metrics_sum_over_processes(tmp_path: Path) -> None:
         cmd = [sys.executable, "-c", _WORKER, str(n), then]
         return subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
 
-    worker(3, "stay")
-    worker(4, "exit")  # shuts down cleanly: its start time goes, its counts stay
-    text = worker(0, "stay")
+    started = r'^tlkv_worker_start_time_seconds\{pid="(\d+)"\} '
+    shutdown = worker(3, "shutdown")  # drops its start time, keeps its counts
+    assert not re.search(started, shutdown, re.M)
+    assert len(re.findall(started, worker(4, "crash"), re.M)) == 1  # exits without shutdown
+    (tmp_path / "counter_999999999.db").touch()  # a process creating its file right now
+    text = worker(0, "stay")  # drops the series of the worker that crashed
+    assert len(re.findall(started, text, re.M)) == 1
     assert 'tlkv_http_requests_total{method="GET",route="/v1/info",status="200"} 7.0' in text
     assert 'tlkv_http_request_duration_seconds_count{route="/v1/info"} 7.0' in text
     assert 'tlkv_grpc_requests_total{code="OK",method="/tlkv.v1.KvStore/GetBlock"} 3.0' in text
     assert "tlkv_store_hits_total 7.0" in text and "tlkv_store_misses_total 3.0" in text
     assert "tlkv_store_blocks 1.0" in text
-    assert len(re.findall(r"^tlkv_worker_start_time_seconds\{pid=", text, re.M)) == 2
 
 
 def test_error_body_is_bounded() -> None:
