@@ -31,7 +31,7 @@ Every scrape reports:
   multiprocess mode (a worker drops its series when it shuts down; one that died
   without shutting down loses it when the next worker starts).
 - ``tlkv_worker_pid``: the process id of the worker that answered this scrape, the one
-  value that differs from scrape to scrape.
+  series that depends on which worker answers.
 """
 
 from __future__ import annotations
