@@ -2,9 +2,10 @@
 
 Uvicorn calls ``create_app`` (``factory=True``) in every worker process, so each worker
 reads its :class:`~api.settings.Settings` from the environment and opens the LMDB store
-after the fork, as LMDB requires. Middleware, outermost first: metrics, the guard (auth,
-body limit), then the block-read fast path; every error leaves in the one JSON shape of
-``api.errors``.
+after the fork, as LMDB requires; its :class:`~api.metrics.Metrics` add up with the other
+workers' when ``PROMETHEUS_MULTIPROC_DIR`` is set (``tlkv serve`` sets it). Middleware,
+outermost first: metrics, the guard (auth, body limit), then the block-read fast path;
+every error leaves in the one JSON shape of ``api.errors``.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             app.state.store = None
             store.close()
+            app.state.metrics.close()
 
     app = FastAPI(
         title="tlkv",

@@ -74,7 +74,7 @@ def test_metrics(http: httpx.Client) -> None:
     http.get("/v1/info")
     text = http.get("/metrics").text
     assert 'tlkv_http_requests_total{method="GET",route="/v1/info",status="200"}' in text
-    assert 'tlkv_http_request_duration_seconds_bucket{route="/v1/info",le="+Inf"}' in text
+    assert 'tlkv_http_request_duration_seconds_bucket{le="+Inf",route="/v1/info"}' in text
     for name in ("blocks", "bytes", "hits_total", "misses_total", "evictions_total"):
         assert f"\ntlkv_store_{name} " in text, name
     assert "\ntlkv_store_corrupt_total " in text

@@ -1,9 +1,12 @@
 """Block routes: put, get/head (with transcoding and ETag), delete, has-blocks and prefix.
 
 Envelopes go out verbatim as ``application/vnd.tlkv`` bytes (no serialization layer).
-Plain reads run on the event loop (an LMDB read plus a CRC check, well under a
-millisecond for 2 MiB); writes and deletes wait for a durable commit, and transcoding and
-multi-block joins take milliseconds, so those run in the thread pool.
+Plain single-block reads run on the event loop (an LMDB read plus a CRC check, well under
+a millisecond for 2 MiB). Everything that takes milliseconds runs in the thread pool:
+writes and deletes (they wait for a durable commit), every read with ``?format=`` (it may
+transcode 2 MiB), and the multi-block reads and join of ``/v1/prefix`` -- gathered in one
+call, or, when streamed, one call per block that reads it (transcoding it if needed) and
+folds it into the running CRC of the envelope (``kvstore.codec.assembly.EnvelopeStream``).
 """
 
 from __future__ import annotations
@@ -19,16 +22,10 @@ from fastapi import APIRouter, Path, Query, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response, StreamingResponse
 
-from kvstore.codec.checksum import crc32c
+from kvstore.codec.assembly import EnvelopeStream, stored_crc
 from kvstore.codec.envelope import decode, encode, join
 from kvstore.codec.geometry import Geometry
 from kvstore.codec.layout import (
-    DTYPE_FOR_VERSION,
-    HEADER,
-    HEADER_SIZE,
-    MAGIC,
-    TRAILER,
-    TRAILER_SIZE,
     VERSION_V1,
 )
 from kvstore.errors import NotFoundError, TlkvError
@@ -62,10 +59,17 @@ FormatQuery = Annotated[
 ]
 
 
+async def _read(store: Store, h: int, version: int | None) -> bytes | None:
+    """``store.get``: on the event loop when plain, in the thread pool with a ``version``
+    (transcoding quantizes or widens 2 MiB)."""
+    if version is None:
+        return store.get(h)
+    return await run_in_threadpool(functools.partial(store.get, h, version=version))
+
+
 def _etag(data: bytes) -> str:
     # The envelope's own CRC-32C: it changes whenever a byte of the answer does.
-    (crc,) = TRAILER.unpack_from(data, len(data) - TRAILER_SIZE)
-    return f'"{crc:08x}-{len(data)}"'
+    return f'"{stored_crc(data):08x}-{len(data)}"'
 
 
 @router.put("/v1/blocks", openapi_extra=ENVELOPE_BODY)
@@ -92,12 +96,7 @@ def _put(store: Store, body: bytes | bytearray) -> tuple[list[int], list[int], i
 )
 async def get_block(request: Request, hash: HashPath, format: FormatQuery = None) -> Response:
     """The stored single-block envelope, verbatim (or transcoded with ``?format=``)."""
-    store = store_of(request)
-    h = parse_hash_hex(hash)
-    if format is None:
-        data = store.get(h)
-    else:  # transcoding quantizes or widens 2 MiB: off the event loop
-        data = await run_in_threadpool(functools.partial(store.get, h, version=format))
+    data = await _read(store_of(request), parse_hash_hex(hash), format)
     if data is None:
         raise NotFoundError(f"block {hash} not found")
     etag = _etag(data)
@@ -215,23 +214,30 @@ def _gather(store: Store, hashes: np.ndarray, version: int) -> bytes | None:
     return join(blocks) if len(blocks) > 1 else None
 
 
+def _stream_record(
+    store: Store, out: EnvelopeStream, h: int, version: int, data: bytes | None = None
+) -> memoryview:
+    """Block ``h``'s record in ``version`` (``data``, when already read), accounted for in
+    ``out``'s CRC: one thread-pool call of the streamed prefix. ``store.get`` checked the
+    block's CRC, so the record's CRC follows from it without a second pass."""
+    if data is None:
+        data = store.get(h, version=version)
+        if data is None:
+            # The header already promised this block: abort, the client sees a short body.
+            raise NotFoundError(f"block {h:016x} vanished while streaming the prefix")
+    return out.add_checked_single(data)
+
+
 async def _stream(
     store: Store, hashes: np.ndarray, first: bytes, geometry: Geometry, version: int
 ) -> AsyncIterator[bytes | memoryview]:
-    header = HEADER.pack(
-        MAGIC, version, DTYPE_FOR_VERSION[version], len(hashes), *geometry.as_tuple()
-    )
-    crc = crc32c(header)
-    yield header
-    for i, h in enumerate(hashes):
-        data = first if i == 0 else store.get(int(h), version=version)
-        if data is None:
-            # The header already promised this block: abort, the client sees a short body.
-            raise NotFoundError(f"block {int(h):016x} vanished while streaming the prefix")
-        record = memoryview(data)[HEADER_SIZE : len(data) - TRAILER_SIZE]
-        crc = crc32c(record, crc)
-        yield record
-    yield TRAILER.pack(crc)
+    out = EnvelopeStream(version, geometry, len(hashes))
+    yield out.header
+    for i, h in enumerate(hashes.tolist()):
+        yield await run_in_threadpool(
+            _stream_record, store, out, h, version, first if i == 0 else None
+        )
+    yield out.trailer()
 
 
 @router.post("/v1/prefix", openapi_extra=HASHES_BODY, responses=ENVELOPE_RESPONSE)
@@ -241,7 +247,7 @@ async def prefix(request: Request, format: FormatQuery = None) -> Response:
     hashes = await request_hashes(request, store)
     k = store.longest_prefix(hashes) if len(hashes) else 0
     geometry = store.geometry
-    first = store.get(int(hashes[0]), version=format) if k else None
+    first = await _read(store, int(hashes[0]), format) if k else None
     if first is None or geometry is None:
         data = _empty(geometry, format or VERSION_V1)
         return Response(data, media_type=ENVELOPE_MEDIA_TYPE, headers={PREFIX_HEADER: "0"})

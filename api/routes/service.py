@@ -28,7 +28,7 @@ async def healthz() -> Response:
     responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
 )
 async def metrics(request: Request) -> Response:
-    """Prometheus text: request counts and latency by route; the store's gauges (per worker)."""
+    """Prometheus text: request counts and latency (all workers summed); the store's."""
     stats = store_of(request).stats()
     text = request.app.state.metrics.render(stats)
     return Response(text, media_type=PROMETHEUS_MEDIA_TYPE)

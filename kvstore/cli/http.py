@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ from .common import EXIT_FAILURE, EXIT_OK, geometry_arg
 
 _LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
 DEFAULT_URL_HELP = "server base URL, e.g. http://127.0.0.1:8000"
+PROMETHEUS_MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"  # prometheus-client's multiprocess mode
 
 
 def _size_arg(text: str) -> int:
@@ -41,6 +44,23 @@ def _positive_int(text: str) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    # Set before anything imports prometheus_client, which chooses between memory and
+    # files at import. One process keeps its metrics in memory (and uvicorn ends it by
+    # re-raising SIGTERM, past any cleanup); several workers write theirs to a fresh
+    # private directory, summed by whichever worker answers a scrape and removed when
+    # the supervisor returns.
+    if args.workers == 1:
+        os.environ.pop(PROMETHEUS_MULTIPROC_DIR, None)
+        return _serve(args, None)
+    metrics_dir = tempfile.mkdtemp(prefix="tlkv-metrics-")
+    os.environ[PROMETHEUS_MULTIPROC_DIR] = metrics_dir
+    try:
+        return _serve(args, metrics_dir)
+    finally:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _serve(args: argparse.Namespace, metrics_dir: str | None) -> int:
     import uvicorn
 
     from api import settings as s
@@ -64,9 +84,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     Store(settings.data, geometry=settings.geometry, capacity_bytes=settings.capacity_bytes).close()
     auth = "on" if settings.token else "off"
+    metrics = "" if metrics_dir is None else f"metrics {metrics_dir}, "
     print(
         f"tlkv serve: data {settings.data}, auth {auth}, {args.workers} worker(s), "
-        f"http://{args.host}:{args.port}",
+        f"{metrics}http://{args.host}:{args.port}",
         file=sys.stderr,
     )
     uvicorn.run(
