@@ -286,6 +286,57 @@ def test_fnv_chain_bad_arguments() -> None:
         native.fnv_chain(toks)
 
 
+def chain_list(tokens: list[int] | tuple[int, ...], *args: int) -> list[int] | None:
+    out = native.fnv_chain_list(tokens, *args)
+    return None if out is None else list(struct.unpack(f"<{len(out) // 8}Q", out))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, U32_MAX), max_size=200),
+    block_tokens=st.integers(1, 20),
+    parent=st.one_of(st.integers(0, U64), st.sampled_from([0, 1, U64])),
+)
+def test_fnv_chain_list_matches_oracle(tokens: list[int], block_tokens: int, parent: int) -> None:
+    want = fnv_chain_oracle(tokens, block_tokens, parent)
+    assert chain_list(tokens, block_tokens, parent) == want
+    assert chain_list(tuple(tokens), block_tokens, parent) == want
+    if parent == 0:
+        assert chain_list(tokens, block_tokens) == want
+
+
+def test_fnv_chain_list_large_equals_buffer_kernel() -> None:
+    toks = np.random.default_rng(8).integers(0, 1 << 32, 131_072 + 5, dtype=np.uint64)
+    assert native.fnv_chain_list(toks.tolist(), 16, 7) == native.fnv_chain(
+        toks.astype("<u4"), 16, 7
+    )
+
+
+@pytest.mark.parametrize(
+    "bad", [-1, 1 << 32, 1 << 64, -(1 << 70), True, 1.0, np.uint32(1), "1", None, [1]]
+)
+@pytest.mark.parametrize("where", [0, 5, 9])  # a full block, the last full one, the tail
+def test_fnv_chain_list_declines_anything_but_u32_ints(bad: object, where: int) -> None:
+    toks: list[object] = list(range(10))
+    toks[where] = bad
+    assert native.fnv_chain_list(toks, 3) is None
+    assert native.fnv_chain_list(tuple(toks), 3) is None
+
+
+def test_fnv_chain_list_bad_arguments() -> None:
+    for b in (0, -1):
+        with pytest.raises(ValueError):
+            native.fnv_chain_list([1, 2], b)
+    for parent in (-1, 1 << 64):
+        with pytest.raises(ValueError):
+            native.fnv_chain_list([1, 2], 2, parent)
+    for not_a_list in (np.arange(4), range(4), b"1234", iter([1, 2])):
+        with pytest.raises(TypeError):
+            native.fnv_chain_list(not_a_list, 2)  # type: ignore[arg-type]
+    assert native.fnv_chain_list([], 4) == b""
+    assert native.fnv_chain_list([1, 2, 3], 1 << 62) == b""
+
+
 # ---------------------------------------------------------------------------- f16_finite
 
 
@@ -360,5 +411,11 @@ def test_f16_finite_buffer_types_and_errors() -> None:
 
 
 def test_docstrings() -> None:
-    for name in ("crc32c", "fnv1a64", "fnv_chain", "f16_finite"):
+    for name in (
+        "crc32c",
+        "fnv1a64",
+        "fnv_chain",
+        "fnv_chain_list",
+        "f16_finite",
+    ):
         assert getattr(native, name).__doc__
