@@ -5,10 +5,15 @@
  * crc32c(data, crc=0) -> int
  *   CRC-32C (Castagnoli, reflected polynomial 0x82F63B78, init and final XOR 0xFFFFFFFF),
  *   continuing `crc` exactly like the `crc32c` PyPI package (the value is taken mod 2**32).
- *   x86-64 with SSE4.2+PCLMULQDQ: a "fusion" loop that runs PCLMULQDQ folding of one
- *   region and three CRC32-instruction streams over three more regions at the same time,
- *   then joins the four partial CRCs with carry-less "shift by L bytes" multiplications.
- *   Elsewhere: slicing-by-8 tables.
+ *   One kernel is chosen at import by CPU features (crc32c_kernel() names it):
+ *   "vpclmulqdq-avx512" / "vpclmulqdq-avx2": VPCLMULQDQ folding of 256 bytes per step in
+ *     four 512-bit or eight 256-bit accumulators (x86-64 with those extensions);
+ *   "sse4.2-pclmul": a "fusion" loop that runs PCLMULQDQ folding of one region and three
+ *     CRC32-instruction streams over three more regions at the same time, then joins the
+ *     four partial CRCs with carry-less "shift by L bytes" multiplications;
+ *   "slicing-by-8": portable tables, everywhere else.
+ * crc32c_kernel() -> str; crc32c_kernels() -> list[str] (compiled in and usable on this
+ * CPU, best first); crc32c_with(name, data, crc=0) -> int runs one of them (for tests).
  * fnv1a64(data, h=0xCBF29CE484222325) -> int
  * fnv_chain(tokens, block_tokens, parent=0) -> bytes    (spec section "Block hash")
  * fnv_chain_list(tokens, block_tokens, parent=0) -> bytes | None   the same from a list
@@ -36,6 +41,8 @@
 #if defined(KV_X86) && defined(__x86_64__)
 #define KV_X86_CRC 1
 #define KV_CRC_TARGET __attribute__((target("sse4.2,pclmul")))
+#define KV_WIDE256_TARGET __attribute__((target("avx2,vpclmulqdq,sse4.2,pclmul")))
+#define KV_WIDE512_TARGET __attribute__((target("avx512f,avx512vl,vpclmulqdq,sse4.2,pclmul")))
 #endif
 
 /* Inputs at least this large are processed with the GIL released: below it the
@@ -188,10 +195,12 @@ static uint32_t gf2_xpow(uint64_t n) {
     return result;
 }
 
-static int crc_hw_ok;
 static uint32_t fus_shift[FUS_IT_MAX + 1]; /* x^(8*L - 33) mod P, L = it*FUS_X*8 */
 static uint64_t k_loop_lo, k_loop_hi;      /* fold 16 bytes forward by FUS_V*16 bytes */
 static uint64_t k_16_lo, k_16_hi;          /* fold 16 bytes forward by 16 bytes */
+/* The wide kernels' fold distances, as {k_lo, k_hi} pairs (see crc_hw_init). */
+static uint64_t k_wide[6][2];
+enum { KW_256, KW_64, KW_48, KW_32, KW_16, KW_COUNT };
 
 /* Folding a 16-byte accumulator A = lo*x^64 + hi (lo = first 8 bytes) forward by D bytes:
  * clmul(lo, k_lo) = lo*k_lo*x^33 and clmul(hi, k_hi) = hi*k_hi*x^33, so
@@ -201,6 +210,11 @@ static void crc_hw_init(void) {
     k_loop_hi = gf2_xpow(8 * FUS_V * 16 - 33);
     k_16_lo = gf2_xpow(8 * 16 + 31);
     k_16_hi = gf2_xpow(8 * 16 - 33);
+    static const unsigned wide_dist[KW_COUNT] = {256, 64, 48, 32, 16};
+    for (int i = 0; i < KW_COUNT; i++) {
+        k_wide[i][0] = gf2_xpow(8 * wide_dist[i] + 31);
+        k_wide[i][1] = gf2_xpow(8 * wide_dist[i] - 33);
+    }
     /* Each step multiplies by x^(8 * FUS_X*8), one iteration's worth of one stream. */
     uint32_t step = gf2_xpow(8 * FUS_X * 8);
     fus_shift[0] = 0; /* unused */
@@ -297,16 +311,151 @@ KV_CRC_TARGET static uint32_t crc_hw(uint32_t crc, const uint8_t *p, size_t n) {
     }
     return crc_hw_serial(crc, p, n);
 }
+
+/* The wide kernels fold 256 bytes per step (16 independent 16-byte lanes, each moved
+ * forward by 256 bytes with the same two carry-less products as fold16), then fold the
+ * lanes onto the last one, then the remaining 64- or 32-byte chunks, and reduce the
+ * final 16 bytes with the CRC32 instruction, as crc_hw_fused does. Inputs below
+ * WIDE_MIN_BYTES take crc_hw: the set-up and the lane reduction cost about as much as
+ * folding a few hundred bytes. */
+#define WIDE_MIN_BYTES 1024
+
+static inline __m128i wide_pair(int i) {
+    return _mm_set_epi64x((long long)k_wide[i][1], (long long)k_wide[i][0]);
+}
+
+KV_WIDE512_TARGET static inline __m512i fold512(__m512i acc, __m512i k, __m512i data) {
+    return _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(acc, k, 0x00),
+                                     _mm512_clmulepi64_epi128(acc, k, 0x11), data, 0x96);
+}
+
+KV_WIDE512_TARGET static uint32_t crc_wide512(uint32_t crc, const uint8_t *p, size_t n) {
+    if (n < WIDE_MIN_BYTES)
+        return crc_hw(crc, p, n);
+    const __m512i k256 = _mm512_broadcast_i32x4(wide_pair(KW_256));
+    const __m512i k64 = _mm512_broadcast_i32x4(wide_pair(KW_64));
+    __m512i z0 = _mm512_loadu_si512((const void *)p);
+    __m512i z1 = _mm512_loadu_si512((const void *)(p + 64));
+    __m512i z2 = _mm512_loadu_si512((const void *)(p + 128));
+    __m512i z3 = _mm512_loadu_si512((const void *)(p + 192));
+    z0 = _mm512_xor_si512(z0, _mm512_maskz_set1_epi32(1, (int)crc)); /* as in crc_hw_fused */
+    p += 256;
+    n -= 256;
+    while (n >= 256) {
+        z0 = fold512(z0, k256, _mm512_loadu_si512((const void *)p));
+        z1 = fold512(z1, k256, _mm512_loadu_si512((const void *)(p + 64)));
+        z2 = fold512(z2, k256, _mm512_loadu_si512((const void *)(p + 128)));
+        z3 = fold512(z3, k256, _mm512_loadu_si512((const void *)(p + 192)));
+        p += 256;
+        n -= 256;
+    }
+    z1 = fold512(z0, k64, z1); /* each accumulator covers the 64 bytes after the last */
+    z2 = fold512(z1, k64, z2);
+    z3 = fold512(z2, k64, z3);
+    while (n >= 64) {
+        z3 = fold512(z3, k64, _mm512_loadu_si512((const void *)p));
+        p += 64;
+        n -= 64;
+    }
+    /* Lanes 0..2 of z3 are 48, 32 and 16 bytes before lane 3: fold each onto it. */
+    const __m512i k_lanes = _mm512_inserti32x4(
+        _mm512_inserti32x4(_mm512_castsi128_si512(wide_pair(KW_48)), wide_pair(KW_32), 1),
+        wide_pair(KW_16), 2);
+    __m512i t = _mm512_xor_si512(_mm512_clmulepi64_epi128(z3, k_lanes, 0x00),
+                                 _mm512_clmulepi64_epi128(z3, k_lanes, 0x11));
+    t = _mm512_mask_mov_epi64(t, 0xC0, z3); /* lane 3 itself, unfolded */
+    __m128i a = _mm_xor_si128(
+        _mm_xor_si128(_mm512_castsi512_si128(t), _mm512_extracti32x4_epi32(t, 1)),
+        _mm_xor_si128(_mm512_extracti32x4_epi32(t, 2), _mm512_extracti32x4_epi32(t, 3)));
+    uint64_t v = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(a));
+    v = _mm_crc32_u64(v, (uint64_t)_mm_extract_epi64(a, 1));
+    return crc_hw_serial((uint32_t)v, p, n);
+}
+
+KV_WIDE256_TARGET static inline __m256i fold256(__m256i acc, __m256i k, __m256i data) {
+    return _mm256_xor_si256(_mm256_xor_si256(_mm256_clmulepi64_epi128(acc, k, 0x00),
+                                             _mm256_clmulepi64_epi128(acc, k, 0x11)),
+                            data);
+}
+
+#define WIDE256_ACC 8 /* 8 x 32 bytes: the same 256-byte step as the 512-bit kernel */
+
+KV_WIDE256_TARGET static uint32_t crc_wide256(uint32_t crc, const uint8_t *p, size_t n) {
+    if (n < WIDE_MIN_BYTES)
+        return crc_hw(crc, p, n);
+    const __m256i k256 = _mm256_broadcastsi128_si256(wide_pair(KW_256));
+    const __m256i k32 = _mm256_broadcastsi128_si256(wide_pair(KW_32));
+    __m256i y[WIDE256_ACC];
+    for (int j = 0; j < WIDE256_ACC; j++)
+        y[j] = _mm256_loadu_si256((const __m256i *)(const void *)(p + 32 * j));
+    y[0] = _mm256_xor_si256(y[0], _mm256_setr_epi32((int)crc, 0, 0, 0, 0, 0, 0, 0));
+    p += 32 * WIDE256_ACC;
+    n -= 32 * WIDE256_ACC;
+    while (n >= 32 * WIDE256_ACC) {
+        for (int j = 0; j < WIDE256_ACC; j++)
+            y[j] = fold256(y[j], k256, _mm256_loadu_si256((const __m256i *)(const void *)(p + 32 * j)));
+        p += 32 * WIDE256_ACC;
+        n -= 32 * WIDE256_ACC;
+    }
+    for (int j = 1; j < WIDE256_ACC; j++)
+        y[j] = fold256(y[j - 1], k32, y[j]);
+    __m256i z = y[WIDE256_ACC - 1];
+    while (n >= 32) {
+        z = fold256(z, k32, _mm256_loadu_si256((const __m256i *)(const void *)p));
+        p += 32;
+        n -= 32;
+    }
+    __m128i a = _mm_xor_si128(fold16(_mm256_castsi256_si128(z), wide_pair(KW_16)),
+                              _mm256_extracti128_si256(z, 1));
+    uint64_t v = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(a));
+    v = _mm_crc32_u64(v, (uint64_t)_mm_extract_epi64(a, 1));
+    return crc_hw_serial((uint32_t)v, p, n);
+}
 #endif /* KV_X86_CRC */
 
-/* CRC-32C with the standard inversions, continuing `crc` (a previous final value). */
-static uint32_t crc32c_value(uint32_t crc, const uint8_t *p, size_t n) {
-    crc = ~crc;
+/* Every kernel works on the raw register; crc32c_value() adds the inversions. The table
+ * lists the kernels compiled in, best first; `usable` is set at import from the CPU's
+ * features and the first usable one is the one crc32c() runs. */
+typedef uint32_t (*crc_kernel_fn)(uint32_t, const uint8_t *, size_t);
+static struct {
+    const char *name;
+    crc_kernel_fn fn;
+    int usable;
+} crc_kernels[] = {
 #ifdef KV_X86_CRC
-    if (crc_hw_ok)
-        return ~crc_hw(crc, p, n);
+    {"vpclmulqdq-avx512", crc_wide512, 0},
+    {"vpclmulqdq-avx2", crc_wide256, 0},
+    {"sse4.2-pclmul", crc_hw, 0},
 #endif
-    return ~crc_sw(crc, p, n);
+    {"slicing-by-8", crc_sw, 1},
+};
+#define N_CRC_KERNELS ((int)(sizeof(crc_kernels) / sizeof(crc_kernels[0])))
+static crc_kernel_fn crc_run = crc_sw;
+static const char *crc_run_name = "slicing-by-8";
+
+static void crc_select(void) {
+#ifdef KV_X86_CRC
+    __builtin_cpu_init();
+    int base = __builtin_cpu_supports("sse4.2") && __builtin_cpu_supports("pclmul");
+    int vpclmul = base && __builtin_cpu_supports("vpclmulqdq");
+    crc_kernels[0].usable = vpclmul && __builtin_cpu_supports("avx512f") &&
+                            __builtin_cpu_supports("avx512vl");
+    crc_kernels[1].usable = vpclmul && __builtin_cpu_supports("avx2");
+    crc_kernels[2].usable = base;
+    if (base)
+        crc_hw_init();
+#endif
+    for (int i = 0; i < N_CRC_KERNELS; i++)
+        if (crc_kernels[i].usable) {
+            crc_run = crc_kernels[i].fn;
+            crc_run_name = crc_kernels[i].name;
+            break;
+        }
+}
+
+/* CRC-32C with the standard inversions, continuing `crc` (a previous final value). */
+static uint32_t crc32c_value(crc_kernel_fn fn, uint32_t crc, const uint8_t *p, size_t n) {
+    return ~fn(~crc, p, n);
 }
 
 PyDoc_STRVAR(crc32c_doc,
@@ -315,9 +464,10 @@ PyDoc_STRVAR(crc32c_doc,
 "`crc32c` package: crc32c(b, crc32c(a)) == crc32c(a + b). `crc` is taken mod 2**32.\n"
 "Raises BufferError for a non-contiguous buffer.");
 
-static PyObject *py_crc32c(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    if (check_nargs("crc32c", nargs, 1, 2) < 0)
+/* crc32c(data, crc) with a given kernel; `name` only labels argument errors. */
+static PyObject *crc32c_call(crc_kernel_fn fn, const char *name, PyObject *const *args,
+                             Py_ssize_t nargs) {
+    if (check_nargs(name, nargs, 1, 2) < 0)
         return NULL;
     uint32_t crc = 0;
     if (nargs == 2) {
@@ -334,13 +484,68 @@ static PyObject *py_crc32c(PyObject *self, PyObject *const *args, Py_ssize_t nar
     size_t n = (size_t)view.len;
     if (view.len >= KV_NOGIL_BYTES) {
         Py_BEGIN_ALLOW_THREADS
-        crc = crc32c_value(crc, p, n);
+        crc = crc32c_value(fn, crc, p, n);
         Py_END_ALLOW_THREADS
     } else {
-        crc = crc32c_value(crc, p, n);
+        crc = crc32c_value(fn, crc, p, n);
     }
     PyBuffer_Release(&view);
     return PyLong_FromUnsignedLong(crc);
+}
+
+static PyObject *py_crc32c(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    return crc32c_call(crc_run, "crc32c", args, nargs);
+}
+
+PyDoc_STRVAR(crc32c_kernel_doc,
+"crc32c_kernel() -> str\n\n"
+"Name of the kernel crc32c() runs, chosen at import from the CPU's features.");
+
+static PyObject *py_crc32c_kernel(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return PyUnicode_FromString(crc_run_name);
+}
+
+PyDoc_STRVAR(crc32c_kernels_doc,
+"crc32c_kernels() -> list[str]\n\n"
+"Names of the CRC-32C kernels compiled in that this CPU can run, best first.");
+
+static PyObject *py_crc32c_kernels(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    PyObject *names = PyList_New(0);
+    for (int i = 0; names != NULL && i < N_CRC_KERNELS; i++) {
+        if (!crc_kernels[i].usable)
+            continue;
+        PyObject *name = PyUnicode_FromString(crc_kernels[i].name);
+        if (name == NULL || PyList_Append(names, name) < 0)
+            Py_CLEAR(names);
+        Py_XDECREF(name);
+    }
+    return names;
+}
+
+PyDoc_STRVAR(crc32c_with_doc,
+"crc32c_with(kernel, data, crc=0, /) -> int\n\n"
+"crc32c(data, crc) computed by the named kernel (one of crc32c_kernels()).\n"
+"Raises ValueError for a kernel that is not compiled in or that this CPU cannot run.");
+
+static PyObject *py_crc32c_with(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs < 1) {
+        PyErr_SetString(PyExc_TypeError, "crc32c_with() needs a kernel name");
+        return NULL;
+    }
+    const char *name = PyUnicode_AsUTF8(args[0]);
+    if (name == NULL)
+        return NULL;
+    for (int i = 0; i < N_CRC_KERNELS; i++)
+        if (crc_kernels[i].usable && strcmp(crc_kernels[i].name, name) == 0)
+            return crc32c_call(crc_kernels[i].fn, "crc32c_with", args + 1, nargs - 1);
+    PyErr_Format(PyExc_ValueError, "no usable CRC-32C kernel named %R", args[0]);
+    return NULL;
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -667,6 +872,9 @@ static PyObject *py_f16_finite(PyObject *self, PyObject *const *args, Py_ssize_t
 
 static PyMethodDef native_methods[] = {
     {"crc32c", (PyCFunction)(void (*)(void))py_crc32c, METH_FASTCALL, crc32c_doc},
+    {"crc32c_kernel", py_crc32c_kernel, METH_NOARGS, crc32c_kernel_doc},
+    {"crc32c_kernels", py_crc32c_kernels, METH_NOARGS, crc32c_kernels_doc},
+    {"crc32c_with", (PyCFunction)(void (*)(void))py_crc32c_with, METH_FASTCALL, crc32c_with_doc},
     {"fnv1a64", (PyCFunction)(void (*)(void))py_fnv1a64, METH_FASTCALL, fnv1a64_doc},
     {"fnv_chain", (PyCFunction)(void (*)(void))py_fnv_chain, METH_FASTCALL, fnv_chain_doc},
     {"f16_finite", (PyCFunction)(void (*)(void))py_f16_finite, METH_FASTCALL, f16_finite_doc},
@@ -692,11 +900,7 @@ PyMODINIT_FUNC PyInit__native(void) {
         __builtin_cpu_init();
         f16_avx2_ok = __builtin_cpu_supports("avx2");
 #endif
-#ifdef KV_X86_CRC
-        crc_hw_ok = __builtin_cpu_supports("sse4.2") && __builtin_cpu_supports("pclmul");
-        if (crc_hw_ok)
-            crc_hw_init();
-#endif
+        crc_select();
         ready = 1;
     }
     return PyModule_Create(&native_module);

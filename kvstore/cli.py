@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from . import __version__
+from .checksum import KERNEL
 from .envelope import decode
 from .errors import EnvelopeError, ShapeError, TlkvError, UnsupportedVersionError
 from .geometry import Geometry
@@ -166,6 +168,9 @@ REGISTRARS: list[Callable[[Any], None]] = [_register_codec, _register_http, _reg
 def build_parser() -> argparse.ArgumentParser:
     """The ``tlkv`` argument parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="tlkv", description="tlkv: KV-cache block store")
+    parser.add_argument(
+        "--version", action="version", version=f"tlkv {__version__} (CRC-32C: {KERNEL})"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for register in REGISTRARS:
         register(sub)

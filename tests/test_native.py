@@ -73,6 +73,94 @@ def test_crc32c_every_length_to_5000(rand_bytes: bytes) -> None:
         assert native.crc32c(data, 0x9ABCDEF0) == crc32c_pkg.crc32c(data, 0x9ABCDEF0), n
 
 
+def _crc_table() -> list[int]:
+    table = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+        table.append(c)
+    return table
+
+
+CRC_TABLE = _crc_table()
+
+
+def crc32c_oracle(data: bytes, crc: int = 0) -> int:
+    """Bytewise CRC-32C in Python: independent of every compiled kernel and of the package."""
+    crc ^= 0xFFFFFFFF
+    for byte in data:
+        crc = CRC_TABLE[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
+KERNELS = native.crc32c_kernels()
+
+
+def test_crc32c_kernels_dispatch() -> None:
+    assert KERNELS and KERNELS[-1] == "slicing-by-8"  # the portable one is always there
+    assert native.crc32c_kernel() == KERNELS[0]  # the best this CPU can run is the one used
+    assert len(set(KERNELS)) == len(KERNELS)
+    known = ["vpclmulqdq-avx512", "vpclmulqdq-avx2", "sse4.2-pclmul", "slicing-by-8"]
+    assert [k for k in known if k in KERNELS] == KERNELS  # best first
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_crc32c_every_kernel_small_lengths_and_offsets(kernel: str, rand_bytes: bytes) -> None:
+    for off in range(9):
+        for n in range(301):
+            data = rand_bytes[off : off + n]
+            assert native.crc32c_with(kernel, data) == crc32c_oracle(data), (off, n)
+    for n in range(0, 301, 7):
+        data = rand_bytes[5 : 5 + n]
+        want = crc32c_oracle(data, 0x9ABCDEF0)
+        assert native.crc32c_with(kernel, data, 0x9ABCDEF0) == want, n
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_crc32c_every_kernel_to_5000(kernel: str, rand_bytes: bytes) -> None:
+    # Every length through the switch to the wide/fused paths and every tail after them.
+    for n in range(301, 5001):
+        off = n % 61
+        data = rand_bytes[off : off + n]
+        assert native.crc32c_with(kernel, data) == crc32c_pkg.crc32c(data), n
+    data = rand_bytes[3:4100]
+    assert native.crc32c_with(kernel, data, 7) == crc32c_oracle(data, 7)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize(
+    "n", [1024, 1279, 1280, 1281, 65537, (2 << 20) + 1, (2 << 20) + 63, (3 << 20) + 1]
+)
+@pytest.mark.parametrize("off", [0, 1, 31, 63])
+def test_crc32c_every_kernel_large(kernel: str, rand_bytes: bytes, n: int, off: int) -> None:
+    view = memoryview(rand_bytes)[off : off + n]
+    assert len(view) == n
+    assert native.crc32c_with(kernel, view) == crc32c_pkg.crc32c(view)
+    assert native.crc32c_with(kernel, view, 12345) == crc32c_pkg.crc32c(view, 12345)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_crc32c_every_kernel_large_against_python(kernel: str, rand_bytes: bytes) -> None:
+    data = rand_bytes[7 : 7 + (256 << 10) + 77]  # the Python oracle runs at ~5 MB/s
+    assert native.crc32c_with(kernel, data, 99) == crc32c_oracle(data, 99)
+    a, b = data[:100_003], data[100_003:]
+    assert native.crc32c_with(kernel, b, native.crc32c_with(kernel, a)) == crc32c_oracle(data)
+
+
+def test_crc32c_with_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="no usable"):
+        native.crc32c_with("no-such-kernel", b"x")
+    with pytest.raises(TypeError):
+        native.crc32c_with(1, b"x")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        native.crc32c_with()  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        native.crc32c_with(KERNELS[0])  # type: ignore[call-arg]
+    with pytest.raises((BufferError, ValueError)):
+        native.crc32c_with(KERNELS[0], np.arange(100, dtype=np.uint8)[::2])
+
+
 @pytest.mark.parametrize(
     "n",
     [
@@ -413,6 +501,9 @@ def test_f16_finite_buffer_types_and_errors() -> None:
 def test_docstrings() -> None:
     for name in (
         "crc32c",
+        "crc32c_kernel",
+        "crc32c_kernels",
+        "crc32c_with",
         "fnv1a64",
         "fnv_chain",
         "fnv_chain_list",

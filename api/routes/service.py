@@ -53,6 +53,7 @@ async def info(request: Request) -> Response:
     return json_response(
         {
             "version": kvstore.__version__,
+            "crc32c_kernel": kvstore.checksum.KERNEL,
             "geometry": geometry,
             "formats": list(SUPPORTED_VERSIONS),
             "blocks": stats.get("blocks"),
