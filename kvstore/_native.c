@@ -14,6 +14,8 @@
  *   "slicing-by-8": portable tables, everywhere else.
  * crc32c_kernel() -> str; crc32c_kernels() -> list[str] (compiled in and usable on this
  * CPU, best first); crc32c_with(name, data, crc=0) -> int runs one of them (for tests).
+ * join_crc(parts, kernel=None) -> bytes   the parts concatenated + their CRC-32C (LE u32),
+ *   copied and checksummed in one pass (the envelope writer's last step)
  * fnv1a64(data, h=0xCBF29CE484222325) -> int
  * fnv_chain(tokens, block_tokens, parent=0) -> bytes    (spec section "Block hash")
  * fnv_chain_list(tokens, block_tokens, parent=0) -> bytes | None   the same from a list
@@ -411,26 +413,94 @@ KV_WIDE256_TARGET static uint32_t crc_wide256(uint32_t crc, const uint8_t *p, si
     v = _mm_crc32_u64(v, (uint64_t)_mm_extract_epi64(a, 1));
     return crc_hw_serial((uint32_t)v, p, n);
 }
+
+/* crc_wide512 that also stores every 64 bytes it loads to dst: one pass over the data
+ * for a copy and its CRC (the envelope writer's join). */
+KV_WIDE512_TARGET static uint32_t crc_wide512_copy(uint32_t crc, uint8_t *dst,
+                                                   const uint8_t *p, size_t n) {
+    if (n < WIDE_MIN_BYTES) {
+        memcpy(dst, p, n);
+        return crc_hw(crc, p, n);
+    }
+    const __m512i k256 = _mm512_broadcast_i32x4(wide_pair(KW_256));
+    const __m512i k64 = _mm512_broadcast_i32x4(wide_pair(KW_64));
+    __m512i z0 = _mm512_loadu_si512((const void *)p);
+    __m512i z1 = _mm512_loadu_si512((const void *)(p + 64));
+    __m512i z2 = _mm512_loadu_si512((const void *)(p + 128));
+    __m512i z3 = _mm512_loadu_si512((const void *)(p + 192));
+    _mm512_storeu_si512((void *)dst, z0);
+    _mm512_storeu_si512((void *)(dst + 64), z1);
+    _mm512_storeu_si512((void *)(dst + 128), z2);
+    _mm512_storeu_si512((void *)(dst + 192), z3);
+    z0 = _mm512_xor_si512(z0, _mm512_maskz_set1_epi32(1, (int)crc));
+    p += 256;
+    dst += 256;
+    n -= 256;
+    while (n >= 256) {
+        __m512i d0 = _mm512_loadu_si512((const void *)p);
+        __m512i d1 = _mm512_loadu_si512((const void *)(p + 64));
+        __m512i d2 = _mm512_loadu_si512((const void *)(p + 128));
+        __m512i d3 = _mm512_loadu_si512((const void *)(p + 192));
+        _mm512_storeu_si512((void *)dst, d0);
+        _mm512_storeu_si512((void *)(dst + 64), d1);
+        _mm512_storeu_si512((void *)(dst + 128), d2);
+        _mm512_storeu_si512((void *)(dst + 192), d3);
+        z0 = fold512(z0, k256, d0);
+        z1 = fold512(z1, k256, d1);
+        z2 = fold512(z2, k256, d2);
+        z3 = fold512(z3, k256, d3);
+        p += 256;
+        dst += 256;
+        n -= 256;
+    }
+    z1 = fold512(z0, k64, z1);
+    z2 = fold512(z1, k64, z2);
+    z3 = fold512(z2, k64, z3);
+    while (n >= 64) {
+        __m512i d = _mm512_loadu_si512((const void *)p);
+        _mm512_storeu_si512((void *)dst, d);
+        z3 = fold512(z3, k64, d);
+        p += 64;
+        dst += 64;
+        n -= 64;
+    }
+    const __m512i k_lanes = _mm512_inserti32x4(
+        _mm512_inserti32x4(_mm512_castsi128_si512(wide_pair(KW_48)), wide_pair(KW_32), 1),
+        wide_pair(KW_16), 2);
+    __m512i t = _mm512_xor_si512(_mm512_clmulepi64_epi128(z3, k_lanes, 0x00),
+                                 _mm512_clmulepi64_epi128(z3, k_lanes, 0x11));
+    t = _mm512_mask_mov_epi64(t, 0xC0, z3);
+    __m128i a = _mm_xor_si128(
+        _mm_xor_si128(_mm512_castsi512_si128(t), _mm512_extracti32x4_epi32(t, 1)),
+        _mm_xor_si128(_mm512_extracti32x4_epi32(t, 2), _mm512_extracti32x4_epi32(t, 3)));
+    uint64_t v = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(a));
+    v = _mm_crc32_u64(v, (uint64_t)_mm_extract_epi64(a, 1));
+    memcpy(dst, p, n);
+    return crc_hw_serial((uint32_t)v, p, n);
+}
 #endif /* KV_X86_CRC */
 
 /* Every kernel works on the raw register; crc32c_value() adds the inversions. The table
  * lists the kernels compiled in, best first; `usable` is set at import from the CPU's
  * features and the first usable one is the one crc32c() runs. */
 typedef uint32_t (*crc_kernel_fn)(uint32_t, const uint8_t *, size_t);
+typedef uint32_t (*crc_copy_fn)(uint32_t, uint8_t *, const uint8_t *, size_t);
 static struct {
     const char *name;
     crc_kernel_fn fn;
+    crc_copy_fn copy; /* a fused copy + CRC, or NULL: copy_crc() then works in chunks */
     int usable;
 } crc_kernels[] = {
 #ifdef KV_X86_CRC
-    {"vpclmulqdq-avx512", crc_wide512, 0},
-    {"vpclmulqdq-avx2", crc_wide256, 0},
-    {"sse4.2-pclmul", crc_hw, 0},
+    {"vpclmulqdq-avx512", crc_wide512, crc_wide512_copy, 0},
+    {"vpclmulqdq-avx2", crc_wide256, NULL, 0},
+    {"sse4.2-pclmul", crc_hw, NULL, 0},
 #endif
-    {"slicing-by-8", crc_sw, 1},
+    {"slicing-by-8", crc_sw, NULL, 1},
 };
 #define N_CRC_KERNELS ((int)(sizeof(crc_kernels) / sizeof(crc_kernels[0])))
 static crc_kernel_fn crc_run = crc_sw;
+static crc_copy_fn crc_run_copy = NULL;
 static const char *crc_run_name = "slicing-by-8";
 
 static void crc_select(void) {
@@ -448,9 +518,29 @@ static void crc_select(void) {
     for (int i = 0; i < N_CRC_KERNELS; i++)
         if (crc_kernels[i].usable) {
             crc_run = crc_kernels[i].fn;
+            crc_run_copy = crc_kernels[i].copy;
             crc_run_name = crc_kernels[i].name;
             break;
         }
+}
+
+/* Copy n bytes to dst and continue the raw CRC over them: fused where the kernel has a
+ * twin, else in chunks small enough that the CRC reads the copy back from L1/L2. */
+#define COPY_CRC_CHUNK ((size_t)32 * 1024)
+
+static uint32_t copy_crc(crc_kernel_fn fn, crc_copy_fn copy, uint32_t crc, uint8_t *dst,
+                         const uint8_t *src, size_t n) {
+    if (copy != NULL)
+        return copy(crc, dst, src, n);
+    while (n) {
+        size_t m = n < COPY_CRC_CHUNK ? n : COPY_CRC_CHUNK;
+        memcpy(dst, src, m);
+        crc = fn(crc, dst, m);
+        dst += m;
+        src += m;
+        n -= m;
+    }
+    return crc;
 }
 
 /* CRC-32C with the standard inversions, continuing `crc` (a previous final value). */
@@ -498,6 +588,82 @@ static PyObject *py_crc32c(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return crc32c_call(crc_run, "crc32c", args, nargs);
 }
 
+/* Index of the usable kernel named `name`; -1 with ValueError/TypeError otherwise. */
+static int crc_kernel_index(PyObject *name) {
+    const char *s = PyUnicode_AsUTF8(name);
+    if (s == NULL)
+        return -1;
+    for (int i = 0; i < N_CRC_KERNELS; i++)
+        if (crc_kernels[i].usable && strcmp(crc_kernels[i].name, s) == 0)
+            return i;
+    PyErr_Format(PyExc_ValueError, "no usable CRC-32C kernel named %R", name);
+    return -1;
+}
+
+PyDoc_STRVAR(join_crc_doc,
+"join_crc(parts, kernel=None, /) -> bytes\n\n"
+"The concatenation of a sequence of C-contiguous buffers followed by its CRC-32C as 4\n"
+"little-endian bytes, copied and checksummed in one pass (by the named kernel, one of\n"
+"crc32c_kernels(), or the one crc32c() runs).");
+
+static PyObject *py_join_crc(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (check_nargs("join_crc", nargs, 1, 2) < 0)
+        return NULL;
+    crc_kernel_fn fn = crc_run;
+    crc_copy_fn copy = crc_run_copy;
+    if (nargs == 2 && args[1] != Py_None) {
+        int k = crc_kernel_index(args[1]);
+        if (k < 0)
+            return NULL;
+        fn = crc_kernels[k].fn;
+        copy = crc_kernels[k].copy;
+    }
+    PyObject *seq = PySequence_Fast(args[0], "join_crc: expected a sequence of buffers");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n_parts = PySequence_Fast_GET_SIZE(seq);
+    Py_buffer *views = PyMem_Calloc(n_parts ? (size_t)n_parts : 1, sizeof(Py_buffer));
+    PyObject *result = NULL;
+    Py_ssize_t got = 0, total = 0;
+    if (views == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; got < n_parts; got++) {
+        if (get_contiguous(PySequence_Fast_GET_ITEM(seq, got), &views[got]) < 0)
+            goto done;
+        if (views[got].len > PY_SSIZE_T_MAX - 4 - total) {
+            got++;
+            PyErr_NoMemory();
+            goto done;
+        }
+        total += views[got].len;
+    }
+    result = PyBytes_FromStringAndSize(NULL, total + 4);
+    if (result == NULL)
+        goto done;
+    uint8_t *out = (uint8_t *)PyBytes_AS_STRING(result);
+    uint32_t crc = 0xFFFFFFFFu;
+    /* The fresh bytes object is private until returned: filling it without the GIL is safe. */
+    Py_BEGIN_ALLOW_THREADS
+    uint8_t *dst = out;
+    for (Py_ssize_t i = 0; i < n_parts; i++) {
+        crc = copy_crc(fn, copy, crc, dst, (const uint8_t *)views[i].buf, (size_t)views[i].len);
+        dst += views[i].len;
+    }
+    crc = ~crc;
+    for (int k = 0; k < 4; k++)
+        dst[k] = (uint8_t)(crc >> (8 * k));
+    Py_END_ALLOW_THREADS
+done:
+    for (Py_ssize_t i = 0; i < got; i++)
+        PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    Py_DECREF(seq);
+    return result;
+}
+
 PyDoc_STRVAR(crc32c_kernel_doc,
 "crc32c_kernel() -> str\n\n"
 "Name of the kernel crc32c() runs, chosen at import from the CPU's features.");
@@ -538,14 +704,8 @@ static PyObject *py_crc32c_with(PyObject *self, PyObject *const *args, Py_ssize_
         PyErr_SetString(PyExc_TypeError, "crc32c_with() needs a kernel name");
         return NULL;
     }
-    const char *name = PyUnicode_AsUTF8(args[0]);
-    if (name == NULL)
-        return NULL;
-    for (int i = 0; i < N_CRC_KERNELS; i++)
-        if (crc_kernels[i].usable && strcmp(crc_kernels[i].name, name) == 0)
-            return crc32c_call(crc_kernels[i].fn, "crc32c_with", args + 1, nargs - 1);
-    PyErr_Format(PyExc_ValueError, "no usable CRC-32C kernel named %R", args[0]);
-    return NULL;
+    int k = crc_kernel_index(args[0]);
+    return k < 0 ? NULL : crc32c_call(crc_kernels[k].fn, "crc32c_with", args + 1, nargs - 1);
 }
 
 /* ------------------------------------------------------------------------------------ */
@@ -873,6 +1033,7 @@ static PyObject *py_f16_finite(PyObject *self, PyObject *const *args, Py_ssize_t
 static PyMethodDef native_methods[] = {
     {"crc32c", (PyCFunction)(void (*)(void))py_crc32c, METH_FASTCALL, crc32c_doc},
     {"crc32c_kernel", py_crc32c_kernel, METH_NOARGS, crc32c_kernel_doc},
+    {"join_crc", (PyCFunction)(void (*)(void))py_join_crc, METH_FASTCALL, join_crc_doc},
     {"crc32c_kernels", py_crc32c_kernels, METH_NOARGS, crc32c_kernels_doc},
     {"crc32c_with", (PyCFunction)(void (*)(void))py_crc32c_with, METH_FASTCALL, crc32c_with_doc},
     {"fnv1a64", (PyCFunction)(void (*)(void))py_fnv1a64, METH_FASTCALL, fnv1a64_doc},

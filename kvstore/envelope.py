@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .checksum import crc32c
+from .checksum import crc32c, join_crc
 from .errors import (
     BadMagicError,
     ChecksumError,
@@ -365,11 +365,7 @@ def _header(version: int, geometry: Geometry, n_blocks: int) -> bytes:
 
 def _assemble(parts: list[Any]) -> bytes:
     """Concatenate header and record parts and append their CRC-32C, with one copy."""
-    crc = 0
-    for part in parts:
-        crc = crc32c(part, crc)
-    parts.append(TRAILER.pack(crc))
-    return b"".join(parts)
+    return join_crc(parts)
 
 
 def _encode_payload(geometry: Geometry, block: Block, version: int) -> list[Any]:

@@ -83,3 +83,14 @@ def test_kernel_choice_without_a_hardware_kernel(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(checksum, "_native", None)
     monkeypatch.setattr(crc32c_pkg, "hardware_based", True)
     assert checksum._choose() == (crc32c_pkg.crc32c, "crc32c-package")
+
+
+@pytest.mark.parametrize("sizes", [[], [0], [28, 12, 4096], [28, 12, 100_003, 5]])
+def test_join_crc_native_and_fallback(sizes: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(sum(sizes))
+    parts = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+    joined = b"".join(parts)
+    want = joined + crc32c_pkg.crc32c(joined).to_bytes(4, "little")
+    assert checksum.join_crc(parts) == want
+    monkeypatch.setattr(checksum, "_native", None)  # the pure-Python path
+    assert checksum.join_crc(parts) == want

@@ -148,6 +148,42 @@ def test_crc32c_every_kernel_large_against_python(kernel: str, rand_bytes: bytes
     assert native.crc32c_with(kernel, b, native.crc32c_with(kernel, a)) == crc32c_oracle(data)
 
 
+@pytest.mark.parametrize("kernel", [None, *KERNELS])
+def test_join_crc_every_kernel(kernel: str | None, rand_bytes: bytes) -> None:
+    mv = memoryview(rand_bytes)
+    cases: list[list[object]] = [
+        [],
+        [b""],
+        [b"", b"", b"abc"],
+        [mv[1:29], mv[3:15], mv[7 : 7 + (2 << 20)]],  # an envelope's header, record, payload
+        [mv[5 : 5 + n] for n in (1, 63, 64, 65, 255, 256, 1023, 1024, 1025, 4097)],
+        [mv[:300_001], bytearray(rand_bytes[:77]), np.arange(1000, dtype=np.float16)],
+        [mv[9 : 9 + (3 << 20) + 1]],
+    ]
+    for parts in cases:
+        joined = b"".join(bytes(memoryview(p).cast("B")) for p in parts)  # type: ignore[arg-type]
+        out = native.join_crc(parts, kernel)
+        assert type(out) is bytes
+        assert out == joined + struct.pack("<I", crc32c_pkg.crc32c(joined)), [len(p) for p in parts]  # type: ignore[arg-type]
+    small = [mv[3:50], mv[60:1500]]
+    joined = bytes(mv[3:50]) + bytes(mv[60:1500])
+    assert native.join_crc(small, kernel)[-4:] == struct.pack("<I", crc32c_oracle(joined))
+    assert native.join_crc(tuple(small), kernel) == native.join_crc(small, kernel)
+
+
+def test_join_crc_bad_arguments() -> None:
+    with pytest.raises(TypeError):
+        native.join_crc(5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        native.join_crc([b"ok", 5])
+    with pytest.raises((BufferError, ValueError)):
+        native.join_crc([b"ok", np.arange(100, dtype=np.uint8)[::2]])
+    with pytest.raises(ValueError, match="no usable"):
+        native.join_crc([b"x"], "no-such-kernel")
+    with pytest.raises(TypeError):
+        native.join_crc()  # type: ignore[call-arg]
+
+
 def test_crc32c_with_bad_arguments() -> None:
     with pytest.raises(ValueError, match="no usable"):
         native.crc32c_with("no-such-kernel", b"x")
@@ -504,6 +540,7 @@ def test_docstrings() -> None:
         "crc32c_kernel",
         "crc32c_kernels",
         "crc32c_with",
+        "join_crc",
         "fnv1a64",
         "fnv_chain",
         "fnv_chain_list",
