@@ -3,9 +3,10 @@
 The kernel is chosen once, at import, from the CPU's features; ``KERNEL`` names it
 (``tlkv --version`` and ``GET /v1/info`` report it):
 
-- the compiled kernels of ``kvstore._native``, best first: ``vpclmulqdq-avx512`` and
-  ``vpclmulqdq-avx2`` (VPCLMULQDQ folding, 256 bytes per step), ``sse4.2-pclmul``
-  (three CRC32-instruction streams fused with PCLMULQDQ folding), all x86-64;
+- the compiled kernels of ``kvstore._native``, best first: ``vpclmulqdq-avx512``
+  (512-bit VPCLMULQDQ folding), ``vpclmulqdq-avx2`` (256-bit VPCLMULQDQ folding beside
+  three CRC32-instruction streams), ``sse4.2-pclmul`` (the same with 128-bit PCLMULQDQ),
+  all x86-64;
 - where the build has only the portable ``slicing-by-8`` tables (another architecture, or
   an x86 CPU without PCLMULQDQ), the ``crc32c`` package when it runs on the CPU's own CRC
   instructions (e.g. ARMv8 CRC32): ``crc32c-package``;
