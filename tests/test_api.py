@@ -16,6 +16,7 @@ from conftest import SMALL, make_blocks, make_envelope
 from http_server import ServerProcess, assert_error
 
 from kvstore import Block, Geometry, chain_hashes, crc32c, decode, encode, split, transcode
+from kvstore.codec import checksum
 from kvstore.codec.layout import TRAILER
 
 ENVELOPE = {"content-type": "application/vnd.tlkv"}
@@ -55,7 +56,16 @@ def test_healthz(http: httpx.Client) -> None:
 
 def test_info(http: httpx.Client) -> None:
     info = http.get("/v1/info").json()
-    assert set(info) == {"version", "geometry", "formats", "blocks", "bytes", "capacity_bytes"}
+    assert set(info) == {
+        "version",
+        "crc32c_kernel",
+        "geometry",
+        "formats",
+        "blocks",
+        "bytes",
+        "capacity_bytes",
+    }
+    assert info["crc32c_kernel"] == checksum.KERNEL
     assert info["geometry"] == {"block_tokens": 4, "n_layers": 2, "n_kv_heads": 2, "head_dim": 8}
     assert info["formats"] == [1, 2]
     assert info["capacity_bytes"] is None

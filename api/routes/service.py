@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import PlainTextResponse, Response
 
 import kvstore
+from kvstore.codec.checksum import KERNEL
 from kvstore.codec.layout import SUPPORTED_VERSIONS
 
 from .common import json_response, store_of
@@ -44,6 +45,7 @@ async def info(request: Request) -> Response:
     return json_response(
         {
             "version": kvstore.__version__,
+            "crc32c_kernel": KERNEL,
             "geometry": geometry,
             "formats": list(SUPPORTED_VERSIONS),
             "blocks": stats.get("blocks"),

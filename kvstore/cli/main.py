@@ -11,6 +11,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from .._version import __version__
+from ..codec.checksum import KERNEL
 from ..errors import TlkvError
 from . import archive, codec, http
 from .common import EXIT_FAILURE, EXIT_USAGE, exit_code_for
@@ -21,6 +23,9 @@ GROUPS = (codec, http, archive)
 def build_parser() -> argparse.ArgumentParser:
     """The ``tlkv`` argument parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="tlkv", description="tlkv: KV-cache block store")
+    parser.add_argument(
+        "--version", action="version", version=f"tlkv {__version__} (CRC-32C: {KERNEL})"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for group in GROUPS:
         group.register(sub)

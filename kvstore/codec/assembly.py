@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .checksum import crc32c
+from .checksum import crc32c, join_crc
 from .crcmath import CrcShift, crc_shift
 from .geometry import Geometry
 from .layout import (
@@ -44,13 +44,9 @@ def pack_header(version: int, geometry: Geometry, n_blocks: int) -> bytes:
 
 
 def assemble(parts: Iterable[Any]) -> bytes:
-    """Header and record parts concatenated with their CRC-32C appended, in one copy."""
-    parts = list(parts)
-    crc = 0
-    for part in parts:
-        crc = crc32c(part, crc)
-    parts.append(TRAILER.pack(crc))
-    return b"".join(parts)
+    """Header and record parts concatenated with their CRC-32C appended, in one pass that
+    copies and checksums each part (``checksum.join_crc``)."""
+    return join_crc(list(parts))
 
 
 def stored_crc(data: Any) -> int:

@@ -121,6 +121,12 @@ def chain_hashes_array(
     """Like ``chain_hashes`` but returns a ``<u8`` numpy array (no per-hash Python ints)."""
     if block_tokens < 1:
         raise ValueError(f"block_tokens must be >= 1, found {block_tokens}")
+    if _native is not None and isinstance(tokens, (list, tuple)):
+        # Hashed straight from the ints (no int64 inference); None sends anything unusual,
+        # including an id that does not fit, down the general path and its error.
+        packed = _native.fnv_chain_list(tokens, block_tokens, parent)
+        if packed is not None:
+            return np.frombuffer(packed, dtype="<u8")
     toks = _as_u32_tokens(tokens)
     if _native is None:
         return np.array(_chain_hashes_py(toks, block_tokens, parent), dtype="<u8")
