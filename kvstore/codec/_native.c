@@ -818,20 +818,29 @@ PyDoc_STRVAR(fnv_chain_doc,
 "Raises ValueError if block_tokens < 1, the byte length is not a multiple of 4, or\n"
 "parent does not fit u64.");
 
+/* The (block_tokens, parent) arguments every chained-hash entry point takes: args[1], and
+ * args[2] when given. 0 on success, -1 with an exception set. */
+static int chain_args(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t *block_tokens,
+                      uint64_t *parent) {
+    /* NULL: clamp instead of raising, so a huge block_tokens just means no full block. */
+    *block_tokens = PyNumber_AsSsize_t(args[1], NULL);
+    if (*block_tokens == -1 && PyErr_Occurred())
+        return -1;
+    if (*block_tokens < 1) {
+        PyErr_Format(PyExc_ValueError, "block_tokens must be >= 1, found %zd", *block_tokens);
+        return -1;
+    }
+    *parent = 0;
+    return (nargs == 3 && as_u64(args[2], "parent", parent) < 0) ? -1 : 0;
+}
+
 static PyObject *py_fnv_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (check_nargs("fnv_chain", nargs, 2, 3) < 0)
         return NULL;
-    /* NULL: clamp instead of raising, so a huge block_tokens just means no full block. */
-    Py_ssize_t block_tokens = PyNumber_AsSsize_t(args[1], NULL);
-    if (block_tokens == -1 && PyErr_Occurred())
-        return NULL;
-    if (block_tokens < 1) {
-        PyErr_Format(PyExc_ValueError, "block_tokens must be >= 1, found %zd", block_tokens);
-        return NULL;
-    }
-    uint64_t parent = 0;
-    if (nargs == 3 && as_u64(args[2], "parent", &parent) < 0)
+    Py_ssize_t block_tokens;
+    uint64_t parent;
+    if (chain_args(args, nargs, &block_tokens, &parent) < 0)
         return NULL;
 
     Py_buffer view;
@@ -903,15 +912,9 @@ static PyObject *py_fnv_chain_list(PyObject *self, PyObject *const *args, Py_ssi
                      Py_TYPE(seq)->tp_name);
         return NULL;
     }
-    Py_ssize_t block_tokens = PyNumber_AsSsize_t(args[1], NULL);
-    if (block_tokens == -1 && PyErr_Occurred())
-        return NULL;
-    if (block_tokens < 1) {
-        PyErr_Format(PyExc_ValueError, "block_tokens must be >= 1, found %zd", block_tokens);
-        return NULL;
-    }
-    uint64_t parent = 0;
-    if (nargs == 3 && as_u64(args[2], "parent", &parent) < 0)
+    Py_ssize_t block_tokens;
+    uint64_t parent;
+    if (chain_args(args, nargs, &block_tokens, &parent) < 0)
         return NULL;
     /* No Python code runs below (exact ints only), so the sequence cannot change. */
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
