@@ -42,7 +42,7 @@ from .layout import (
     VERSION_V1,
     VERSION_V2,
 )
-from .numerics import dequantize_e4m3, quantize_e4m3, to_f16
+from .numerics import as_array, dequantize_e4m3, quantize_e4m3, to_f16
 
 __all__ = [
     "Block",
@@ -60,8 +60,9 @@ __all__ = [
 class Block:
     """One block to encode: its chained hash (0 for a partial block), fill and KV.
 
-    ``kv`` is a float array (f16, f32 or f64) of shape ``[L][2][Hkv][B][D]`` (axis 1:
-    0 = K, 1 = V); only positions ``< n_tokens`` are read.
+    ``kv`` is a float array (f16, bf16, f32 or f64; any strides; a numpy array, a CPU torch
+    tensor or anything with ``__array__``) of shape ``[L][2][Hkv][B][D]`` (axis 1: 0 = K,
+    1 = V); only positions ``< n_tokens`` are read.
     """
 
     hash: int
@@ -374,7 +375,7 @@ def _assemble(parts: list[Any]) -> bytes:
 
 def _encode_payload(geometry: Geometry, block: Block, version: int) -> list[Any]:
     """Payload parts of one block (views where possible, copies only where needed)."""
-    kv = np.asarray(block.kv)
+    kv = as_array(block.kv)
     if kv.shape != geometry.kv_shape:
         raise ShapeError(
             f"block {block.hash:016x}: kv shape expected {geometry.kv_shape}, found {kv.shape}"
