@@ -32,6 +32,7 @@ from .errors import (
 )
 from .geometry import Geometry
 from .hashing import block_hash, chain_hashes, fnv1a64
+from .numerics import as_array
 from .store import PutReport, PutResult, Store
 
 __version__ = "0.1.0"
@@ -66,6 +67,7 @@ __all__ = [
     "UnsupportedVersionError",
     "ViewClosedError",
     "__version__",
+    "as_array",
     "block_hash",
     "chain_hashes",
     "crc32c",
