@@ -440,6 +440,7 @@ def test_bf16_beyond_f16_range_is_refused_by_v1_and_taken_by_v2() -> None:
     assert np.allclose(env[0].to_float32(), kv.astype(np.float32), rtol=0.07)
 
 
+@pytest.mark.hf
 @pytest.mark.parametrize("version", [1, 2])
 def test_encode_takes_torch_tensors_of_every_float_dtype(version: int) -> None:
     torch = pytest.importorskip("torch", reason="torch is in the hf extra")

@@ -139,6 +139,7 @@ def test_to_f16_of_any_strides_is_c_contiguous(dtype: np.dtype) -> None:
         np.testing.assert_array_equal(out, view.astype(np.float32).astype(np.float16))
 
 
+@pytest.mark.hf
 def test_as_array_takes_torch_tensors_of_every_float_dtype_without_a_copy() -> None:
     torch = pytest.importorskip("torch", reason="torch is in the hf extra")
     base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
