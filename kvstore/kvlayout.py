@@ -35,7 +35,9 @@ class LayerSlices:
     """One block's KV as a window on per-layer arrays, without a copy.
 
     ``np.asarray(slices)`` gives the ``[L][2][Hkv][B][D]`` array (positions past
-    ``n_tokens`` are zero), in the layers' dtype; ``encode`` reads the window directly.
+    ``n_tokens`` are zero), in the layers' dtype. ``encode`` asks ``payload_parts`` for
+    the v1 payload instead, which costs no copy when the layers are f16 with contiguous
+    token rows (``[Hkv, T, D]`` head-major, the usual engine layout).
     """
 
     __slots__ = ("dtype", "geometry", "keys", "n_tokens", "start", "values")
@@ -69,6 +71,30 @@ class LayerSlices:
         """The window of layer ``index``'s keys (``kv`` 0) or values (1): ``[Hkv][n][D]``."""
         src = self.keys if kv == 0 else self.values
         return src[index][:, self.start : self.start + self.n_tokens]
+
+    def payload_parts(self, version: int) -> list[Any] | None:
+        """The v1 payload ``[L][2][Hkv][B][D]`` f16 as buffers in order, or None (v2).
+
+        f16 layers whose token rows are contiguous give views, one per (layer, K/V) (per
+        head, followed by zeros, in a partial block): the envelope's join is the only copy.
+        Other dtypes and strides are converted into one f16 array (numpy's round to
+        nearest even; bf16 goes through its exact f32 value). The values are not checked
+        here: ``encode`` checks the payload it built (finite, within f16's range).
+        """
+        if version != 1:
+            return None
+        g = self.geometry
+        n, d = self.n_tokens, g.head_dim
+        if self.dtype == np.float16 and all(
+            a.strides[1:] == (2 * d, 2) for a in (*self.keys, *self.values)
+        ):
+            windows = [self.layer(i, kv) for i in range(g.n_layers) for kv in (0, 1)]
+            if n == g.block_tokens:  # strided [Hkv][B][D] views, read in C order by the join
+                return windows
+            pad = bytes(2 * d * (g.block_tokens - n))
+            return [part for w in windows for head in w for part in (head, pad)]
+        with np.errstate(over="ignore", invalid="ignore"):  # refused by encode's check
+            return [self.__array__(np.float16)]
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         g = self.geometry

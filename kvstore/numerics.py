@@ -62,7 +62,10 @@ def check_float_dtype(arr: np.ndarray) -> None:
         raise ValueError(f"kv must be float16, bfloat16, float32 or float64, found {arr.dtype}")
 
 
-def _all_finite_f16(arr: np.ndarray) -> bool:
+def all_finite_f16(arr: Any) -> bool:
+    """Whether no f16 value of ``arr`` (an f16 array, or a buffer of f16 bytes) is NaN/Inf."""
+    if not isinstance(arr, np.ndarray):
+        arr = np.frombuffer(arr, dtype=F16)
     if _native is not None and hasattr(_native, "f16_finite") and arr.flags.c_contiguous:
         return bool(_native.f16_finite(arr))
     return bool(np.isfinite(arr).all())
@@ -80,7 +83,7 @@ def to_f16(arr: np.ndarray) -> np.ndarray:
     check_float_dtype(arr)
     if arr.dtype == np.float16:
         out = np.ascontiguousarray(arr, dtype=F16)
-        if not _all_finite_f16(out):
+        if not all_finite_f16(out):
             raise ValueError("kv values must be finite (found NaN or Inf in f16 input)")
         return out
     if not np.isfinite(arr).all():
