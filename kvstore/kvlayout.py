@@ -193,7 +193,7 @@ def blocks_from_layers(
 
 
 def layers_from_views(
-    views: Iterable[BlockView], dtype: Any = None
+    views: Iterable[BlockView], dtype: Any = None, *, out: np.ndarray | None = None
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Concatenate blocks' filled positions into per-layer ``[Hkv, T, D]`` keys and values.
 
@@ -205,14 +205,17 @@ def layers_from_views(
         views: ``BlockView``s in sequence order (from ``decode`` or a store reader); all
             of one geometry. Read them inside their reader's ``with`` block.
         dtype: output dtype (f16, bf16, f32, f64); default f16 when every view is v1,
-            else f32.
+            else f32 (``out``'s dtype when it is given).
+        out: an array ``[L][2][Hkv][>=T][D]`` to fill instead of a new one (an engine's
+            own buffer: memory reused, already faulted in); positions from ``T`` on are
+            left as they are.
 
     Returns:
         ``(keys, values)``: one array per layer each, ``T`` = the sum of the fills; with
         no views, two empty lists.
 
     Raises:
-        ShapeError: the views' geometries differ.
+        ShapeError: the views' geometries differ, or ``out`` does not fit them.
     """
     views = list(views)
     if not views:
@@ -224,12 +227,29 @@ def layers_from_views(
                 f"view {i}: geometry {bv.geometry.as_tuple()} differs from view 0's {g.as_tuple()}"
             )
     if dtype is None:
-        dtype = np.float16 if all(bv.version == 1 for bv in views) else np.float32
+        if out is not None:
+            dtype = out.dtype
+        else:
+            dtype = np.float16 if all(bv.version == 1 for bv in views) else np.float32
     out_dtype = np.dtype(dtype)
     if out_dtype not in _FLOATS:
         raise ValueError(f"dtype must be float16, bfloat16, float32 or float64, found {dtype}")
     total = sum(bv.n_tokens for bv in views)
-    out = np.empty((g.n_layers, 2, g.n_kv_heads, total, g.head_dim), dtype=out_dtype)
+    shape = (g.n_layers, 2, g.n_kv_heads, total, g.head_dim)
+    if out is None:
+        out = np.empty(shape, dtype=out_dtype)
+    elif (
+        out.ndim != 5
+        or out.shape[:3] + out.shape[4:] != shape[:3] + shape[4:]
+        or out.shape[3] < total
+        or out.dtype != out_dtype
+    ):
+        raise ShapeError(
+            f"out: expected {out_dtype} [L][2][Hkv][>={total}][D] = {shape}, found "
+            f"{out.dtype} {out.shape}"
+        )
+    else:
+        out = out[:, :, :, :total]
     pos = 0
     for bv in views:
         n = bv.n_tokens

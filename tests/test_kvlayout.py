@@ -253,3 +253,18 @@ def test_round_trip_over_random_geometries(
     np.testing.assert_array_equal(got.astype(np.float32), want)
     if version == 1:
         np.testing.assert_array_equal(np.stack(k2), np.stack(ks))
+
+
+def test_layers_from_views_fills_a_given_output() -> None:
+    ks, vs = _layers(10, seed=8)
+    env = decode(encode(G, blocks_from_layers(ks, vs, range(10), G), 1))
+    out = np.full((G.n_layers, 2, G.n_kv_heads, 12, G.head_dim), 7, dtype=np.float32)
+    k2, v2 = layers_from_views(env, out=out)
+    assert np.shares_memory(k2[0], out) and k2[0].dtype == np.float32
+    for a, b in zip(ks + vs, k2 + v2):
+        np.testing.assert_array_equal(a, b)
+    assert (out[..., 10:, :] == 7).all()  # past T: untouched
+    with pytest.raises(ShapeError, match="out: expected"):
+        layers_from_views(env, out=out[:, :, :, :9])
+    with pytest.raises(ShapeError, match="out: expected"):
+        layers_from_views(env, np.float16, out=out)
