@@ -127,6 +127,22 @@ def test_bf16_v1_is_exact_but_for_values_below_f16_normal_range(tmp_path: Path) 
         assert torch.equal(logits, want)
 
 
+def test_bf16_values_below_f16_normal_range_are_the_only_difference(tmp_path: Path) -> None:
+    model, ids = _model(torch.bfloat16), _prompt()
+    cache = _prefill(model, ids)
+    tiny = torch.tensor([1e-6, -3e-7, 1e-9, 2.0**-14], dtype=torch.bfloat16)
+    cache.layers[1].keys[0, 1, 5:9, 3] = tiny  # three below f16's normal range, one at it
+    with Store(tmp_path / "s") as store:
+        save_prefix(store, ids, cache)
+        n, loaded = load_prefix(store, ids, config=model)
+    got = loaded.layers[1].keys[0, 1, 5:9, 3]
+    assert got[3] == tiny[3] and got[2] == 0
+    assert not torch.equal(got[:2], tiny[:2])  # rounded to f16 subnormals
+    keys = loaded.layers[1].keys.clone()
+    keys[0, 1, 5:9, 3] = tiny
+    assert torch.equal(keys, cache.layers[1].keys[..., :n, :])  # exact everywhere else
+
+
 @pytest.mark.parametrize(
     ("dtype", "version"),
     [
