@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from bench_common import Row, gbps
+from bench_common import Row
 
 from kvstore import Geometry, Store, chain_hashes, encode
 from kvstore.kvlayout import blocks_from_layers, layers_from_views
@@ -25,20 +25,36 @@ GEOMETRY = Geometry(16, 32, 8, 128)
 N_BLOCKS = 128
 
 
-def _times(fn: Callable[[], object], repeat: int) -> list[float]:
-    fn()  # warm up
-    out = []
+def _timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def _paired(
+    fns: list[Callable[[], object]], repeat: int
+) -> tuple[list[list[float]], list[list[float]]]:
+    """Rounds of every function in turn (the first is the baseline): per function its
+    times, and its per-round ratios to the baseline. On a shared machine a ratio taken
+    within one round is steadier than best-of figures taken minutes apart."""
+    for fn in fns:
+        fn()  # warm up
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
+        for i, fn in enumerate(fns):
+            times[i].append(_timed(fn))
+    ratios = [[b / t for b, t in zip(times[0], ts)] for ts in times]
+    return times, ratios
 
 
-def _spread(nbytes: int, times: list[float]) -> str:
-    """Best throughput, with the range over the rounds."""
+def _rate(nbytes: int, times: list[float]) -> str:
+    """Median throughput, with the range over the rounds."""
     rates = sorted(nbytes / t / 1e9 for t in times)
-    return f"{rates[-1]:.2f} GB/s ({rates[0]:.2f}-{rates[-1]:.2f})"
+    return f"{statistics.median(rates):.2f} GB/s ({rates[0]:.2f}-{rates[-1]:.2f})"
+
+
+def _ratio_range(ratios: list[float]) -> str:
+    return f"per-round ratio {min(ratios):.2f}-{max(ratios):.2f}x"
 
 
 def _layer_rows(repeat: int) -> list[Row]:
@@ -53,34 +69,10 @@ def _layer_rows(repeat: int) -> list[Row]:
     flat = np.concatenate([k.reshape(-1) for k in keys + values])
     dst = np.empty_like(flat)
     dst[:] = 0  # touched: the baseline copies into warm memory
-    t_copy = _times(lambda: np.copyto(dst, flat), repeat)
-    t_fresh = _times(lambda: np.copyto(np.empty_like(flat), flat), repeat)
-    copy, fresh = min(t_copy), min(t_fresh)
-    rows = [
-        Row(f"memcpy, {nbytes >> 20} MiB, into warm memory (baseline)", _spread(nbytes, t_copy)),
-        Row("  memcpy into fresh memory (np.empty each time)", _spread(nbytes, t_fresh)),
-    ]
-
-    def measured(name: str, times: list[float]) -> None:
-        best = min(times)
-        rows.append(
-            Row(
-                name,
-                _spread(nbytes, times),
-                f"memcpy {gbps(nbytes, copy)}",
-                copy / best,
-                ">= 0.5x",
-                copy / best >= 0.5,
-            )
-        )
-        rows.append(
-            Row("  same vs memcpy into fresh memory", "", f"{gbps(nbytes, fresh)}", fresh / best)
-        )
 
     def save() -> bytes:
         return encode(g, blocks_from_layers(keys, values, tokens, g), 1)
 
-    measured(f"blocks_from_layers + encode v1, {N_BLOCKS} blocks", _times(save, repeat))
     with (
         tempfile.TemporaryDirectory(prefix="tlkv-bench-") as tmp,
         Store(Path(tmp) / "s", geometry=g, sync=False) as store,
@@ -95,8 +87,51 @@ def _layer_rows(repeat: int) -> list[Row]:
                 views = [r.view(h) for h in hashes]
                 return layers_from_views(views, out=out)  # type: ignore[arg-type]
 
-        measured(f"layers_from_views from a Store reader, {N_BLOCKS} blocks", _times(load, repeat))
-        measured("  same into a reused output (out=)", _times(lambda: load(reused), repeat))
+        times, ratios = _paired(
+            [
+                lambda: np.copyto(dst, flat),
+                lambda: np.copyto(np.empty_like(flat), flat),
+                save,
+                load,
+                lambda: load(reused),
+            ],
+            repeat,
+        )
+    fresh_ratio = [[f / x for f, x in zip(times[1], ts)] for ts in times]
+    rows = [
+        Row(f"memcpy, {nbytes >> 20} MiB, into warm memory (baseline)", _rate(nbytes, times[0])),
+        Row(
+            "  memcpy into fresh memory (np.empty each time)",
+            _rate(nbytes, times[1]),
+            "",
+            statistics.median(ratios[1]),
+        ),
+    ]
+    names = {
+        2: f"blocks_from_layers + encode v1, {N_BLOCKS} blocks",
+        3: f"layers_from_views from a Store reader, {N_BLOCKS} blocks",
+        4: "  same into a reused output (out=)",
+    }
+    for i, name in names.items():
+        ratio = statistics.median(ratios[i])
+        rows.append(
+            Row(
+                name,
+                _rate(nbytes, times[i]),
+                f"memcpy warm; {_ratio_range(ratios[i])}",
+                ratio,
+                ">= 0.5x",
+                ratio >= 0.5,
+            )
+        )
+        rows.append(
+            Row(
+                "    vs memcpy into fresh memory",
+                "",
+                _ratio_range(fresh_ratio[i]),
+                statistics.median(fresh_ratio[i]),
+            )
+        )
     return rows
 
 
@@ -143,5 +178,5 @@ def _model_rows(repeat: int) -> list[Row]:
 
 
 def run(args: argparse.Namespace) -> list[Row]:
-    repeat = 3 if args.quick else 7
+    repeat = 3 if args.quick else 9
     return _layer_rows(repeat) + _model_rows(3 if args.quick else 5)
