@@ -41,7 +41,11 @@ class BlockTarget(Protocol):
 
 
 class StoreTarget:
-    """A local ``Store``: zero-copy reader views, one transaction per put."""
+    """A local ``Store``: zero-copy reader views, one transaction per put.
+
+    Views are CRC-checked before use (a block that fails reads as absent, ends the prefix
+    and is quarantined, as ``Store.get`` does): KV fed to a model is never unverified.
+    """
 
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -60,8 +64,8 @@ class StoreTarget:
         with self.store.reader() as reader:
             views: list[BlockView] = []
             for h in hashes:
-                bv = reader.view(h)
-                if bv is None:  # absent, or evicted since a has(): the prefix ends here
+                bv = reader.view(h, verify=True)
+                if bv is None:  # absent, corrupt, or evicted since a has(): the prefix ends
                     break
                 views.append(bv)
             yield views
