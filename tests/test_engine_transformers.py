@@ -174,6 +174,7 @@ def test_over_http_with_a_server_restart(tmp_path: Path) -> None:
     cache = _prefill(model, ids)
     data = tmp_path / "data"
     with ServerProcess(data) as srv, Client(srv.url) as client:
+        assert load_prefix(client, ids, config=model) == (0, None)  # no geometry yet
         assert save_prefix(client, ids, cache, config=model) == 2
         assert save_prefix(client, ids, cache, config=model) == 0  # nothing re-sent
     with ServerProcess(data) as srv, Client(srv.url) as client:
