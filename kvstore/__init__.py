@@ -27,6 +27,7 @@ _EXPORTS = {
     "split": "kvstore.codec.envelope",
     "transcode": "kvstore.codec.envelope",
     "crc32c": "kvstore.codec.checksum",
+    "as_array": "kvstore.codec.numerics",
     "Geometry": "kvstore.codec.geometry",
     "block_hash": "kvstore.codec.hashing",
     "chain_hashes": "kvstore.codec.hashing",
@@ -65,6 +66,7 @@ __all__ = [
     "TlkvError",
     "UnsupportedVersionError",
     "__version__",
+    "as_array",
     "block_hash",
     "chain_hashes",
     "crc32c",
@@ -81,6 +83,7 @@ if TYPE_CHECKING:  # what the lazy attributes are, for type checkers
     from .codec.envelope import Block, BlockView, Envelope, decode, encode, join, split, transcode
     from .codec.geometry import Geometry
     from .codec.hashing import block_hash, chain_hashes, fnv1a64
+    from .codec.numerics import as_array
     from .errors import (
         ArchiveError,
         ChecksumError,

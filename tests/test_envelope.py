@@ -384,3 +384,73 @@ def test_transcode_v2_to_v1_overflow_is_refused() -> None:
     kv = np.full(SMALL.kv_shape, 1e6, dtype=np.float32)
     with pytest.raises(ValueError):
         transcode(encode(SMALL, [Block(0, 4, kv)], 2), 1)
+
+
+_LAYOUT_GEOMETRY = Geometry(block_tokens=4, n_layers=2, n_kv_heads=3, head_dim=8)
+
+
+def _strided_views(dtype: object) -> list[np.ndarray]:
+    """The same [L][2][Hkv][B][D] values behind several memory layouts."""
+    g = _LAYOUT_GEOMETRY
+    rng = np.random.default_rng(3)
+    base = rng.standard_normal(g.kv_shape).astype(np.float32).astype(dtype)  # type: ignore[call-overload]
+    token_major = np.ascontiguousarray(base.transpose(3, 0, 1, 2, 4))  # [B][L][2][Hkv][D]
+    reversed_axes = np.ascontiguousarray(base.transpose(4, 3, 2, 1, 0))
+    padded = np.zeros((*g.kv_shape[:-1], 2 * g.head_dim), dtype=base.dtype)
+    padded[..., ::2] = base
+    return [
+        base,
+        token_major.transpose(1, 2, 3, 0, 4),
+        reversed_axes.transpose(4, 3, 2, 1, 0),
+        padded[..., ::2],
+        np.asfortranarray(base),
+    ]
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float32, np.float64], ids=str)
+@pytest.mark.parametrize("n_tokens", [4, 3])
+def test_encode_takes_any_strides_of_any_float_dtype(
+    version: int, dtype: object, n_tokens: int
+) -> None:
+    g = _LAYOUT_GEOMETRY
+    views = _strided_views(dtype)
+    h = 7 if n_tokens == g.block_tokens else 0
+    expected = encode(g, [Block(h, n_tokens, views[0])], version)
+    for kv in views[1:]:
+        assert encode(g, [Block(h, n_tokens, kv)], version) == expected
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_bf16_encodes_like_its_exact_f32(version: int) -> None:
+    g = _LAYOUT_GEOMETRY
+    bf16 = _strided_views(ml_dtypes.bfloat16)[0]
+    assert encode(g, [Block(7, 4, bf16)], version) == encode(
+        g, [Block(7, 4, bf16.astype(np.float32))], version
+    )
+
+
+def test_bf16_beyond_f16_range_is_refused_by_v1_and_taken_by_v2() -> None:
+    g = _LAYOUT_GEOMETRY
+    kv = np.full(g.kv_shape, 1e6, dtype=ml_dtypes.bfloat16)
+    with pytest.raises(ValueError, match="overflow f16"):
+        encode(g, [Block(7, 4, kv)], 1)
+    env = decode(encode(g, [Block(7, 4, kv)], 2))
+    assert np.allclose(env[0].to_float32(), kv.astype(np.float32), rtol=0.07)
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("version", [1, 2])
+def test_encode_takes_torch_tensors_of_every_float_dtype(version: int) -> None:
+    torch = pytest.importorskip("torch", reason="torch is in the hf extra")
+    g = _LAYOUT_GEOMETRY
+    base = _strided_views(np.float32)[0]
+    token_major = torch.from_numpy(np.ascontiguousarray(base.transpose(3, 0, 1, 2, 4)))
+    for dtype, np_dtype in (
+        (torch.float16, np.float16),
+        (torch.bfloat16, ml_dtypes.bfloat16),
+        (torch.float32, np.float32),
+    ):
+        tensor = token_major.to(dtype).permute(1, 2, 3, 0, 4)  # not contiguous
+        expected = encode(g, [Block(7, 4, base.astype(np_dtype))], version)
+        assert encode(g, [Block(7, 4, tensor)], version) == expected

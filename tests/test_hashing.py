@@ -149,3 +149,22 @@ def test_list_error_message() -> None:
         chain_hashes([1, 2, 2**32, 3], 2)
     with pytest.raises(ValueError, match=r"found -5$"):
         chain_hashes([1, -5, 2**32, 3], 2)
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [np.zeros((1, 8), np.int64), np.zeros((2, 4), np.int32), [[1, 2], [3, 4]], np.int64(5)],
+    ids=["batch-1", "batch-2", "nested-list", "scalar"],
+)
+def test_tokens_that_are_not_1d_are_refused(tokens: object) -> None:
+    # A [batch, seq] input must not be hashed as its rows glued together.
+    with pytest.raises(ValueError, match="1-D sequence, found shape"):
+        chain_hashes(tokens, 2)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="1-D sequence"):
+        block_hash(0, tokens)  # type: ignore[arg-type]
+
+
+def test_a_1d_row_of_a_batch_hashes_like_its_list() -> None:
+    batch = np.arange(12, dtype=np.int64).reshape(2, 6)
+    assert chain_hashes(batch[1], 2) == chain_hashes(list(range(6, 12)), 2)
+    assert chain_hashes(batch[:, 0], 1) == chain_hashes([0, 6], 1)  # strided column

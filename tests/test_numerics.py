@@ -90,3 +90,62 @@ def test_to_f16_refuses_overflow_and_keeps_f16_without_copy() -> None:
     a[3] = np.inf
     with pytest.raises(ValueError):
         numerics.to_f16(a)
+
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def test_to_f16_of_bf16_is_the_rounding_of_its_exact_f32() -> None:
+    # Every finite bf16 bit pattern within f16's range: bf16 -> f32 is exact, then one RNE.
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    x = bits.view(BF16)
+    f32 = x.astype(np.float32)
+    keep = np.isfinite(f32) & (np.abs(f32) <= 65504)
+    out = numerics.to_f16(x[keep])
+    assert out.dtype == np.float16 and out.flags.c_contiguous
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(out.view(np.uint16), f32[keep].astype(np.float16).view("<u2"))
+
+
+def test_bf16_in_f16_normal_range_round_trips_exactly() -> None:
+    # bf16 keeps 8 significant bits, f16 11: a normal-range value survives bf16 -> f16 -> bf16.
+    x = np.array([6.103515625e-05, 1.0, -3.140625, 65280.0, -0.0001220703125], dtype=BF16)
+    np.testing.assert_array_equal(
+        numerics.to_f16(x).astype(BF16).view(np.uint16), x.view(np.uint16)
+    )
+
+
+def test_bf16_below_f16_normal_range_rounds_to_subnormals_or_zero() -> None:
+    tiny = np.array([1e-5, -3e-7, 1e-8, 1e-30], dtype=BF16)
+    out = numerics.to_f16(tiny)
+    np.testing.assert_array_equal(out, tiny.astype(np.float32).astype(np.float16))
+    assert out[2] == 0 and out[3] == 0  # below half the smallest f16 subnormal
+    assert float(out[1]) != float(tiny[1])  # a deep subnormal keeps fewer bits than bf16
+
+
+@pytest.mark.parametrize("value", [65536.0, -1e10, np.inf, -np.inf, np.nan])
+def test_bf16_values_f16_cannot_hold_are_refused(value: float) -> None:
+    x = np.array([1.0, value], dtype=np.float32).astype(BF16)
+    with pytest.raises(ValueError, match=r"finite|overflow"):
+        numerics.to_f16(x)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BF16, np.float32, np.float64])
+def test_to_f16_of_any_strides_is_c_contiguous(dtype: np.dtype) -> None:
+    x = np.arange(24, dtype=np.float32).reshape(2, 3, 4).astype(dtype)
+    for view in (x.transpose(2, 0, 1), x[:, ::2], x[..., ::-1], np.asfortranarray(x)):
+        out = numerics.to_f16(view)
+        assert out.flags.c_contiguous
+        np.testing.assert_array_equal(out, view.astype(np.float32).astype(np.float16))
+
+
+@pytest.mark.hf
+def test_as_array_takes_torch_tensors_of_every_float_dtype_without_a_copy() -> None:
+    torch = pytest.importorskip("torch", reason="torch is in the hf extra")
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        t = base.to(dtype).t()  # a transposed view
+        arr = numerics.as_array(t)
+        assert arr.shape == (4, 3)
+        np.testing.assert_array_equal(arr.astype(np.float32), t.float().numpy())
+        assert arr.__array_interface__["data"][0] == t.data_ptr()  # a view, not a copy

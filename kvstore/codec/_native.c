@@ -16,8 +16,9 @@
  *   "slicing-by-8": portable tables, everywhere else.
  * crc32c_kernel() -> str; crc32c_kernels() -> list[str] (compiled in and usable on this
  * CPU, best first); crc32c_with(name, data, crc=0) -> int runs one of them (for tests).
- * join_crc(parts, kernel=None) -> bytes   the parts concatenated + their CRC-32C (LE u32),
- *   copied and checksummed in one pass (the envelope writer's last step)
+ * join_crc(parts, kernel=None) -> bytes   the parts (contiguous or strided buffers)
+ *   concatenated + their CRC-32C (LE u32), copied and checksummed in one pass (the envelope
+ *   writer's last step)
  * fnv1a64(data, h=0xCBF29CE484222325) -> int
  * fnv_chain(tokens, block_tokens, parent=0) -> bytes    (spec section "Block hash")
  * fnv_chain_list(tokens, block_tokens, parent=0) -> bytes | None   the same from a list
@@ -33,6 +34,9 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 /* The hardware CRC path needs 64-bit CRC32/MOVQ, so it is x86-64 only; i386 and every
  * other architecture use the portable tables. GCC/Clang function attributes let the
@@ -560,6 +564,7 @@ static void crc_select(void) {
 /* Copy n bytes to dst and continue the raw CRC over them: fused where the kernel has a
  * twin, else in chunks small enough that the CRC reads the copy back from L1/L2. */
 #define COPY_CRC_CHUNK ((size_t)32 * 1024)
+#define JOIN_MAX_DIMS 64
 
 static uint32_t copy_crc(crc_kernel_fn fn, crc_copy_fn copy, uint32_t crc, uint8_t *dst,
                          const uint8_t *src, size_t n) {
@@ -633,11 +638,37 @@ static int crc_kernel_index(PyObject *name) {
     return -1;
 }
 
+/* A strided buffer in C order: its trailing dimensions that are contiguous form one run,
+ * the leading ones are walked with an odometer. Advances *dst. */
+static uint32_t copy_crc_strided(crc_kernel_fn fn, crc_copy_fn copy, uint32_t crc,
+                                 uint8_t **dst, const Py_buffer *v) {
+    int nd = v->ndim;
+    Py_ssize_t run = v->itemsize;
+    while (nd > 0 && v->strides[nd - 1] == run) {
+        run *= v->shape[nd - 1];
+        nd--;
+    }
+    Py_ssize_t idx[JOIN_MAX_DIMS] = {0};
+    const uint8_t *base = (const uint8_t *)v->buf;
+    for (;;) {
+        const uint8_t *p = base;
+        for (int k = 0; k < nd; k++)
+            p += idx[k] * v->strides[k];
+        crc = copy_crc(fn, copy, crc, *dst, p, (size_t)run);
+        *dst += run;
+        int k = nd - 1;
+        while (k >= 0 && ++idx[k] == v->shape[k])
+            idx[k--] = 0;
+        if (k < 0)
+            return crc;
+    }
+}
+
 PyDoc_STRVAR(join_crc_doc,
 "join_crc(parts, kernel=None, /) -> bytes\n\n"
-"The concatenation of a sequence of C-contiguous buffers followed by its CRC-32C as 4\n"
-"little-endian bytes, copied and checksummed in one pass (by the named kernel, one of\n"
-"crc32c_kernels(), or the one crc32c() runs).");
+"The concatenation of a sequence of buffers (C-contiguous, or strided: read in C order)\n"
+"followed by its CRC-32C as 4 little-endian bytes, copied and checksummed in one pass\n"
+"(by the named kernel, one of crc32c_kernels(), or the one crc32c() runs).");
 
 static PyObject *py_join_crc(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
@@ -664,8 +695,15 @@ static PyObject *py_join_crc(PyObject *self, PyObject *const *args, Py_ssize_t n
         goto done;
     }
     for (; got < n_parts; got++) {
-        if (get_contiguous(PySequence_Fast_GET_ITEM(seq, got), &views[got]) < 0)
+        /* Strided exporters (numpy views of an engine's layout) are read in C order. */
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, got), &views[got],
+                               PyBUF_STRIDED_RO) < 0)
             goto done;
+        if (views[got].ndim > JOIN_MAX_DIMS) {
+            got++;
+            PyErr_SetString(PyExc_BufferError, "join_crc: more than 64 dimensions");
+            goto done;
+        }
         if (views[got].len > PY_SSIZE_T_MAX - 4 - total) {
             got++;
             PyErr_NoMemory();
@@ -682,8 +720,15 @@ static PyObject *py_join_crc(PyObject *self, PyObject *const *args, Py_ssize_t n
     Py_BEGIN_ALLOW_THREADS
     uint8_t *dst = out;
     for (Py_ssize_t i = 0; i < n_parts; i++) {
-        crc = copy_crc(fn, copy, crc, dst, (const uint8_t *)views[i].buf, (size_t)views[i].len);
-        dst += views[i].len;
+        if (views[i].len == 0)
+            continue;
+        if (views[i].strides == NULL || PyBuffer_IsContiguous(&views[i], 'C')) {
+            crc = copy_crc(fn, copy, crc, dst, (const uint8_t *)views[i].buf,
+                           (size_t)views[i].len);
+            dst += views[i].len;
+        } else {
+            crc = copy_crc_strided(fn, copy, crc, &dst, &views[i]);
+        }
     }
     crc = ~crc;
     for (int k = 0; k < 4; k++)
@@ -1082,8 +1127,8 @@ static PyMethodDef native_methods[] = {
 
 static struct PyModuleDef native_module = {
     PyModuleDef_HEAD_INIT, "kvstore.codec._native",
-    "Compiled kernels: CRC-32C, FNV-1a 64, the chained block hash (also from a\n"
-    "list), f16 finiteness.", -1,
+    "Compiled kernels: CRC-32C (and join+CRC), FNV-1a 64, the chained block hash (also\n"
+    "from a list), f16 finiteness.", -1,
     native_methods, NULL, NULL, NULL, NULL,
 };
 

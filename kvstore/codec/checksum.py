@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from .layout import TRAILER
 
 try:
@@ -58,7 +60,8 @@ def crc32c(data: Any, crc: int = 0) -> int:
 
 
 def join_crc(parts: Sequence[Any]) -> bytes:
-    """``b"".join(parts)`` followed by its CRC-32C as the envelope's ``TRAILER``.
+    """``b"".join(parts)`` followed by its CRC-32C as the envelope's ``TRAILER``; parts are
+    C-contiguous buffers or strided ones (numpy views, read in C order).
 
     The compiled kernel copies and checksums each part in one pass (fused with the copy
     where the kernel has a twin, else in cache-sized chunks); elsewhere a CRC pass, then
@@ -66,6 +69,8 @@ def join_crc(parts: Sequence[Any]) -> bytes:
     """
     if _native is not None and _crc32c is _native.crc32c:
         return _native.join_crc(parts)
+    # strided parts (numpy views) are read in C order, as the compiled join does
+    parts = [p if memoryview(p).c_contiguous else np.ascontiguousarray(p) for p in parts]
     crc = 0
     for part in parts:
         crc = crc32c(part, crc)

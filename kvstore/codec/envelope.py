@@ -47,7 +47,7 @@ from .layout import (
     VERSION_V1,
     VERSION_V2,
 )
-from .numerics import dequantize_e4m3, quantize_e4m3, to_f16
+from .numerics import all_finite_f16, as_array, dequantize_e4m3, quantize_e4m3, to_f16
 
 __all__ = [
     "Block",
@@ -65,8 +65,11 @@ __all__ = [
 class Block:
     """One block to encode: its chained hash (0 for a partial block), fill and KV.
 
-    ``kv`` is a float array (f16, f32 or f64) of shape ``[L][2][Hkv][B][D]`` (axis 1:
-    0 = K, 1 = V); only positions ``< n_tokens`` are read.
+    ``kv`` is a float array (f16, bf16, f32 or f64; any strides; a numpy array, a CPU torch
+    tensor or anything with ``__array__``) of shape ``[L][2][Hkv][B][D]`` (axis 1: 0 = K,
+    1 = V); only positions ``< n_tokens`` are read. It may also be a lazy window with a
+    ``payload_parts(version)`` method returning the v1 payload as buffers in order, or
+    None (``kvstore.kvlayout.LayerSlices``): ``encode`` then joins those, checked.
     """
 
     hash: int
@@ -356,7 +359,7 @@ def _check_fills(env: Envelope) -> None:
 
 def _encode_payload(geometry: Geometry, block: Block, version: int) -> list[Any]:
     """Payload parts of one block (views where possible, copies only where needed)."""
-    kv = np.asarray(block.kv)
+    kv = as_array(block.kv)
     if kv.shape != geometry.kv_shape:
         raise ShapeError(
             f"block {block.hash:016x}: kv shape expected {geometry.kv_shape}, found {kv.shape}"
@@ -388,13 +391,35 @@ def encode(geometry: Geometry, blocks: Iterable[Block], version: int = VERSION_V
         raise UnsupportedVersionError(f"format version must be 1 or 2, found {version}")
     blocks = list(blocks)
     parts: list[Any] = [pack_header(version, geometry, len(blocks))]
+    unchecked: list[int] = []  # blocks whose payload parts came from their kv object
     for i, block in enumerate(blocks):
         if not 0 <= block.hash <= U64_MAX:
             raise ValueError(f"block {i}: hash must fit u64, found {block.hash}")
         _check_fill(f"block {i}", block.hash, block.n_tokens, geometry.block_tokens)
         parts.append(RECORD.pack(block.hash, block.n_tokens))
-        parts.extend(_encode_payload(geometry, block, version))
-    return assemble(parts)
+        payload_parts = getattr(block.kv, "payload_parts", None)
+        direct = payload_parts(version) if payload_parts is not None else None
+        if direct is None:
+            parts.extend(_encode_payload(geometry, block, version))
+        else:
+            unchecked.append(i)
+            parts.extend(direct)
+    data = assemble(parts)
+    if len(data) != geometry.envelope_bytes(len(blocks), version):
+        raise ShapeError(
+            f"encode: the blocks' payloads total {len(data)} envelope bytes, expected "
+            f"{geometry.envelope_bytes(len(blocks), version)} for geometry {geometry.as_tuple()}"
+        )
+    record_bytes = geometry.record_bytes(version)
+    mv = memoryview(data)
+    for i in unchecked:  # the same rule as to_f16, on the bytes just written
+        start = HEADER_SIZE + i * record_bytes + RECORD_SIZE
+        if not all_finite_f16(mv[start : start - RECORD_SIZE + record_bytes]):
+            raise ValueError(
+                f"block {i}: kv values must be finite and within f16's range "
+                f"(found NaN or Inf, or |x| > 65504 after rounding)"
+            )
+    return data
 
 
 def _from_records(version: int, geometry: Geometry, records: Sequence[Any]) -> bytes:

@@ -53,8 +53,11 @@ def _as_u32_tokens(tokens: TokenInput) -> np.ndarray:
             arr = np.asarray(tokens)
         except OverflowError as exc:
             raise ValueError(f"token ids must fit u32: {exc}") from None
-    if arr.ndim != 1:
-        arr = arr.reshape(-1)
+    if arr.ndim != 1:  # a [batch, seq] array would otherwise hash its rows glued together
+        raise ValueError(
+            f"token ids must be a 1-D sequence, found shape {arr.shape} "
+            "(hash one sequence at a time, e.g. input_ids[0])"
+        )
     if arr.size == 0:
         return np.zeros(0, dtype="<u4")
     if arr.dtype == object and all(isinstance(t, int) for t in arr.flat):

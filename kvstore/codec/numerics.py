@@ -14,6 +14,9 @@ that small do not occur in practice; f16 input never reaches that range.
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 import ml_dtypes
 import numpy as np
 
@@ -30,26 +33,49 @@ E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E4M3_MAX = np.float32(448.0)  # largest finite E4M3FN value: "scale = amax / 448"
 F16 = np.dtype("<f2")
 F32 = np.dtype("<f4")
+BF16 = np.dtype(ml_dtypes.bfloat16)
+FLOAT_DTYPES = (F16, BF16, F32, np.dtype(np.float64))
 
 # e4m3_to_f32 of every byte, the decode table (0x7F and 0xFF are NaN).
 E4M3_TO_F32 = np.arange(256, dtype=np.uint8).view(E4M3).astype(F32)
 E4M3_TO_F32.setflags(write=False)
 
 
+def as_array(x: Any) -> np.ndarray:
+    """``x`` as a numpy array, a view where possible: ndarrays as they are, anything with
+    ``__array__`` or ``__dlpack__`` (CPU torch tensors), and torch bfloat16 tensors, which
+    numpy cannot read, viewed bit for bit as ``ml_dtypes.bfloat16``. torch is never
+    imported here: a tensor exists only once its caller has imported it."""
+    if isinstance(x, np.ndarray):
+        return x
+    if str(getattr(x, "dtype", "")) == "torch.bfloat16":
+        torch = sys.modules["torch"]
+        return np.asarray(x.detach().view(torch.int16)).view(BF16)
+    if not hasattr(x, "__array__") and hasattr(x, "__dlpack__"):
+        return np.from_dlpack(x)
+    return np.asarray(x)
+
+
 def check_float_dtype(arr: np.ndarray) -> None:
-    """Raise ValueError unless ``arr`` holds f16, f32 or f64 values."""
-    if arr.dtype not in (np.float16, np.float32, np.float64):
-        raise ValueError(f"kv must be float16, float32 or float64, found {arr.dtype}")
+    """Raise ValueError unless ``arr`` holds f16, bf16, f32 or f64 values."""
+    if arr.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"kv must be float16, bfloat16, float32 or float64, found {arr.dtype}")
 
 
-def _all_finite_f16(arr: np.ndarray) -> bool:
+def all_finite_f16(arr: Any) -> bool:
+    """Whether no f16 value of ``arr`` (an f16 array, or a buffer of f16 bytes) is NaN/Inf."""
+    if not isinstance(arr, np.ndarray):
+        arr = np.frombuffer(arr, dtype=F16)
     if _native is not None and hasattr(_native, "f16_finite") and arr.flags.c_contiguous:
         return bool(_native.f16_finite(arr))
     return bool(np.isfinite(arr).all())
 
 
 def to_f16(arr: np.ndarray) -> np.ndarray:
-    """``arr`` as f16 by round-to-nearest-even; no copy when it already is contiguous f16.
+    """``arr`` as a C-contiguous f16 array by round-to-nearest-even, whatever its strides;
+    no copy when it already is contiguous f16, one copy otherwise. bf16, f32 and f64 follow
+    one rule: values beyond f16's range are refused, values below its normal range round
+    to f16 subnormals (or zero), exactly as numpy's f32 -> f16 cast does.
 
     Raises:
         ValueError: a value is NaN or infinite, or overflows f16 (|x| rounds past 65504).
@@ -57,13 +83,15 @@ def to_f16(arr: np.ndarray) -> np.ndarray:
     check_float_dtype(arr)
     if arr.dtype == np.float16:
         out = np.ascontiguousarray(arr, dtype=F16)
-        if not _all_finite_f16(out):
+        if not all_finite_f16(out):
             raise ValueError("kv values must be finite (found NaN or Inf in f16 input)")
         return out
     if not np.isfinite(arr).all():
         raise ValueError("kv values must be finite (found NaN or Inf)")
+    if arr.dtype == BF16:  # bf16 -> f32 is exact, so f32 -> f16 rounds once, to nearest even
+        arr = arr.astype(F32)
     with np.errstate(over="ignore"):  # overflow is detected below and refused
-        out = arr.astype(F16)
+        out = arr.astype(F16, order="C")  # "K" would keep a transposed input's strides
     if not np.isfinite(out).all():
         raise ValueError("kv values overflow f16 (|x| > 65504 after rounding)")
     return out

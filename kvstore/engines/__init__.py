@@ -1,0 +1,120 @@
+"""Bridges between inference engines and tlkv, and the block targets they save to.
+
+One module per engine (``kvstore.engines.transformers``: Hugging Face transformers, the
+``tlkv[hf]`` extra); each imports its framework lazily. What an engine bridge needs from
+the place that holds blocks is ``BlockTarget``: a ``Store``, an HTTP ``Client``, or any
+object with these four methods (a gRPC transfer client, once tl.kv.v1 lands), which
+``as_target`` passes through as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
+from typing import Any, Protocol, runtime_checkable
+
+from ..codec.envelope import BlockView, decode
+from ..codec.geometry import Geometry
+from ..store import Store
+
+__all__ = ["BlockTarget", "ClientTarget", "StoreTarget", "as_target"]
+
+
+@runtime_checkable
+class BlockTarget(Protocol):
+    """Where an engine bridge saves full blocks and loads prefixes from."""
+
+    def block_geometry(self) -> Geometry | None:
+        """The geometry every block there has (None while it holds none and has none)."""
+        ...
+
+    def has_blocks(self, hashes: Sequence[int]) -> list[bool]:
+        """Whether each full-block hash is held."""
+        ...
+
+    def put_envelope(self, envelope: bytes) -> int:
+        """Store an envelope's full blocks; returns how many were newly stored."""
+        ...
+
+    def prefix_views(self, hashes: Sequence[int]) -> AbstractContextManager[Sequence[BlockView]]:
+        """Views of the longest held prefix of ``hashes``, in order, valid in the block."""
+        ...
+
+
+class StoreTarget:
+    """A local ``Store``: zero-copy reader views, one transaction per put.
+
+    Views are CRC-checked before use (a block that fails reads as absent, ends the prefix
+    and is quarantined, as ``Store.get`` does): KV fed to a model is never unverified.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def block_geometry(self) -> Geometry | None:
+        return self.store.geometry
+
+    def has_blocks(self, hashes: Sequence[int]) -> list[bool]:
+        return self.store.has(hashes)
+
+    def put_envelope(self, envelope: bytes) -> int:
+        return self.store.put(envelope).stored
+
+    @contextlib.contextmanager
+    def prefix_views(self, hashes: Sequence[int]) -> Iterator[Sequence[BlockView]]:
+        with self.store.reader() as reader:
+            views: list[BlockView] = []
+            for h in hashes:
+                bv = reader.view(h, verify=True)
+                if bv is None:  # absent, corrupt, or evicted since a has(): the prefix ends
+                    break
+                views.append(bv)
+            yield views
+
+
+class ClientTarget:
+    """A ``tlkv serve`` over HTTP: has-blocks, one PUT, one ``/v1/prefix`` round trip."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    def block_geometry(self) -> Geometry | None:
+        g = self.client.info()["geometry"]
+        if g is None:
+            return None
+        return Geometry(g["block_tokens"], g["n_layers"], g["n_kv_heads"], g["head_dim"])
+
+    def has_blocks(self, hashes: Sequence[int]) -> list[bool]:
+        return list(self.client.has_blocks(hashes).present) if len(hashes) else []
+
+    def put_envelope(self, envelope: bytes) -> int:
+        return len(self.client.put(envelope).stored)
+
+    @contextlib.contextmanager
+    def prefix_views(self, hashes: Sequence[int]) -> Iterator[Sequence[BlockView]]:
+        if not len(hashes):
+            yield []
+            return
+        yield list(decode(self.client.prefix(hashes=hashes)))
+
+
+def as_target(obj: Any) -> BlockTarget:
+    """``obj`` as a ``BlockTarget``: a ``Store``, a ``kvstore.client.Client``, or an
+    object that implements the protocol already (passed through).
+
+    Raises:
+        TypeError: ``obj`` is none of these.
+    """
+    if isinstance(obj, Store):
+        return StoreTarget(obj)
+    from ..client import Client
+
+    if isinstance(obj, Client):
+        return ClientTarget(obj)
+    if isinstance(obj, BlockTarget):
+        return obj
+    raise TypeError(
+        f"expected a kvstore Store, a kvstore.client.Client or a BlockTarget, "
+        f"found {type(obj).__name__}"
+    )
