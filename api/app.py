@@ -2,9 +2,10 @@
 
 Uvicorn calls ``create_app`` (``factory=True``) in every worker process, so each worker
 reads its :class:`~api.settings.Settings` from the environment and opens the LMDB store
-after the fork, as LMDB requires. Middleware, outermost first: metrics, the guard (auth,
-body limit), then the block-read fast path; every error leaves in the one JSON shape of
-``api.errors``.
+after the fork, as LMDB requires; with ``TLKV_GRPC`` set, the lifespan also starts the
+tl.kv.v1 gRPC server (``api.grpc_service``) on that store and event loop. Middleware,
+outermost first: metrics, the guard (auth, body limit), then the block-read fast path;
+every error leaves in the one JSON shape of ``api.errors``.
 """
 
 from __future__ import annotations
@@ -41,9 +42,23 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             capacity_bytes=settings.capacity_bytes,
         )
         app.state.store = store
+        grpc_server = None
         try:
+            if settings.grpc_address is not None:
+                from .grpc_service import start_server
+
+                grpc_server = await start_server(
+                    store,
+                    settings.grpc_address,
+                    token=settings.token,
+                    formats=settings.formats,
+                    max_stream=settings.grpc_max_stream,
+                    metrics=app.state.metrics,
+                )
             yield
         finally:
+            if grpc_server is not None:
+                await grpc_server.stop(grace=2.0)
             app.state.store = None
             store.close()
 

@@ -55,6 +55,7 @@ class Metrics:
         self.requests: dict[tuple[str, str, int], int] = {}
         self.latency: dict[str, _Series] = {}
         self.started = time.time()
+        self.grpc_calls: dict[tuple[str, str], int] = {}
 
     def observe(self, method: str, route: str, status: int, seconds: float) -> None:
         """Count one finished request and its latency."""
@@ -66,6 +67,11 @@ class Metrics:
         series.buckets[bisect.bisect_left(BUCKETS, seconds)] += 1
         series.count += 1
         series.sum += seconds
+
+    def observe_grpc(self, method: str, code: str) -> None:
+        """Count one finished tl.kv.v1 call by method and status code name."""
+        key = (method, code)
+        self.grpc_calls[key] = self.grpc_calls.get(key, 0) + 1
 
     def render(self, store_stats: Mapping[str, Any] | None) -> str:
         """The exposition text: request metrics, then the store's."""
@@ -100,6 +106,12 @@ class Metrics:
                 )
             out.append(f'tlkv_http_request_duration_seconds_sum{{route="{r}"}} {s.sum:.6f}')
             out.append(f'tlkv_http_request_duration_seconds_count{{route="{r}"}} {s.count}')
+        out += [
+            "# HELP tlkv_grpc_calls_total tl.kv.v1 gRPC calls answered by this worker.",
+            "# TYPE tlkv_grpc_calls_total counter",
+        ]
+        for (method, code), n in sorted(self.grpc_calls.items()):
+            out.append(f'tlkv_grpc_calls_total{{method="{_label(method)}",code="{code}"}} {n}')
         if store_stats is not None:
             for key, kind, help_text in _STORE_METRICS:
                 value = store_stats.get(key)
