@@ -17,7 +17,7 @@ from typing import Any
 from .cli import EXIT_FAILURE, EXIT_OK, geometry_arg
 
 _LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
-DEFAULT_URL_HELP = "server base URL, e.g. http://127.0.0.1:8000"
+DEFAULT_URL_HELP = "server: http://127.0.0.1:8000, or grpc://127.0.0.1:50051 for tl.kv.v1"
 
 
 def _size_arg(text: str) -> int:
@@ -25,6 +25,15 @@ def _size_arg(text: str) -> int:
 
     try:
         return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _formats_arg(text: str) -> tuple[int, ...]:
+    from api.settings import parse_formats
+
+    try:
+        return parse_formats(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -54,6 +63,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         env[s.ENV_CAPACITY] = str(args.capacity)
     if args.token_file is not None:
         env[s.ENV_TOKEN_FILE] = str(Path(args.token_file).resolve())
+    if args.grpc_port is not None:
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        env[s.ENV_GRPC] = f"{host}:{args.grpc_port}"
+        env[s.ENV_GRPC_MAX_STREAM] = str(args.grpc_max_stream)
+    if args.formats is not None:
+        env[s.ENV_FORMATS] = ",".join(map(str, args.formats))
     os.environ.update(env)  # the workers (spawned processes) inherit these
     settings = s.Settings.from_env()  # fail here, once, on a bad token file
 
@@ -63,9 +78,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     Store(settings.data, geometry=settings.geometry, capacity_bytes=settings.capacity_bytes).close()
     auth = "on" if settings.token else "off"
+    grpc = f", grpc://{settings.grpc_address}" if settings.grpc_address else ""
     print(
         f"tlkv serve: data {settings.data}, auth {auth}, {args.workers} worker(s), "
-        f"http://{args.host}:{args.port}",
+        f"http://{args.host}:{args.port}{grpc}",
         file=sys.stderr,
     )
     uvicorn.run(
@@ -90,7 +106,15 @@ def _token(args: argparse.Namespace) -> str | None:
     return os.environ.get("TLKV_TOKEN") or None
 
 
+def _is_grpc(args: argparse.Namespace) -> bool:
+    return str(args.url).startswith("grpc://")
+
+
 def _client(args: argparse.Namespace) -> Any:
+    if _is_grpc(args):
+        from .transfer import TransferClient
+
+        return TransferClient(args.url, token=_token(args))
     from .client import Client
 
     return Client(args.url, token=_token(args))
@@ -111,6 +135,10 @@ def _cmd_put(args: argparse.Namespace) -> int:
     data = Path(args.file).read_bytes()
 
     def action(client: Any) -> int:
+        if _is_grpc(args):
+            json.dump(client.push(data)._asdict(), sys.stdout)
+            sys.stdout.write("\n")
+            return EXIT_OK
         result = client.put(data)
         reply = {
             "stored": [f"{h:016x}" for h in result.stored],
@@ -126,7 +154,10 @@ def _cmd_put(args: argparse.Namespace) -> int:
 
 def _cmd_get(args: argparse.Namespace) -> int:
     def action(client: Any) -> int:
-        data = client.get(args.hash, format=args.format)
+        if _is_grpc(args):
+            data = client.fetch(hashes=[args.hash], kv_format=args.format or 0) or None
+        else:
+            data = client.get(args.hash, format=args.format)
         if data is None:
             print(f"tlkv get: block {args.hash} not found", file=sys.stderr)
             return EXIT_FAILURE
@@ -149,7 +180,13 @@ def _cmd_has(args: argparse.Namespace) -> int:
         return 2
 
     def action(client: Any) -> int:
-        if args.tokens is not None:
+        if args.tokens is not None and _is_grpc(args):
+            from .hashing import chain_hashes
+
+            # HasBlocks takes hashes: they are computed here, with --block-tokens.
+            result = client.has_blocks(chain_hashes(args.tokens, args.block_tokens))
+            names = [f"block {i}" for i in range(len(result.present))]
+        elif args.tokens is not None:
             result = client.has_blocks(tokens=args.tokens)
             names = [f"block {i}" for i in range(len(result.present))]
         else:
@@ -194,6 +231,18 @@ def register(sub: Any) -> None:
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     p.add_argument("--access-log", action="store_true", help="log every request")
+    p.add_argument(
+        "--grpc-port", type=int, default=None, help="also serve tl.kv.v1 gRPC on this port"
+    )
+    p.add_argument(
+        "--grpc-max-stream",
+        type=_size_arg,
+        default=1024 * 1024 * 1024,
+        help="payload bytes one PushKv stream may buffer (1GiB)",
+    )
+    p.add_argument(
+        "--formats", type=_formats_arg, default=None, help="envelope versions read (1,2)"
+    )
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("put", help="send an envelope's blocks to a server")
@@ -215,5 +264,11 @@ def register(sub: Any) -> None:
     p.add_argument("hashes", nargs="*", type=_hash_arg, help="block hashes")
     p.add_argument("--tokens", nargs="+", type=int, default=None, help="token ids instead")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--block-tokens",
+        type=_positive_int,
+        default=16,
+        help="B for hashing --tokens on a grpc:// server (default 16)",
+    )
     _add_token(p)
     p.set_defaults(func=_cmd_has)

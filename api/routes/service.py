@@ -6,7 +6,6 @@ from fastapi import APIRouter, Request
 from starlette.responses import PlainTextResponse, Response
 
 import kvstore
-from kvstore.layout import SUPPORTED_VERSIONS
 
 from .common import json_response, store_of
 
@@ -54,7 +53,7 @@ async def info(request: Request) -> Response:
         {
             "version": kvstore.__version__,
             "geometry": geometry,
-            "formats": list(SUPPORTED_VERSIONS),
+            "formats": list(request.app.state.settings.formats),
             "blocks": stats.get("blocks"),
             "bytes": stats.get("bytes"),
             "capacity_bytes": stats.get("capacity_bytes"),
