@@ -347,6 +347,7 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
                 pending = loop.run_in_executor(None, push.add, chunk)
             if pending is not None:
                 await pending
+            await _confirm_half_closed(context)
             return await loop.run_in_executor(None, push.commit)
 
         return await self._unary("PushKv", context, body)
@@ -421,6 +422,23 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
             data = await nxt
             if data is None:
                 break  # evicted meanwhile: the prefix ends here
+
+
+async def _confirm_half_closed(context: grpc.aio.ServicerContext) -> None:
+    """Tell a client's end of stream from a cancelled stream before anything is committed.
+
+    grpc.aio ends the request iterator the same way for both (a cancelled read is reported
+    as end of stream), and cancels the handler only a moment later. gRPC's core has already
+    marked the call cancelled when the read ended, so one more operation on the call (the
+    response's initial metadata, sent a little early) completes after the cancellation has
+    reached this task: it raises ``CancelledError`` then, and nothing is stored.
+    """
+    try:
+        await context.send_initial_metadata(())
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # the operation failed on a call that is gone
+        raise asyncio.CancelledError() from exc
 
 
 def _get(store: Store, h: int, version: int | None) -> bytes | None:
