@@ -42,8 +42,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvstore import (
     FormatError,
+    Geometry,
     InvalidRequestError,
     NotFoundError,
+    ShapeError,
     Store,
     TlkvError,
     TooLargeError,
@@ -66,6 +68,7 @@ from kvstore.transfer import (
     grpc_status_of,
 )
 
+from .grpc_wire import parse_chunk
 from .metrics import Metrics
 from .routes.sequences import NAME_PATTERN
 
@@ -80,22 +83,30 @@ T = TypeVar("T")
 
 
 class _Push:
-    """One PushKv stream: its chunks checked and kept until the stream commits."""
+    """One PushKv stream: its chunks checked as they arrive and kept until it commits.
+
+    ``note`` runs on the event loop, in stream order (the rules that depend on order and
+    the stream's byte limit); ``check`` runs in the thread pool (the payload's CRC and
+    reader rules, the CRC with the GIL released); ``finish`` takes the checked entries in
+    stream order.
+    """
 
     def __init__(self, store: Store, formats: Sequence[int], max_stream: int) -> None:
         self.store = store
         self.formats = tuple(formats)
         self.max_stream = max_stream
-        self.geometry = store.geometry
+        self.store_geometry = store.geometry
         self.name: str | None = None
         # (hash, payload or None for a reference, kv_format) in stream order
-        self.entries: list[tuple[int, bytes | None, int]] = []
+        self.entries: list[tuple[int, Any, int]] = []
         self.referenced = 0
         self.payload_bytes = 0
+        self.count = 0
 
-    def add(self, chunk: Any) -> None:
-        """Check one chunk (every rule but "the referenced block is held")."""
-        index = len(self.entries)
+    def note(self, chunk: Any) -> int:
+        """The order-dependent rules of the next chunk; returns its index."""
+        index = self.count
+        self.count += 1
         if chunk.sequence:
             if index == 0:
                 if not _NAME.fullmatch(chunk.sequence):
@@ -108,9 +119,18 @@ class _Push:
                 raise InvalidRequestError(
                     f"chunk {index}: the sequence name is given on the first chunk only"
                 )
-        h, fmt = chunk.block_hash, chunk.kv_format
-        payload = chunk.payload
-        if not payload:
+        self.payload_bytes += len(chunk.payload)
+        if self.payload_bytes > self.max_stream:
+            raise TooLargeError(
+                f"the stream's payloads exceed this server's limit of {self.max_stream} bytes "
+                "per PushKv; push in smaller parts"
+            )
+        return index
+
+    def check(self, index: int, chunk: Any) -> tuple[int, Any, int, Geometry | None]:
+        """Every rule of one chunk but "the referenced block is held" (thread pool)."""
+        h, fmt, payload = chunk.block_hash, chunk.kv_format, chunk.payload
+        if not len(payload):
             if fmt and fmt not in self.formats:
                 raise UnsupportedVersionError(
                     f"chunk {index}: kv_format {fmt} is not a format this server reads "
@@ -125,20 +145,7 @@ class _Push:
                     f"chunk {index}: an empty payload references a full block by its hash; "
                     "block_hash 0 (the partial tail) must carry its payload"
                 )
-            if self.geometry is not None and chunk.n_tokens != self.geometry.block_tokens:
-                raise InvalidRequestError(
-                    f"chunk {index}: a referenced block is full: n_tokens must be "
-                    f"{self.geometry.block_tokens}, found {chunk.n_tokens}"
-                )
-            self.entries.append((h, None, fmt))
-            self.referenced += 1
-            return
-        self.payload_bytes += len(payload)
-        if self.payload_bytes > self.max_stream:
-            raise TooLargeError(
-                f"the stream's payloads exceed this server's limit of {self.max_stream} bytes "
-                "per PushKv; push in smaller parts"
-            )
+            return h, None, fmt, None
         try:
             env = check_chunk(
                 h,
@@ -146,13 +153,35 @@ class _Push:
                 fmt,
                 payload,
                 chunk.crc32c,
-                geometry=self.geometry,
+                geometry=self.store_geometry,
                 versions=self.formats,
             )
         except TlkvError as exc:
             raise type(exc)(f"chunk {index} (block {h:016x}): {exc}") from None
-        self.geometry = self.geometry or env.geometry
-        self.entries.append((h, payload, env.version))
+        return h, payload, env.version, env.geometry
+
+    def finish(
+        self, checked: list[tuple[int, Any, int, Geometry | None]], chunks: list[Any]
+    ) -> None:
+        """Take the checked chunks: one geometry for the stream, full references."""
+        geometry = self.store_geometry
+        for index, ((h, payload, fmt, g), chunk) in enumerate(zip(checked, chunks)):
+            if g is not None and geometry is None:
+                geometry = g
+            elif g is not None and g != geometry:
+                assert geometry is not None
+                raise ShapeError(
+                    f"chunk {index} (block {h:016x}): geometry {g.as_tuple()} differs from "
+                    f"the stream's {geometry.as_tuple()}"
+                )
+            if payload is None:
+                if geometry is not None and chunk.n_tokens != geometry.block_tokens:
+                    raise InvalidRequestError(
+                        f"chunk {index}: a referenced block is full: n_tokens must be "
+                        f"{geometry.block_tokens}, found {chunk.n_tokens}"
+                    )
+                self.referenced += 1
+            self.entries.append((h, payload, fmt))
 
     def commit(self) -> kv_pb2.PushKvResponse:
         """Store the stream in one transaction (all or nothing)."""
@@ -340,13 +369,18 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
         async def body() -> kv_pb2.PushKvResponse:
             push = _Push(self.store, self.formats, self.max_stream)
             loop = asyncio.get_running_loop()
-            pending: asyncio.Future[None] | None = None
+            chunks: list[Any] = []
+            checks: list[asyncio.Future[tuple[int, Any, int, Geometry | None]]] = []
+            failed = 0  # checks before this index are known to have passed
             async for chunk in request_iterator:
-                if pending is not None:
-                    await pending  # one chunk checked in a thread while the next arrives
-                pending = loop.run_in_executor(None, push.add, chunk)
-            if pending is not None:
-                await pending
+                index = push.note(chunk)
+                chunks.append(chunk)
+                checks.append(loop.run_in_executor(None, push.check, index, chunk))
+                while failed < len(checks) and checks[failed].done():
+                    checks[failed].result()  # fail fast: raises the first failed check
+                    failed += 1
+            checked = [await c for c in checks]  # in stream order: the first failure wins
+            push.finish(checked, chunks)
             await _confirm_half_closed(context)
             return await loop.run_in_executor(None, push.commit)
 
@@ -451,6 +485,29 @@ def _code_of(exc: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def _add_service(service: KvTransferService, server: grpc.aio.Server) -> None:
+    """Register KvTransfer as the generated ``add_KvTransferServicer_to_server`` does, with
+    PushKv's requests parsed by ``grpc_wire.parse_chunk`` (payloads not copied)."""
+    handlers = {
+        "HasBlocks": grpc.unary_unary_rpc_method_handler(
+            service.HasBlocks,
+            request_deserializer=kv_pb2.HasBlocksRequest.FromString,
+            response_serializer=kv_pb2.HasBlocksResponse.SerializeToString,
+        ),
+        "PushKv": grpc.stream_unary_rpc_method_handler(
+            service.PushKv,
+            request_deserializer=parse_chunk,
+            response_serializer=kv_pb2.PushKvResponse.SerializeToString,
+        ),
+        "FetchKv": grpc.unary_stream_rpc_method_handler(
+            service.FetchKv,
+            request_deserializer=kv_pb2.FetchKvRequest.FromString,
+            response_serializer=kv_pb2.KvChunk.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
 async def start_server(
     store: Store,
     address: str,
@@ -475,7 +532,7 @@ async def start_server(
     service = KvTransferService(
         store, token=token, formats=formats, max_stream=max_stream, metrics=metrics
     )
-    kv_pb2_grpc.add_KvTransferServicer_to_server(service, server)
+    _add_service(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     server.add_insecure_port(address)
