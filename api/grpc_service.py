@@ -7,7 +7,8 @@ extra process to supervise. The port is bound with ``SO_REUSEPORT`` (gRPC's defa
 Linux, asked for explicitly here): with ``--workers N`` the N servers share it and the
 kernel spreads connections among them; the store (LMDB) is shared by the processes.
 
-- ``PushKv`` checks each chunk as it arrives (``kvstore.transfer.check_chunk``: one CRC
+- ``PushKv`` parses chunks without copying their payloads (``parse_chunk``), checks each
+  as it arrives (``kvstore.transfer.check_chunk``: one CRC
   pass, in the thread pool, overlapping the next chunk's arrival) and keeps the payloads
   in memory; after the last chunk everything is committed in one store transaction
   (``Store.import_batch``, or ``Store.put_sequence`` when ``sequence`` is set), so a
@@ -66,9 +67,9 @@ from kvstore.transfer import (
     check_chunk,
     envelope_crc_to_chunk_crc,
     grpc_status_of,
+    parse_chunk,
 )
 
-from .grpc_wire import parse_chunk
 from .metrics import Metrics
 from .routes.sequences import NAME_PATTERN
 
@@ -487,7 +488,7 @@ def _code_of(exc: BaseException) -> grpc.StatusCode:
 
 def _add_service(service: KvTransferService, server: grpc.aio.Server) -> None:
     """Register KvTransfer as the generated ``add_KvTransferServicer_to_server`` does, with
-    PushKv's requests parsed by ``grpc_wire.parse_chunk`` (payloads not copied)."""
+    PushKv's requests parsed by ``kvstore.transfer.parse_chunk`` (payloads not copied)."""
     handlers = {
         "HasBlocks": grpc.unary_unary_rpc_method_handler(
             service.HasBlocks,

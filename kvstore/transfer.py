@@ -20,6 +20,7 @@ import grpc
 import numpy as np
 
 from ._tlkv_v1 import kv_pb2, kv_pb2_grpc
+from ._wirechunk import WireChunk, parse_chunk
 from .checksum import crc32c
 from .envelope import Envelope, decode, join
 from .errors import (
@@ -48,10 +49,12 @@ __all__ = [
     "HasResult",
     "PushReport",
     "TransferClient",
+    "WireChunk",
     "check_chunk",
     "envelope_crc_to_chunk_crc",
     "error_from_status",
     "grpc_status_of",
+    "parse_chunk",
 ]
 
 # "Each KvChunk.payload is a whole envelope with n_blocks = 1, at most 4 MiB".
@@ -248,6 +251,12 @@ class TransferClient:
             ],
         )
         self._stub = kv_pb2_grpc.KvTransferStub(self._channel)
+        # FetchKv's chunks parsed without copying their payloads (kvstore._wirechunk).
+        self._fetch = self._channel.unary_stream(
+            "/tl.kv.v1.KvTransfer/FetchKv",
+            request_serializer=kv_pb2.FetchKvRequest.SerializeToString,
+            response_deserializer=parse_chunk,
+        )
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._timeout = timeout
 
@@ -351,12 +360,10 @@ class TransferClient:
             request.block_hashes.extend(_u64_list(hashes))
         else:
             request.tokens.extend(int(t) for t in tokens or ())
-        parts: list[bytes] = []
+        parts: list[Any] = []
         geometry: Geometry | None = None
         try:
-            for chunk in self._stub.FetchKv(
-                request, timeout=self._timeout, metadata=self._metadata
-            ):
+            for chunk in self._fetch(request, timeout=self._timeout, metadata=self._metadata):
                 payload = chunk.payload
                 env = check_chunk(
                     chunk.block_hash,
@@ -372,4 +379,4 @@ class TransferClient:
             raise error_from_status(exc) from None
         if not parts:
             return b""
-        return parts[0] if len(parts) == 1 else join(parts)
+        return bytes(parts[0]) if len(parts) == 1 else join(parts)

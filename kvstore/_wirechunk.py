@@ -1,14 +1,15 @@
-"""Zero-copy parsing of the ``KvChunk`` messages a PushKv stream receives.
+"""Zero-copy parsing of ``KvChunk`` messages (PushKv's requests, FetchKv's responses).
 
 The generated ``KvChunk.FromString`` copies each 2 MiB payload into protobuf's arena, and
 reading ``chunk.payload`` copies it again into a new ``bytes`` (1.4 ms per 2 MiB here,
-holding the GIL). PushKv instead registers :func:`parse_chunk` as its request
-deserializer: the payload becomes a ``memoryview`` into the message bytes gRPC hands over,
-and the store copies it once, into LMDB. The parser follows protobuf's wire rules for
-proto3 (``api/proto/tl/kv/v1/kv.proto``): fields in any order, the last occurrence wins,
-unknown fields and fields of an unexpected wire type are skipped, uint32 varints are
-truncated to 32 bits; a message that does not parse raises ``ValueError``, which gRPC
-answers like a protobuf decode error.
+holding the GIL). The server's PushKv and ``TransferClient.fetch`` register
+:func:`parse_chunk` as their deserializer instead: the payload becomes a ``memoryview``
+into the message bytes gRPC hands over (the store, or the joined envelope, copies it
+once). The parser follows protobuf's wire rules for proto3 (the fields of
+``api/proto/tl/kv/v1/kv.proto``): fields in any order, the last occurrence wins, unknown
+fields and fields of an unexpected wire type are skipped, uint32 varints are truncated to
+32 bits; a message that does not parse raises ``ValueError``, which gRPC answers like a
+protobuf decode error.
 """
 
 from __future__ import annotations
