@@ -8,18 +8,19 @@ Linux, asked for explicitly here): with ``--workers N`` the N servers share it a
 kernel spreads connections among them; the store (LMDB) is shared by the processes.
 
 - ``PushKv`` parses chunks without copying their payloads (``parse_chunk``), checks each
-  as it arrives (``kvstore.transfer.check_chunk``: one CRC
-  pass, in the thread pool, overlapping the next chunk's arrival) and keeps the payloads
-  in memory; after the last chunk everything is committed in one store transaction
-  (``Store.import_batch``, or ``Store.put_sequence`` when ``sequence`` is set), so a
-  failed or cancelled stream stores nothing. A stream is bounded by ``grpc_max_stream``
-  payload bytes (RESOURCE_EXHAUSTED beyond).
+  as it arrives (``kvstore.transfer.check_chunk``: one CRC pass, in the thread pool,
+  overlapping the next chunk's arrival) and keeps the payloads in memory; after the last
+  chunk everything is committed in one store transaction (``Store.import_batch``, or
+  ``Store.put_sequence`` when ``sequence`` is set), so a failed or cancelled stream stores
+  nothing. A stream is bounded by ``grpc_max_stream`` payload bytes (RESOURCE_EXHAUSTED
+  beyond).
 - A referenced block (empty payload) must be held when the stream commits: sent earlier
   in the same stream, or in the store (checked at commit, FAILED_PRECONDITION naming the
   hash otherwise). Without ``sequence`` a reference writes nothing; with it, the stored
   copy is read (transcoded to the pushed format if it is stored in the other) and pinned.
-- ``FetchKv`` streams ``Store.get`` results (CRC-checked), reading block i+1 in the thread
-  pool while block i is sent; a block evicted meanwhile ends the stream (a shorter prefix).
+- ``FetchKv`` streams ``Store.get`` results (CRC-checked, written by ``serialize_chunk``),
+  reading block i+1 in the thread pool while block i is sent; a block evicted meanwhile
+  ends the stream (a shorter prefix).
 - ``HasBlocks`` is ``Store.has`` (read-only, no write lock).
 
 Errors map to status codes by ``kvstore.transfer.grpc_status_of``; the trailing metadata
@@ -64,10 +65,12 @@ from kvstore.transfer import (
     MAX_CHUNK_PAYLOAD,
     MAX_MESSAGE_BYTES,
     MISSING_BLOCK_KEY,
+    WireChunk,
     check_chunk,
     envelope_crc_to_chunk_crc,
     grpc_status_of,
     parse_chunk,
+    serialize_chunk,
 )
 
 from .metrics import Metrics
@@ -389,7 +392,7 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
 
     async def FetchKv(  # the generated servicer names the RPCs
         self, request: kv_pb2.FetchKvRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[kv_pb2.KvChunk]:
+    ) -> AsyncIterator[WireChunk]:
         """The longest present prefix, one chunk per block (an empty stream for none)."""
         code = grpc.StatusCode.OK
         try:
@@ -407,7 +410,7 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
         finally:
             self._observe("FetchKv", code)
 
-    async def _fetch(self, request: kv_pb2.FetchKvRequest) -> AsyncIterator[kv_pb2.KvChunk]:
+    async def _fetch(self, request: kv_pb2.FetchKvRequest) -> AsyncIterator[WireChunk]:
         if len(request.block_hashes) and len(request.tokens):
             raise InvalidRequestError("FetchKv takes block_hashes or tokens, not both")
         kv_format = request.kv_format
@@ -445,7 +448,7 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
                 if i + 1 < k
                 else None
             )
-            yield kv_pb2.KvChunk(
+            yield WireChunk(
                 block_hash=hashes[i],
                 n_tokens=geometry.block_tokens if geometry else 0,
                 kv_format=version,
@@ -487,8 +490,9 @@ def _code_of(exc: BaseException) -> grpc.StatusCode:
 
 
 def _add_service(service: KvTransferService, server: grpc.aio.Server) -> None:
-    """Register KvTransfer as the generated ``add_KvTransferServicer_to_server`` does, with
-    PushKv's requests parsed by ``kvstore.transfer.parse_chunk`` (payloads not copied)."""
+    """Register KvTransfer as the generated ``add_KvTransferServicer_to_server`` does, but
+    with PushKv's requests parsed by ``parse_chunk`` and FetchKv's chunks written by
+    ``serialize_chunk`` (``kvstore._wirechunk``: payloads not copied by protobuf)."""
     handlers = {
         "HasBlocks": grpc.unary_unary_rpc_method_handler(
             service.HasBlocks,
@@ -503,7 +507,7 @@ def _add_service(service: KvTransferService, server: grpc.aio.Server) -> None:
         "FetchKv": grpc.unary_stream_rpc_method_handler(
             service.FetchKv,
             request_deserializer=kv_pb2.FetchKvRequest.FromString,
-            response_serializer=kv_pb2.KvChunk.SerializeToString,
+            response_serializer=serialize_chunk,
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

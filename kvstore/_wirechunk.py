@@ -1,4 +1,4 @@
-"""Zero-copy parsing of ``KvChunk`` messages (PushKv's requests, FetchKv's responses).
+"""``KvChunk`` messages without copying payloads: PushKv's requests and FetchKv's responses.
 
 The generated ``KvChunk.FromString`` copies each 2 MiB payload into protobuf's arena, and
 reading ``chunk.payload`` copies it again into a new ``bytes`` (1.4 ms per 2 MiB here,
@@ -9,7 +9,8 @@ once). The parser follows protobuf's wire rules for proto3 (the fields of
 ``api/proto/tl/kv/v1/kv.proto``): fields in any order, the last occurrence wins, unknown
 fields and fields of an unexpected wire type are skipped, uint32 varints are truncated to
 32 bits; a message that does not parse raises ``ValueError``, which gRPC answers like a
-protobuf decode error.
+protobuf decode error. The server's FetchKv writes its chunks with
+:func:`serialize_chunk` (one copy of the payload instead of protobuf's two).
 """
 
 from __future__ import annotations
@@ -29,13 +30,21 @@ class WireChunk:
 
     __slots__ = ("block_hash", "crc32c", "kv_format", "n_tokens", "payload", "sequence")
 
-    def __init__(self) -> None:
-        self.block_hash = 0
-        self.n_tokens = 0
-        self.kv_format = 0
-        self.payload: memoryview = memoryview(b"")
-        self.crc32c = 0
-        self.sequence = ""
+    def __init__(
+        self,
+        block_hash: int = 0,
+        n_tokens: int = 0,
+        kv_format: int = 0,
+        payload: bytes | memoryview = b"",
+        crc32c: int = 0,
+        sequence: str = "",
+    ) -> None:
+        self.block_hash = block_hash
+        self.n_tokens = n_tokens
+        self.kv_format = kv_format
+        self.payload = memoryview(payload)
+        self.crc32c = crc32c
+        self.sequence = sequence
 
 
 def _varint(buf: bytes, pos: int) -> tuple[int, int]:
@@ -98,3 +107,36 @@ def parse_chunk(raw: bytes) -> WireChunk:
         else:  # groups (3, 4) are not proto3; 6 and 7 are not wire types
             raise ValueError(f"KvChunk: unsupported wire type {wire}")
     return chunk
+
+
+def _varint_bytes(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+_TAG_HASH = bytes([1 << 3 | _I64])
+_TAG_NTOKENS = bytes([2 << 3 | _VARINT])
+_TAG_FORMAT = bytes([3 << 3 | _VARINT])
+_TAG_PAYLOAD = bytes([4 << 3 | _LEN])
+_TAG_CRC = bytes([5 << 3 | _I32])
+
+
+def serialize_chunk(chunk: WireChunk) -> bytes:
+    """The serialized ``KvChunk`` (without ``sequence``), the bytes protobuf would write,
+    with one copy of the payload (protobuf's message and serializer copy it twice)."""
+    parts: list[bytes | memoryview] = []
+    if chunk.block_hash:
+        parts += [_TAG_HASH, _U64.pack(chunk.block_hash)]
+    if chunk.n_tokens:
+        parts += [_TAG_NTOKENS, _varint_bytes(chunk.n_tokens)]
+    if chunk.kv_format:
+        parts += [_TAG_FORMAT, _varint_bytes(chunk.kv_format)]
+    if len(chunk.payload):
+        parts += [_TAG_PAYLOAD, _varint_bytes(len(chunk.payload)), chunk.payload]
+    if chunk.crc32c:
+        parts += [_TAG_CRC, _U32.pack(chunk.crc32c)]
+    return b"".join(parts)

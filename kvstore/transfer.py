@@ -20,7 +20,7 @@ import grpc
 import numpy as np
 
 from ._tlkv_v1 import kv_pb2, kv_pb2_grpc
-from ._wirechunk import WireChunk, parse_chunk
+from ._wirechunk import WireChunk, parse_chunk, serialize_chunk
 from .checksum import crc32c
 from .envelope import Envelope, decode, join
 from .errors import (
@@ -55,6 +55,7 @@ __all__ = [
     "error_from_status",
     "grpc_status_of",
     "parse_chunk",
+    "serialize_chunk",
 ]
 
 # "Each KvChunk.payload is a whole envelope with n_blocks = 1, at most 4 MiB".

@@ -1,4 +1,4 @@
-"""kvstore._wirechunk: the zero-copy KvChunk parser agrees with the generated protobuf code."""
+"""kvstore._wirechunk: the zero-copy KvChunk parser and writer agree with protobuf's code."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvstore._tlkv_v1 import kv_pb2
-from kvstore._wirechunk import parse_chunk
+from kvstore._wirechunk import WireChunk, parse_chunk, serialize_chunk
 
 FIELDS = ("block_hash", "n_tokens", "kv_format", "crc32c", "sequence")
 
@@ -85,3 +85,24 @@ def test_malformed_is_refused_like_protobuf(raw: bytes) -> None:
         kv_pb2.KvChunk.FromString(raw)
     with pytest.raises(ValueError):
         parse_chunk(raw)
+
+
+@given(
+    block_hash=st.integers(0, 2**64 - 1),
+    n_tokens=st.integers(0, 2**32 - 1),
+    kv_format=st.integers(0, 2**32 - 1),
+    payload=st.binary(max_size=300),
+    crc=st.integers(0, 2**32 - 1),
+)
+def test_serialize_writes_protobufs_bytes(
+    block_hash: int, n_tokens: int, kv_format: int, payload: bytes, crc: int
+) -> None:
+    fields = {
+        "block_hash": block_hash,
+        "n_tokens": n_tokens,
+        "kv_format": kv_format,
+        "payload": payload,
+        "crc32c": crc,
+    }
+    expected = kv_pb2.KvChunk(**fields).SerializeToString()
+    assert serialize_chunk(WireChunk(**fields)) == expected
