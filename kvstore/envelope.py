@@ -427,14 +427,17 @@ def split(data: Any) -> list[bytes]:
     return [env.single(i) for i in range(len(env))]
 
 
-def join(envelopes: Iterable[Any]) -> bytes:
+def join(envelopes: Iterable[Any], *, verify_crc: bool = True) -> bytes:
     """Join envelopes (same geometry and version) into one, blocks in order.
+
+    ``verify_crc=False`` skips the parts' CRCs (only for parts verified before, e.g. the
+    chunks a transfer client checked as they arrived); every other rule is checked.
 
     Raises:
         ValueError: no envelopes were given.
         ShapeError: geometries differ.  UnsupportedVersionError: versions differ.
     """
-    decoded = [decode(e) for e in envelopes]
+    decoded = [decode(e, verify_crc=verify_crc) for e in envelopes]
     if not decoded:
         raise ValueError("join needs at least one envelope (the geometry comes from them)")
     first = decoded[0]

@@ -381,6 +381,19 @@ def test_join_refuses_mixed_geometry_and_version() -> None:
         join([])
 
 
+def test_join_without_crc_checks_skips_only_the_parts_crc() -> None:
+    parts = split(make_envelope(SMALL, 10))
+    assert join(parts, verify_crc=False) == join(parts)
+    damaged = bytearray(parts[1])
+    damaged[40] ^= 1
+    with pytest.raises(ChecksumError):
+        join([parts[0], damaged])
+    joined = join([parts[0], damaged], verify_crc=False)  # the caller vouched for the parts
+    assert decode(joined)[1].raw.tobytes() == bytes(damaged[28:-4])
+    with pytest.raises(TruncatedError):
+        join([parts[0], parts[1][:-1]], verify_crc=False)
+
+
 def test_transcode_v2_to_v1_overflow_is_refused() -> None:
     kv = np.full(SMALL.kv_shape, 1e6, dtype=np.float32)
     with pytest.raises(ValueError):
