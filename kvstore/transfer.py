@@ -218,10 +218,19 @@ def _target(target: str) -> str:
 
 
 def _u64_list(hashes: Iterable[Any]) -> list[int]:
+    """Hashes (ints, numpy integers, 16-hex-digit strings) as u64 ints, vectorized for ints."""
     if isinstance(hashes, np.ndarray):
-        return [int(h) for h in hashes.astype(np.uint64).tolist()]
+        if hashes.dtype.kind not in "iu" or (hashes.dtype.kind == "i" and (hashes < 0).any()):
+            raise ValueError(f"hashes must be u64 values, found dtype {hashes.dtype}")
+        return list(hashes.reshape(-1).astype(np.uint64).tolist())
+    items = hashes if isinstance(hashes, list) else list(hashes)
+    if not any(isinstance(h, str) for h in items):
+        try:
+            return list(np.asarray(items, dtype=np.uint64).tolist())
+        except (OverflowError, TypeError, ValueError):
+            pass  # the loop below names the offending value
     out = []
-    for h in hashes:
+    for h in items:
         value = int(h, 16) if isinstance(h, str) else int(h)
         if not 0 <= value <= U64_MAX:
             raise ValueError(f"a block hash must fit u64, found {value}")

@@ -184,6 +184,11 @@ def test_has_blocks_and_prefix(stub: Any, pb: SimpleNamespace, client: TransferC
     assert reply.prefix_blocks == 2
     reply = stub.HasBlocks(pb.kv_pb2.HasBlocksRequest(), metadata=AUTH)
     assert list(reply.present) == [] and reply.prefix_blocks == 0
+    expected = ([True, True, False, False, False], 2)
+    assert client.has_blocks(np.array(hashes, dtype=np.uint64)) == expected
+    assert client.has_blocks([f"{h:016x}" for h in hashes]) == expected
+    with pytest.raises(ValueError):
+        client.has_blocks([-1])
 
 
 def test_push_sends_only_missing_blocks_and_the_tail(

@@ -18,6 +18,9 @@ envelopes (geometry 16, 32, 8, 128), 64 per push, a 128-block prefix per fetch.
   ``Client.prefix`` (the HTTP body as is).
 - HasBlocks: 8,192 hashes (the 128 stored first) through the generated stub, p50.
 
+Ratios are the median of the per-round ratios (each round measures both sides back to
+back, which cancels most of the drift of a shared machine); values are medians.
+
 Usage: python tools/bench.py grpc [--quick]
 """
 
@@ -207,6 +210,23 @@ def _chunks(hashes: list[int], kv_seed: int = 0) -> list[Any]:
     return out
 
 
+def _commit_alone(path: Path, growing: int, steady: int) -> tuple[list[float], list[float]]:
+    """``Store.import_batch`` of the PushKv rounds' blocks in this process, in the same two
+    regimes (the part of a push that happens after its stream ends)."""
+    from kvstore import Geometry, Store
+
+    g = Geometry(*GEOMETRY)
+    capacity = PUSH_CAPACITY_ROUNDS * PUSH_BLOCKS * g.envelope_bytes(1, 1)
+    times: list[float] = []
+    with Store(path, geometry=g, sync=False, capacity_bytes=capacity) as store:
+        total = PUSH_CAPACITY_ROUNDS + 2 + steady
+        for r in range(total):
+            hashes = [((r + 1) << 32) + i + 1 for i in range(PUSH_BLOCKS)]
+            payloads = [memoryview(c.payload) for c in _chunks(hashes, kv_seed=r)]
+            times.append(_timed(lambda p=payloads: store.import_batch(blocks=p)))
+    return times[1 : 1 + growing], times[PUSH_CAPACITY_ROUNDS + 2 :]
+
+
 def _stub(port: int) -> Any:
     import grpc
 
@@ -269,26 +289,40 @@ def run(args: argparse.Namespace) -> list[Row]:
             push_round(r)
             for r in range(PUSH_CAPACITY_ROUNDS + 2, PUSH_CAPACITY_ROUNDS + 2 + rounds)
         ]
-        for label, runs in (("store growing", growing), ("store at capacity, evicting", steady)):
+        ours.stop()
+        procs.remove(ours)
+        commits = _commit_alone(root / "commit-store", len(growing), rounds)
+        regimes = (
+            ("store growing", growing, commits[0]),
+            ("store at capacity", steady, commits[1]),
+        )
+        for label, runs, commit in regimes:
             t_ours = [o for o, _, _ in runs]
             t_bare = [b for _, b, _ in runs]
             push_bytes = runs[0][2]
-            med_o, med_b = statistics.median(t_ours), statistics.median(t_bare)
+            ratio = statistics.median([b / o for o, b in zip(t_ours, t_bare)])
             rows.append(
                 Row(
                     f"PushKv {PUSH_BLOCKS} x 2 MiB, sync=False, {label} (median of {len(runs)})",
-                    f"{push_bytes / med_o / 1e9:.2f} GB/s",
-                    f"bare grpc.aio, discards {push_bytes / med_b / 1e9:.2f} GB/s",
-                    med_b / med_o,
+                    f"{push_bytes / statistics.median(t_ours) / 1e9:.2f} GB/s",
+                    "bare grpc.aio, discards "
+                    f"{push_bytes / statistics.median(t_bare) / 1e9:.2f} GB/s",
+                    ratio,
                     ">= 0.7x",
-                    med_b / med_o >= 0.7,
+                    ratio >= 0.7,
                 )
             )
             rows.append(
                 Row("  per-round ratio spread", _spread([b / o for o, b in zip(t_ours, t_bare)]))
             )
-        ours.stop()
-        procs.remove(ours)
+            rows.append(
+                Row(
+                    "  the store's commit alone (import_batch, same blocks, same regime)",
+                    f"{statistics.median(commit) * 1e3:.0f} ms",
+                    f"bare stream {statistics.median(t_bare) * 1e3:.0f} ms, ours "
+                    f"{statistics.median(t_ours) * 1e3:.0f} ms",
+                )
+            )
 
         # FetchKv and /v1/prefix from one tlkv serve holding a 128-block prefix.
         tlkv, http_port = _start_tlkv(root / "store", root / "tlkv.log")
@@ -312,20 +346,21 @@ def run(args: argparse.Namespace) -> list[Row]:
         if http_client.prefix(hashes=hashes) != envelope:
             raise RuntimeError("FetchKv and /v1/prefix disagree")
         f_ours, f_bare, c_grpc, c_http = [], [], [], []
-        for _ in range(rounds):
+        for _ in range(rounds + 2):
             f_bare.append(_timed(lambda: read(bare_stub)))
             f_ours.append(_timed(lambda: read(tlkv_stub)))
             c_http.append(_timed(lambda: http_client.prefix(hashes=hashes)))
             c_grpc.append(_timed(lambda: grpc_client.fetch(hashes=hashes)))
         mo, mb = statistics.median(f_ours), statistics.median(f_bare)
+        ratio = statistics.median([b / o for o, b in zip(f_ours, f_bare)])
         rows.append(
             Row(
-                f"FetchKv {FETCH_BLOCKS}-block prefix, generated stub (median of {rounds})",
+                f"FetchKv {FETCH_BLOCKS}-block prefix, generated stub (median of {len(f_ours)})",
                 f"{fetch_bytes / mo / 1e9:.2f} GB/s",
                 f"bare grpc.aio, cached bytes {fetch_bytes / mb / 1e9:.2f} GB/s",
-                mb / mo,
+                ratio,
                 ">= 0.7x",
-                mb / mo >= 0.7,
+                ratio >= 0.7,
             )
         )
         rows.append(
@@ -334,14 +369,16 @@ def run(args: argparse.Namespace) -> list[Row]:
             )
         )
         mg, mh = statistics.median(c_grpc), statistics.median(c_http)
+        ratio = statistics.median([h / g for g, h in zip(c_grpc, c_http)])
         rows.append(
             Row(
-                "TransferClient.fetch (checked, joined) vs Client.prefix",
+                f"TransferClient.fetch vs Client.prefix, {FETCH_BLOCKS} blocks (median of "
+                f"{len(c_grpc)})",
                 f"{len(envelope) / mg / 1e9:.2f} GB/s",
                 f"HTTP /v1/prefix {len(envelope) / mh / 1e9:.2f} GB/s",
-                mh / mg,
+                ratio,
                 ">= 0.8x",
-                mh / mg >= 0.8,
+                ratio >= 0.8,
             )
         )
         rows.append(Row("  client ratio spread", _spread([h / g for g, h in zip(c_grpc, c_http)])))
