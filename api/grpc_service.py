@@ -203,11 +203,8 @@ class _Push:
             payload_bytes=self.payload_bytes,
         )
 
-    def _sent(self) -> set[int]:
-        return {h for h, payload, _ in self.entries if payload is not None and h != NO_HASH}
-
     def _commit_blocks(self) -> tuple[int, int]:
-        sent = self._sent()
+        sent = {h for h, payload, _ in self.entries if payload is not None and h != NO_HASH}
         refs = [h for h, payload, _ in self.entries if payload is None and h not in sent]
         if refs:
             for h, here in zip(refs, self.store.has(refs)):
@@ -241,7 +238,8 @@ class _Push:
                     data = transcode(data, version)
                 held[h] = data
         parts = [p if p is not None else held.get(h) or sent[h] for h, p, _ in self.entries]
-        envelope = parts[0] if len(parts) == 1 else join(parts)
+        # every part's CRC was checked: on arrival, or by Store.get_many
+        envelope = parts[0] if len(parts) == 1 else join(parts, verify_crc=False)
         result = self.store.put_sequence(name, envelope)
         # put_sequence counts the referenced blocks as duplicates (they were held).
         full_refs = sum(1 for h, p, _ in self.entries if p is None)

@@ -151,7 +151,9 @@ def envelope_crc_to_chunk_crc(payload: Any) -> int:
     """``crc32c(payload)`` of an envelope whose trailer is known to be right, in O(1).
 
     The CRC of a message followed by its own CRC is the CRC of those four bytes continued
-    from that CRC, so the store's CRC-checked bytes need no second pass.
+    from that CRC, so the store's CRC-checked bytes need no second pass. (That value is a
+    constant of CRC-32C, ``0x48674BC7``, for every valid envelope: which is also why one
+    pass checks both a chunk's ``crc32c`` and its envelope's trailer.)
     """
     mv = memoryview(payload)
     tail = mv[len(mv) - TRAILER_SIZE :]
