@@ -32,6 +32,8 @@ health service (``grpc.health.v1``) answers without it, like ``/healthz``.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import hmac
 import logging
 import re
@@ -511,6 +513,41 @@ def _add_service(service: KvTransferService, server: grpc.aio.Server) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
 
+# glibc mallopt parameters (malloc.h) and the values set by _keep_freed_memory.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_TRIM_THRESHOLD = 512 << 20
+_MMAP_THRESHOLD = 32 << 20  # glibc's largest on 64-bit (HEAP_MAX_SIZE / 2)
+
+
+def _keep_freed_memory() -> bool:
+    """Let this process reuse freed memory for the next stream (glibc only).
+
+    A PushKv stream holds all its chunks (gRPC hands each 2 MiB message over in newly
+    allocated memory) until LMDB copies them into its own newly allocated dirty pages. By
+    default glibc serves such blocks with fresh ``mmap``s and returns freed memory to the
+    kernel, so every push page-faults its whole size in twice. With allocations up to
+    32 MiB taken from the heap, and up to 512 MiB of free heap kept, the next push reuses
+    that memory. PushKv of 64 x 2 MiB into a store at capacity, against the bare servicer,
+    in two A/B runs of 8 rounds here: 0.45-0.74x per round (medians 0.51x, 0.58x) without,
+    0.66-1.26x (medians 0.78x, 1.16x) with. The cost: a worker's RSS stays at its peak (plus up to
+    512 MiB of free heap) instead of shrinking after a large push.
+
+    Returns:
+        True when both parameters were set (False elsewhere than glibc).
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    return bool(
+        mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
+    )
+
+
 async def start_server(
     store: Store,
     address: str,
@@ -522,9 +559,13 @@ async def start_server(
 ) -> grpc.aio.Server:
     """Start a grpc.aio server on ``address`` (``host:port``) serving KvTransfer and health.
 
+    Also tunes this process's allocator for whole buffered streams (``_keep_freed_memory``).
+
     Raises:
         RuntimeError: the address cannot be bound.
     """
+    if not _keep_freed_memory():
+        log.info("mallopt unavailable: freed memory goes back to the system after each push")
     server = grpc.aio.server(
         options=[
             ("grpc.so_reuseport", 1),
