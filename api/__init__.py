@@ -1,1 +1,1 @@
-"""The tlkv HTTP service: a FastAPI app over ``kvstore.store.Store`` (see ``api.app``)."""
+"""The tlkv HTTP service: a FastAPI app over ``kvstore.store.store.Store`` (see ``api.app``)."""

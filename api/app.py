@@ -2,8 +2,10 @@
 
 Uvicorn calls ``create_app`` (``factory=True``) in every worker process, so each worker
 reads its :class:`~api.settings.Settings` from the environment and opens the LMDB store
-after the fork, as LMDB requires; with ``TLKV_GRPC`` set, the lifespan also starts the
-tl.kv.v1 gRPC server (``api.grpc_service``) on that store and event loop. Middleware,
+after the fork, as LMDB requires; its :class:`~api.metrics.Metrics` add up with the other
+workers' when ``PROMETHEUS_MULTIPROC_DIR`` is set (``tlkv serve`` sets it). With
+``TLKV_GRPC`` set, the lifespan also starts the tl.kv.v1 gRPC server
+(``api.grpc_service``) on that store and event loop. Middleware,
 outermost first: metrics, the guard (auth, body limit), then the block-read fast path;
 every error leaves in the one JSON shape of ``api.errors``.
 """
@@ -16,7 +18,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 import kvstore
-from kvstore.store import Store
+from kvstore.store.store import Store
 
 from .errors import install_error_handlers
 from .metrics import Metrics, MetricsMiddleware
@@ -61,6 +63,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 await grpc_server.stop(grace=2.0)
             app.state.store = None
             store.close()
+            app.state.metrics.close()
 
     app = FastAPI(
         title="tlkv",

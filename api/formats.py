@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvstore.envelope import decode
+from kvstore.codec.envelope import decode
+from kvstore.codec.layout import SUPPORTED_VERSIONS
 from kvstore.errors import EnvelopeError, UnsupportedVersionError
-from kvstore.layout import SUPPORTED_VERSIONS
 
 
 def require_formats(body: Any, formats: Sequence[int]) -> None:

@@ -24,8 +24,9 @@ kernel spreads connections among them; the store (LMDB) is shared by the process
 - ``HasBlocks`` is ``Store.has`` (read-only, no write lock).
 
 Errors map to status codes by ``kvstore.transfer.grpc_status_of``; the trailing metadata
-``tlkv-error-kind`` carries the error's kind for our client. The bearer token of the HTTP
-service guards every KvTransfer call (``authorization: Bearer`` metadata); the standard
+``tlkv-error-kind`` carries the error's kind for our client; every call is counted by
+``Metrics.observe_grpc`` (full method name, status code name, duration). The bearer token
+of the HTTP service guards every KvTransfer call (``authorization: Bearer`` metadata); the standard
 health service (``grpc.health.v1``) answers without it, like ``/healthz``.
 """
 
@@ -36,7 +37,7 @@ import ctypes
 import ctypes.util
 import hmac
 import logging
-import re
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -44,24 +45,20 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvstore import (
+from kvstore import Geometry, Store, chain_hashes, decode, transcode
+from kvstore._tlkv_v1 import kv_pb2, kv_pb2_grpc
+from kvstore.codec.layout import NO_HASH, SUPPORTED_VERSIONS
+from kvstore.errors import (
     FormatError,
-    Geometry,
     InvalidRequestError,
     NotFoundError,
     ShapeError,
-    Store,
     TlkvError,
     TooLargeError,
     UnauthorizedError,
     UnsupportedVersionError,
-    chain_hashes,
-    decode,
-    join,
-    transcode,
 )
-from kvstore._tlkv_v1 import kv_pb2, kv_pb2_grpc
-from kvstore.layout import NO_HASH, SUPPORTED_VERSIONS
+from kvstore.protocol import SEQUENCE_NAME_MAX, is_sequence_name
 from kvstore.transfer import (
     ERROR_KIND_KEY,
     MAX_CHUNK_PAYLOAD,
@@ -71,19 +68,18 @@ from kvstore.transfer import (
     check_chunk,
     envelope_crc_to_chunk_crc,
     grpc_status_of,
+    join_checked,
     parse_chunk,
     serialize_chunk,
 )
 
 from .metrics import Metrics
-from .routes.sequences import NAME_PATTERN
 
 log = logging.getLogger("tlkv.grpc")
 
 SERVICE_NAME = "tl.kv.v1.KvTransfer"
 DEFAULT_MAX_STREAM = 1 << 30  # payload bytes one PushKv stream may buffer before it commits
 _MAX_DETAILS = 1000
-_NAME = re.compile(NAME_PATTERN)
 
 T = TypeVar("T")
 
@@ -115,10 +111,10 @@ class _Push:
         self.count += 1
         if chunk.sequence:
             if index == 0:
-                if not _NAME.fullmatch(chunk.sequence):
+                if not is_sequence_name(chunk.sequence):
                     raise InvalidRequestError(
-                        "a sequence name is 1-128 characters of [A-Za-z0-9._-], found "
-                        f"{chunk.sequence[:140]!r}"
+                        f"a sequence name is 1-{SEQUENCE_NAME_MAX} characters of "
+                        f"[A-Za-z0-9._-], found {chunk.sequence[:140]!r}"
                     )
                 self.name = chunk.sequence
             elif chunk.sequence != self.name:
@@ -240,8 +236,8 @@ class _Push:
                     data = transcode(data, version)
                 held[h] = data
         parts = [p if p is not None else held.get(h) or sent[h] for h, p, _ in self.entries]
-        # every part's CRC was checked: on arrival, or by Store.get_many
-        envelope = parts[0] if len(parts) == 1 else join(parts, verify_crc=False)
+        # every part's CRC was checked: on arrival, by Store.get_many, or made by transcode
+        envelope = parts[0] if len(parts) == 1 else join_checked(parts)
         result = self.store.put_sequence(name, envelope)
         # put_sequence counts the referenced blocks as duplicates (they were held).
         full_refs = sum(1 for h, p, _ in self.entries if p is None)
@@ -298,9 +294,10 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
                     return
         raise UnauthorizedError("missing or wrong bearer token")
 
-    def _observe(self, method: str, code: grpc.StatusCode) -> None:
+    def _observe(self, method: str, code: grpc.StatusCode, started: float) -> None:
         if self.metrics is not None:
-            self.metrics.observe_grpc(method, code.name)
+            seconds = time.perf_counter() - started
+            self.metrics.observe_grpc(f"/{SERVICE_NAME}/{method}", code.name, seconds)
 
     async def _fail(self, context: grpc.aio.ServicerContext, exc: Exception) -> grpc.StatusCode:
         """Abort the call with the status of ``exc`` (raises ``grpc.aio.AbortError``)."""
@@ -330,6 +327,7 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
         body: Callable[[], Awaitable[T]],
     ) -> T:
         code = grpc.StatusCode.OK
+        started = time.perf_counter()
         try:
             self._authorize(context)
             return await body()
@@ -343,7 +341,7 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
             await self._fail(context, exc)
             raise  # not reached
         finally:
-            self._observe(method, code)
+            self._observe(method, code, started)
 
     # --- RPCs -------------------------------------------------------------------------
 
@@ -395,6 +393,7 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
     ) -> AsyncIterator[WireChunk]:
         """The longest present prefix, one chunk per block (an empty stream for none)."""
         code = grpc.StatusCode.OK
+        started = time.perf_counter()
         try:
             self._authorize(context)
             async for chunk in self._fetch(request):
@@ -408,7 +407,7 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
             code = _code_of(exc)
             await self._fail(context, exc)
         finally:
-            self._observe("FetchKv", code)
+            self._observe("FetchKv", code, started)
 
     async def _fetch(self, request: kv_pb2.FetchKvRequest) -> AsyncIterator[WireChunk]:
         if len(request.block_hashes) and len(request.tokens):

@@ -1,129 +1,244 @@
-"""Prometheus metrics: request counts and latency by route template and status, store gauges.
+"""Prometheus metrics through prometheus-client: HTTP and gRPC requests, latency, the store.
 
-Hand-rolled text exposition format 0.0.4 (no client library). Numbers are per worker
-process: with ``--workers N`` each scrape of ``/metrics`` is answered by one worker, and
-its request counters cover that worker only (``tlkv_worker_pid`` tells which); the store
-gauges (blocks, bytes) describe the shared store, and the hit/miss/eviction/corrupt
-counters are whatever ``Store.stats()`` reports (hits and misses: that worker's reads).
-Requests the guard refuses before routing (401, 413) and unknown paths count under the
-route ``<unmatched>``.
+Under ``tlkv serve --workers N`` (N > 1) every worker is a process of its own and a
+scrape of ``/metrics`` reaches one of them, so the metrics use prometheus-client's
+multiprocess mode: ``tlkv serve`` gives the run a fresh private
+``PROMETHEUS_MULTIPROC_DIR`` before any worker starts, each worker writes its values to
+its own files there, and the worker answering a scrape sums the files of all workers
+(those of exited workers included, so a counter never goes back). Without that variable
+(one worker, or an app created in-process as the tests do) each :class:`Metrics` keeps
+its values in a registry of its own.
+
+The variable must be set before ``prometheus_client`` is first imported in the process:
+the client picks its value store (memory or files) at import time.
+
+Every scrape reports:
+
+- ``tlkv_http_requests_total{method,route,status}`` and the histogram
+  ``tlkv_http_request_duration_seconds{route}``, over all workers. Requests the guard
+  refuses before routing (401, 413) and unknown paths count under the route
+  ``<unmatched>``.
+- ``tlkv_grpc_requests_total{method,code}`` and the histogram
+  ``tlkv_grpc_request_duration_seconds{method}``: the calls given to
+  :meth:`Metrics.observe_grpc`, in every process that shares the directory.
+- ``tlkv_store_hits_total`` and ``tlkv_store_misses_total``: block reads of all workers.
+  Each worker's store counts its own reads; :meth:`Metrics.observe_store_reads` adds
+  their increase after every request and before every scrape.
+- ``tlkv_store_blocks``, ``_bytes``, ``_capacity_bytes`` (absent when unbounded),
+  ``_pinned_blocks``, ``_sequences`` (gauges) and ``tlkv_store_evictions_total``,
+  ``tlkv_store_corrupt_total``: read from the shared store when the scrape is answered.
+- ``tlkv_worker_start_time_seconds``: one series per live worker, labelled ``pid`` in
+  multiprocess mode (a worker drops its series when it shuts down; one that died
+  without shutting down loses it when the next worker starts).
+- ``tlkv_worker_pid``: the process id of the worker that answered this scrape, the one
+  series that depends on which worker answers.
 """
 
 from __future__ import annotations
 
-import bisect
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+from prometheus_client.registry import Collector
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 UNMATCHED = "<unmatched>"  # every path that matched no route: keeps label cardinality bounded
 
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
-# Store stats exported, with their Prometheus type and help text.
+# Store-wide stats read at scrape time, with their Prometheus type and help text.
 _STORE_METRICS = (
     ("blocks", "gauge", "Blocks in the store."),
     ("bytes", "gauge", "Stored envelope bytes."),
     ("capacity_bytes", "gauge", "Capacity bound of the store in bytes (absent: unbounded)."),
     ("pinned_blocks", "gauge", "Blocks referenced by a sequence."),
     ("sequences", "gauge", "Named sequences."),
-    ("hits", "counter", "Block reads that found the block."),
-    ("misses", "counter", "Block reads that did not find the block."),
     ("evictions", "counter", "Blocks evicted to stay within capacity."),
     ("corrupt", "counter", "Blocks quarantined because their CRC failed."),
 )
 
 
-def _label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+def _forget_dead_workers(path: str) -> None:
+    """``mark_process_dead`` for every process with per-pid series that is gone (one a
+    supervisor replaced after a crash, so never shut down)."""
+    for name in os.listdir(path):
+        if not (name.startswith("gauge_live") and name.endswith(".db")):
+            continue
+        pid = name[: -len(".db")].rsplit("_", 1)[-1]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            mark_process_dead(int(pid), path)
+        except PermissionError:  # alive, another user's
+            pass
 
 
-class _Series:
-    __slots__ = ("buckets", "count", "sum")
+class _WorkerFiles:
+    """``MultiProcessCollector`` over the files of ``path`` that a process has finished
+    creating: the client creates a file empty and sizes it a moment later, and a scrape in
+    that moment (a worker starting) would fail on the empty file."""
 
-    def __init__(self) -> None:
-        self.buckets = [0] * (len(BUCKETS) + 1)
-        self.count = 0
-        self.sum = 0.0
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def collect(self) -> Iterable[Metric]:
+        files = []
+        for entry in os.scandir(self.path):
+            try:
+                if entry.name.endswith(".db") and entry.stat().st_size > 0:
+                    files.append(entry.path)
+            except FileNotFoundError:  # a live gauge's file, removed by mark_process_dead
+                pass
+        return MultiProcessCollector.merge(files, accumulate=True)
+
+
+class _ScrapeTime:
+    """Collector of what is read when a scrape is answered: the store's stats, the pid."""
+
+    def __init__(self, store_stats: Mapping[str, Any] | None) -> None:
+        self.store_stats = store_stats
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "tlkv_worker_pid", "Process id of the worker that answered this scrape.", os.getpid()
+        )
+        if self.store_stats is None:
+            return
+        for key, kind, help_text in _STORE_METRICS:
+            value = self.store_stats.get(key)
+            if value is None:
+                continue
+            family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
+            yield family(f"tlkv_store_{key}", help_text, value=value)
+
+
+class _Sources:
+    """Collectors read in turn, as one (``generate_latest`` takes a single collector)."""
+
+    def __init__(self, *collectors: Collector) -> None:
+        self.collectors = collectors
+
+    def collect(self) -> Iterator[Metric]:
+        for collector in self.collectors:
+            yield from collector.collect()
 
 
 class Metrics:
-    """Request counters and latency histograms of one worker."""
+    """The service's metrics: summed over every worker in multiprocess mode.
+
+    Keep one per process in multiprocess mode (two would each cache values of the same
+    files): a gRPC server in a worker uses the app's (``app.state.metrics``), one in a
+    process of its own creates its own with the run's ``PROMETHEUS_MULTIPROC_DIR``.
+    Recording is thread-safe.
+    """
 
     def __init__(self) -> None:
-        self.requests: dict[tuple[str, str, int], int] = {}
-        self.latency: dict[str, _Series] = {}
-        self.started = time.time()
-        self.grpc_calls: dict[tuple[str, str], int] = {}
+        self.multiprocess_dir = os.environ.get(MULTIPROC_ENV) or None
+        if self.multiprocess_dir:
+            _forget_dead_workers(self.multiprocess_dir)
+        self.registry = CollectorRegistry()
+        # In multiprocess mode a scrape reads the files, not a registry.
+        registry = None if self.multiprocess_dir else self.registry
+        self._requests = Counter(
+            "tlkv_http_requests",
+            "HTTP requests answered.",
+            ("method", "route", "status"),
+            registry=registry,
+        )
+        self._latency = Histogram(
+            "tlkv_http_request_duration_seconds",
+            "HTTP request latency by route template.",
+            ("route",),
+            buckets=BUCKETS,
+            registry=registry,
+        )
+        self._grpc_requests = Counter(
+            "tlkv_grpc_requests",
+            "gRPC calls answered, by method and status code.",
+            ("method", "code"),
+            registry=registry,
+        )
+        self._grpc_latency = Histogram(
+            "tlkv_grpc_request_duration_seconds",
+            "gRPC call latency by method.",
+            ("method",),
+            buckets=BUCKETS,
+            registry=registry,
+        )
+        self._hits = Counter(
+            "tlkv_store_hits", "Block reads that found the block.", registry=registry
+        )
+        self._misses = Counter(
+            "tlkv_store_misses", "Block reads that did not find the block.", registry=registry
+        )
+        self._seen_reads = (0, 0)
+        started = Gauge(
+            "tlkv_worker_start_time_seconds",
+            "Start time of the worker (Unix seconds).",
+            multiprocess_mode="liveall",
+            registry=registry,
+        )
+        started.set(time.time())
 
     def observe(self, method: str, route: str, status: int, seconds: float) -> None:
-        """Count one finished request and its latency."""
-        key = (method, route, status)
-        self.requests[key] = self.requests.get(key, 0) + 1
-        series = self.latency.get(route)
-        if series is None:
-            series = self.latency[route] = _Series()
-        series.buckets[bisect.bisect_left(BUCKETS, seconds)] += 1
-        series.count += 1
-        series.sum += seconds
+        """Count one finished HTTP request and its latency."""
+        self._requests.labels(method, route, str(status)).inc()
+        self._latency.labels(route).observe(seconds)
 
-    def observe_grpc(self, method: str, code: str) -> None:
-        """Count one finished tl.kv.v1 call by method and status code name."""
-        key = (method, code)
-        self.grpc_calls[key] = self.grpc_calls.get(key, 0) + 1
+    def observe_grpc(self, method: str, code: str, seconds: float) -> None:
+        """Count one finished gRPC call and its latency.
+
+        Args:
+            method: the full method name, e.g. ``/tlkv.v1.KvStore/GetBlock``.
+            code: the status code's name, e.g. ``OK`` or ``NOT_FOUND``
+                (``grpc.StatusCode.X.name``).
+            seconds: from the call's arrival to its last response message.
+        """
+        self._grpc_requests.labels(method, code).inc()
+        self._grpc_latency.labels(method).observe(seconds)
+
+    def observe_store_reads(self, hits: int, misses: int) -> None:
+        """Add the increase of a store's read counters (``Store.hits``, ``Store.misses``)
+        since the last call; counters lower than last time are a newly opened store's."""
+        seen_hits, seen_misses = self._seen_reads
+        if hits != seen_hits:
+            self._hits.inc(hits - seen_hits if hits > seen_hits else hits)
+        if misses != seen_misses:
+            self._misses.inc(misses - seen_misses if misses > seen_misses else misses)
+        self._seen_reads = (hits, misses)
 
     def render(self, store_stats: Mapping[str, Any] | None) -> str:
-        """The exposition text: request metrics, then the store's."""
-        out = [
-            "# HELP tlkv_worker_pid Process id of the worker that answered this scrape.",
-            "# TYPE tlkv_worker_pid gauge",
-            f"tlkv_worker_pid {os.getpid()}",
-            "# HELP tlkv_worker_start_time_seconds Start time of this worker (Unix seconds).",
-            "# TYPE tlkv_worker_start_time_seconds gauge",
-            f"tlkv_worker_start_time_seconds {self.started:.3f}",
-            "# HELP tlkv_http_requests_total HTTP requests answered by this worker.",
-            "# TYPE tlkv_http_requests_total counter",
-        ]
-        for (method, route, status), n in sorted(self.requests.items()):
-            out.append(
-                f'tlkv_http_requests_total{{method="{_label(method)}",route="{_label(route)}",'
-                f'status="{status}"}} {n}'
-            )
-        out += [
-            "# HELP tlkv_http_request_duration_seconds Request latency by route template.",
-            "# TYPE tlkv_http_request_duration_seconds histogram",
-        ]
-        for route, s in sorted(self.latency.items()):
-            r = _label(route)
-            cumulative = 0
-            for le, n in zip((*BUCKETS, None), s.buckets):
-                cumulative += n
-                bound = "+Inf" if le is None else repr(le)
-                out.append(
-                    f'tlkv_http_request_duration_seconds_bucket{{route="{r}",le="{bound}"}} '
-                    f"{cumulative}"
-                )
-            out.append(f'tlkv_http_request_duration_seconds_sum{{route="{r}"}} {s.sum:.6f}')
-            out.append(f'tlkv_http_request_duration_seconds_count{{route="{r}"}} {s.count}')
-        out += [
-            "# HELP tlkv_grpc_calls_total tl.kv.v1 gRPC calls answered by this worker.",
-            "# TYPE tlkv_grpc_calls_total counter",
-        ]
-        for (method, code), n in sorted(self.grpc_calls.items()):
-            out.append(f'tlkv_grpc_calls_total{{method="{_label(method)}",code="{code}"}} {n}')
+        """The exposition text (format 0.0.4): every worker's metrics, then the store's.
+
+        ``store_stats`` is ``Store.stats()``; its ``hits`` and ``misses`` (this process's
+        reads) are added to the read counters first.
+        """
         if store_stats is not None:
-            for key, kind, help_text in _STORE_METRICS:
-                value = store_stats.get(key)
-                if value is None:
-                    continue
-                name = f"tlkv_store_{key}" + ("_total" if kind == "counter" else "")
-                out += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
-        return "\n".join(out) + "\n"
+            self.observe_store_reads(store_stats.get("hits") or 0, store_stats.get("misses") or 0)
+        d = self.multiprocess_dir
+        values: Collector = _WorkerFiles(d) if d else self.registry
+        return generate_latest(_Sources(values, _ScrapeTime(store_stats))).decode()
+
+    def close(self) -> None:
+        """Drop this worker's per-process series (multiprocess mode), when it shuts down."""
+        if self.multiprocess_dir:
+            mark_process_dead(os.getpid(), self.multiprocess_dir)
 
 
 class MetricsMiddleware:
-    """Pure-ASGI middleware timing every HTTP request into a :class:`Metrics`."""
+    """Pure-ASGI middleware timing every HTTP request into a :class:`Metrics`.
+
+    After each request it also adds the store's new read counts (see
+    :meth:`Metrics.observe_store_reads`).
+    """
 
     def __init__(self, app: Any, *, metrics: Metrics) -> None:
         self.app = app
@@ -148,3 +263,6 @@ class MetricsMiddleware:
             route = scope.get("route")
             template = getattr(route, "path", None) or UNMATCHED
             self.metrics.observe(scope["method"], template, status, time.perf_counter() - t0)
+            store = getattr(scope["app"].state, "store", None)
+            if store is not None:
+                self.metrics.observe_store_reads(store.hits, store.misses)

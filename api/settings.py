@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstore.geometry import Geometry
-from kvstore.layout import SUPPORTED_VERSIONS
+from kvstore.codec.geometry import Geometry
+from kvstore.codec.layout import SUPPORTED_VERSIONS
 
 ENV_DATA = "TLKV_DATA"
 ENV_GEOMETRY = "TLKV_GEOMETRY"

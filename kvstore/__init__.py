@@ -1,44 +1,53 @@
 """tlkv: a persistent, memory-mapped store and archive format for LLM KV-cache blocks.
 
-The codec, the store and the error tree are re-exported here; the archive functions live
-in ``kvstore.archive`` and the HTTP client in ``kvstore.client`` (imported on demand, so
-``import kvstore`` needs neither zstd nor httpx).
+The everyday API is here: the codec (``encode``, ``decode``, ``chain_hashes``, ...),
+``Geometry``, ``Block``, ``Store`` and the base errors. Everything else lives in its
+subpackage: ``kvstore.codec``, ``kvstore.store``, ``kvstore.archive``, ``kvstore.client``,
+``kvstore.errors`` (the whole error tree), ``kvstore.protocol``.
+
+Attributes load on first use (PEP 562), so ``import kvstore`` imports nothing heavy and
+using the codec never imports lmdb, zstandard or an HTTP library.
 """
 
-from .checksum import crc32c
-from .envelope import Block, BlockView, Envelope, decode, encode, join, split, transcode
-from .errors import (
-    ArchiveError,
-    BadMagicError,
-    ChecksumError,
-    EnvelopeError,
-    FormatError,
-    InvalidRequestError,
-    MethodNotAllowedError,
-    NotFoundError,
-    PinnedError,
-    ServiceError,
-    ShapeError,
-    StoreError,
-    StoreFullError,
-    TlkvError,
-    TooLargeError,
-    TruncatedArchiveError,
-    TruncatedError,
-    UnauthorizedError,
-    UnsafeArchiveError,
-    UnsupportedVersionError,
-    ViewClosedError,
-)
-from .geometry import Geometry
-from .hashing import block_hash, chain_hashes, fnv1a64
-from .store import PutReport, PutResult, Store
+from __future__ import annotations
 
-__version__ = "0.1.0"
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from ._version import __version__
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "Block": "kvstore.codec.envelope",
+    "BlockView": "kvstore.codec.envelope",
+    "Envelope": "kvstore.codec.envelope",
+    "decode": "kvstore.codec.envelope",
+    "encode": "kvstore.codec.envelope",
+    "join": "kvstore.codec.envelope",
+    "split": "kvstore.codec.envelope",
+    "transcode": "kvstore.codec.envelope",
+    "crc32c": "kvstore.codec.checksum",
+    "Geometry": "kvstore.codec.geometry",
+    "block_hash": "kvstore.codec.hashing",
+    "chain_hashes": "kvstore.codec.hashing",
+    "fnv1a64": "kvstore.codec.hashing",
+    "PutReport": "kvstore.store.store",
+    "PutResult": "kvstore.store.store",
+    "Store": "kvstore.store.store",
+    "TlkvError": "kvstore.errors",
+    "EnvelopeError": "kvstore.errors",
+    "FormatError": "kvstore.errors",
+    "ChecksumError": "kvstore.errors",
+    "ShapeError": "kvstore.errors",
+    "UnsupportedVersionError": "kvstore.errors",
+    "StoreError": "kvstore.errors",
+    "StoreFullError": "kvstore.errors",
+    "NotFoundError": "kvstore.errors",
+    "ArchiveError": "kvstore.errors",
+}
 
 __all__ = [
     "ArchiveError",
-    "BadMagicError",
     "Block",
     "BlockView",
     "ChecksumError",
@@ -46,25 +55,15 @@ __all__ = [
     "EnvelopeError",
     "FormatError",
     "Geometry",
-    "InvalidRequestError",
-    "MethodNotAllowedError",
     "NotFoundError",
-    "PinnedError",
     "PutReport",
     "PutResult",
-    "ServiceError",
     "ShapeError",
     "Store",
     "StoreError",
     "StoreFullError",
     "TlkvError",
-    "TooLargeError",
-    "TruncatedArchiveError",
-    "TruncatedError",
-    "UnauthorizedError",
-    "UnsafeArchiveError",
     "UnsupportedVersionError",
-    "ViewClosedError",
     "__version__",
     "block_hash",
     "chain_hashes",
@@ -76,3 +75,35 @@ __all__ = [
     "split",
     "transcode",
 ]
+
+if TYPE_CHECKING:  # what the lazy attributes are, for type checkers
+    from .codec.checksum import crc32c
+    from .codec.envelope import Block, BlockView, Envelope, decode, encode, join, split, transcode
+    from .codec.geometry import Geometry
+    from .codec.hashing import block_hash, chain_hashes, fnv1a64
+    from .errors import (
+        ArchiveError,
+        ChecksumError,
+        EnvelopeError,
+        FormatError,
+        NotFoundError,
+        ShapeError,
+        StoreError,
+        StoreFullError,
+        TlkvError,
+        UnsupportedVersionError,
+    )
+    from .store.store import PutReport, PutResult, Store
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvstore' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

@@ -1,5 +1,5 @@
 """``python -m kvstore`` runs the ``tlkv`` command line."""
 
-from .cli import main
+from .cli.main import main
 
 raise SystemExit(main())

@@ -1,13 +1,29 @@
-"""HTTP client of the tlkv service (``tlkv serve``), on httpx.
+"""HTTP client of the tlkv service (``tlkv serve``): httpx's API over an http.client transport.
 
 Mirrors the store's API over HTTP; server errors come back as the codec's and store's
 typed exceptions (chosen by the error's ``kind``), and :meth:`Client.push` implements the
 spec's transfer rule for the prefix cache: only the full blocks the server lacks travel.
+
+The wire I/O is :class:`_BodyTransport`, an httpx transport on stdlib ``http.client``
+keep-alive connections. A restore is dominated by one large response (128 blocks of 2 MiB:
+256 MiB), and httpx's own transport receives it as 4,098 reads of 64 KiB that h11 buffers
+and httpx joins; ``http.client`` reads a body of known length with one ``bytes``
+allocation filled in place by ``recv_into`` (``BufferedReader.read(n)``), and httpx hands
+that same object out as ``Response.content``. Measured in ``python tools/bench.py client``
+(the README's client table). httpx stays the API: its request building, auth header,
+timeouts and exception types (``httpx.HTTPError``) are what callers already use, and an
+explicit ``transport=`` (tests pass a recording one) replaces ours.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
+import select
+import ssl
+import threading
+import time
+import urllib.request
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,47 +31,24 @@ from typing import Any
 import httpx
 import numpy as np
 
-from .envelope import decode, join, split
+from .codec.envelope import decode, join, split
+from .codec.layout import NO_HASH
 from .errors import (
-    FormatError,
-    InvalidRequestError,
-    MethodNotAllowedError,
     NotFoundError,
-    PinnedError,
     ServiceError,
-    ShapeError,
-    StoreFullError,
     TlkvError,
-    TooLargeError,
-    UnauthorizedError,
-    UnsupportedVersionError,
 )
-from .layout import NO_HASH, U64_MAX
+from .protocol import (
+    ENVELOPE_MEDIA_TYPE,
+    ERROR_KINDS,
+    check_sequence_name,
+    error_for_kind,
+    hash_hex,
+)
 
 __all__ = ["Client", "HasResult", "PutResult", "error_from_response"]
 
-ENVELOPE_MEDIA_TYPE = "application/vnd.tlkv"
-PREFIX_HEADER = "x-tlkv-prefix-blocks"
-
-_ERRORS: dict[str, type[TlkvError]] = {
-    cls.kind: cls
-    for cls in (
-        FormatError,
-        ShapeError,
-        UnsupportedVersionError,
-        NotFoundError,
-        PinnedError,
-        TooLargeError,
-        UnauthorizedError,
-        StoreFullError,
-        InvalidRequestError,
-        MethodNotAllowedError,
-        ServiceError,
-    )
-}
-
 HashLike = int | str | np.integer
-_NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-")
 
 
 @dataclass(frozen=True)
@@ -83,29 +76,16 @@ def error_from_response(response: httpx.Response) -> TlkvError:
     except (ValueError, KeyError, TypeError):
         text = response.text[:200]
         return ServiceError(f"HTTP {response.status_code} without the error shape: {text!r}")
-    cls = _ERRORS.get(kind)
-    if cls is None:
+    if kind not in ERROR_KINDS:
         exc = ServiceError(f"{kind}: {message}")
         exc.http_status = response.status_code
         return exc
-    return cls(message)
-
-
-def _hex(h: HashLike) -> str:
-    if isinstance(h, str):
-        if len(h) != 16 or h.lower() != h or any(c not in "0123456789abcdef" for c in h):
-            raise ValueError(f"a block hash is 16 lowercase hex digits, found {h!r}")
-        return h
-    value = int(h)
-    if not 0 <= value <= U64_MAX:
-        raise ValueError(f"a block hash must fit u64, found {value}")
-    return f"{value:016x}"
+    return error_for_kind(kind, message)
 
 
 def _name_path(name: str) -> str:
     """The URL path of a sequence; ``.`` and ``..`` are escaped (URL dot segments)."""
-    if not isinstance(name, str) or not name or set(name) - _NAME_CHARS or len(name) > 128:
-        raise ValueError(f"a sequence name is 1-128 characters of [A-Za-z0-9._-], found {name!r}")
+    check_sequence_name(name)
     return "/v1/sequences/" + (name.replace(".", "%2E") if set(name) == {"."} else name)
 
 
@@ -115,7 +95,168 @@ def _u64(hashes: Iterable[HashLike]) -> np.ndarray:
         if hashes.dtype.kind not in "iu" or (hashes.dtype.kind == "i" and (hashes < 0).any()):
             raise ValueError(f"hashes must be u64 values, found dtype {hashes.dtype}")
         return np.ascontiguousarray(hashes.reshape(-1), dtype="<u8")
-    return np.array([int(_hex(h), 16) for h in hashes], dtype="<u8")
+    return np.array([int(hash_hex(h), 16) for h in hashes], dtype="<u8")
+
+
+_Origin = tuple[str, str, int]
+_KEEPALIVE_EXPIRY = 5.0  # seconds an idle connection is kept (httpx's default)
+_MAX_IDLE = 20  # idle connections kept per transport (httpx's default)
+
+
+class _BodyTransport(httpx.BaseTransport):
+    """An httpx transport on ``http.client`` keep-alive connections (see the module docstring).
+
+    Thread-safe: a request takes an idle connection of its origin (or opens one) and gives
+    it back once the response is read in full. An idle connection that the server has
+    closed (its socket reads as ready) or that idled for ``_KEEPALIVE_EXPIRY`` is dropped,
+    as httpcore does; a reused connection that still turns out dead before any response
+    byte (the server closed it while the request was in flight) is retried once on a new
+    connection: every route of the service is idempotent (PUT, DELETE) or read-only (the
+    POST queries), so the retry cannot apply a change twice.
+    """
+
+    def __init__(self) -> None:
+        self._idle: dict[_Origin, list[tuple[http.client.HTTPConnection, float]]] = {}
+        self._lock = threading.Lock()
+        self._ssl: ssl.SSLContext | None = None
+        self._closed = False
+
+    def _checkout(self, origin: _Origin) -> http.client.HTTPConnection | None:
+        now = time.monotonic()
+        with self._lock:
+            idle = self._idle.get(origin, [])
+            while idle:
+                conn, since = idle.pop()
+                sock = conn.sock
+                if sock is not None and now - since < _KEEPALIVE_EXPIRY:
+                    try:
+                        readable = select.select([sock], [], [], 0)[0]
+                    except (OSError, ValueError):
+                        readable = [sock]
+                    if not readable:
+                        return conn
+                conn.close()
+        return None
+
+    def _checkin(self, origin: _Origin, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(origin, [])
+            if self._closed or len(idle) >= _MAX_IDLE:
+                conn.close()
+            else:
+                idle.append((conn, time.monotonic()))
+
+    def _connect(self, origin: _Origin, timeout: float | None) -> http.client.HTTPConnection:
+        scheme, host, port = origin
+        conn: http.client.HTTPConnection
+        if scheme == "https":
+            if self._ssl is None:
+                self._ssl = httpx.create_ssl_context()  # httpx's verification (certifi)
+            conn = http.client.HTTPSConnection(host, port, timeout=timeout, context=self._ssl)
+        else:
+            conn = http.client.HTTPConnection(host, port, timeout=timeout)
+        conn.connect()
+        return conn
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        url = request.url
+        origin = (url.scheme, url.host, url.port or (443 if url.scheme == "https" else 80))
+        timeouts = request.extensions.get("timeout", {})
+        body = request.read() or None
+        conn = self._checkout(origin)
+        reused = conn is not None
+        while True:
+            if conn is None:
+                try:
+                    conn = self._connect(origin, timeouts.get("connect"))
+                except TimeoutError as exc:
+                    raise httpx.ConnectTimeout(str(exc), request=request) from exc
+                except OSError as exc:
+                    raise httpx.ConnectError(str(exc), request=request) from exc
+            try:
+                return self._exchange(conn, origin, request, body, timeouts)
+            except _StaleConnection as exc:
+                conn.close()
+                conn = None
+                if not reused:
+                    raise httpx.RemoteProtocolError(str(exc), request=request) from exc
+                reused = False
+            except BaseException:
+                conn.close()
+                raise
+
+    def _exchange(
+        self,
+        conn: http.client.HTTPConnection,
+        origin: _Origin,
+        request: httpx.Request,
+        body: bytes | None,
+        timeouts: dict[str, float | None],
+    ) -> httpx.Response:
+        sock = conn.sock
+        assert sock is not None
+        try:
+            sock.settimeout(timeouts.get("write"))
+            conn.putrequest(
+                request.method,
+                request.url.raw_path.decode("ascii"),
+                skip_host=True,
+                skip_accept_encoding=True,
+            )
+            for name, value in request.headers.raw:
+                conn.putheader(name, value)
+            conn.endheaders(body)
+        except TimeoutError as exc:
+            raise httpx.WriteTimeout(str(exc), request=request) from exc
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            raise _StaleConnection(str(exc)) from exc
+        except OSError as exc:
+            raise httpx.WriteError(str(exc), request=request) from exc
+        try:
+            sock.settimeout(timeouts.get("read"))
+            try:
+                response = conn.getresponse()
+            except (http.client.RemoteDisconnected, ConnectionResetError) as exc:
+                raise _StaleConnection(str(exc)) from exc
+            # A Content-Length body: one bytes object filled in place (module docstring).
+            content = response.read()
+        except TimeoutError as exc:
+            raise httpx.ReadTimeout(str(exc), request=request) from exc
+        except http.client.HTTPException as exc:
+            raise httpx.RemoteProtocolError(str(exc), request=request) from exc
+        except OSError as exc:
+            raise httpx.ReadError(str(exc), request=request) from exc
+        if response.will_close:
+            conn.close()
+        else:
+            self._checkin(origin, conn)
+        return httpx.Response(
+            response.status,
+            headers=response.getheaders(),
+            stream=httpx.ByteStream(content),
+            extensions={"http_version": b"HTTP/1.1", "reason_phrase": response.reason.encode()},
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, {}
+        for conns in idle.values():
+            for conn, _since in conns:
+                conn.close()
+
+
+class _StaleConnection(Exception):
+    """A connection found closed by the server before any byte of the response."""
+
+
+def _env_proxy(base_url: str) -> bool:
+    """True when the environment routes ``base_url`` through a proxy (httpx's default)."""
+    url = httpx.URL(base_url)
+    proxies = urllib.request.getproxies_environment()
+    if not (proxies.get(url.scheme) or proxies.get("all")):
+        return False
+    return not urllib.request.proxy_bypass(url.host)
 
 
 class Client:
@@ -125,7 +266,8 @@ class Client:
         base_url: e.g. ``http://127.0.0.1:8000``.
         token: the server's bearer token, if it requires one.
         timeout: seconds for connect/read/write (``None``: no timeout).
-        transport: an httpx transport (tests may pass an in-process one).
+        transport: an httpx transport (tests may pass an in-process one); by default
+            :class:`_BodyTransport`, or httpx's own where the environment sets a proxy.
     """
 
     def __init__(
@@ -137,6 +279,8 @@ class Client:
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         headers = {"authorization": f"Bearer {token}"} if token else {}
+        if transport is None and not _env_proxy(base_url):
+            transport = _BodyTransport()
         self._http = httpx.Client(
             base_url=base_url.rstrip("/"), headers=headers, timeout=timeout, transport=transport
         )
@@ -208,12 +352,12 @@ class Client:
     def get(self, hash: HashLike, format: int | None = None) -> bytes | None:
         """The block's single-block envelope (transcoded to ``format``), None when absent."""
         params = {"format": format} if format is not None else None
-        reply = self._request("GET", f"/v1/blocks/{_hex(hash)}", params=params, missing_ok=True)
+        reply = self._request("GET", f"/v1/blocks/{hash_hex(hash)}", params=params, missing_ok=True)
         return None if reply is None else reply.content
 
     def delete(self, hash: HashLike) -> bool:
         """Delete a block; False when absent. Raises PinnedError when a sequence pins it."""
-        return self._request("DELETE", f"/v1/blocks/{_hex(hash)}", missing_ok=True) is not None
+        return self._request("DELETE", f"/v1/blocks/{hash_hex(hash)}", missing_ok=True) is not None
 
     def _query(
         self, url: str, hashes: Iterable[HashLike] | None, tokens: Sequence[int] | None, **kw: Any

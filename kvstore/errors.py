@@ -89,7 +89,7 @@ class UnsafeArchiveError(ArchiveError):
     """An archive member would escape its destination or exceed the allowed sizes."""
 
 
-# --- errors of the HTTP service and its client (issue 4) ------------------------------
+# --- errors of the HTTP service and its client ---------------------------------------
 
 
 class NotFoundError(TlkvError, LookupError):
@@ -134,7 +134,7 @@ class ServiceError(TlkvError):
     http_status = 500
 
 
-# --- errors of the archive format (issue 5) --------------------------------------------
+# --- errors of the archive format -----------------------------------------------------
 
 
 class TruncatedArchiveError(ArchiveError):

@@ -21,24 +21,24 @@ import numpy as np
 
 from ._tlkv_v1 import kv_pb2, kv_pb2_grpc
 from ._wirechunk import WireChunk, parse_chunk, serialize_chunk
-from .checksum import crc32c
-from .envelope import Envelope, decode, join
+from .codec.assembly import EnvelopeStream
+from .codec.checksum import crc32c
+from .codec.envelope import Envelope, decode
+from .codec.geometry import Geometry
+from .codec.layout import NO_HASH, SUPPORTED_VERSIONS, TRAILER, TRAILER_SIZE, U64_MAX
 from .errors import (
     EnvelopeError,
     FormatError,
     InvalidRequestError,
     NotFoundError,
-    PinnedError,
     ServiceError,
-    ShapeError,
     StoreFullError,
     TlkvError,
     TooLargeError,
     UnauthorizedError,
     UnsupportedVersionError,
 )
-from .geometry import Geometry
-from .layout import NO_HASH, SUPPORTED_VERSIONS, TRAILER, TRAILER_SIZE, U64_MAX
+from .protocol import ERROR_KINDS, parse_hash_hex
 
 __all__ = [
     "ERROR_KIND_KEY",
@@ -54,6 +54,7 @@ __all__ = [
     "envelope_crc_to_chunk_crc",
     "error_from_status",
     "grpc_status_of",
+    "join_checked",
     "parse_chunk",
     "serialize_chunk",
 ]
@@ -70,21 +71,6 @@ GRPC_SCHEME = "grpc://"
 ERROR_KIND_KEY = "tlkv-error-kind"
 MISSING_BLOCK_KEY = "tlkv-missing-block"
 
-_ERRORS: dict[str, type[TlkvError]] = {
-    cls.kind: cls
-    for cls in (
-        FormatError,
-        ShapeError,
-        UnsupportedVersionError,
-        NotFoundError,
-        PinnedError,
-        TooLargeError,
-        UnauthorizedError,
-        StoreFullError,
-        InvalidRequestError,
-        ServiceError,
-    )
-}
 _ERROR_FOR_CODE: dict[grpc.StatusCode, type[TlkvError]] = {
     grpc.StatusCode.DATA_LOSS: FormatError,
     grpc.StatusCode.FAILED_PRECONDITION: UnsupportedVersionError,
@@ -139,7 +125,7 @@ def error_from_status(error: grpc.RpcError) -> TlkvError:
     details = (error.details() if hasattr(error, "details") else None) or str(code)
     trailing = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
     kind = dict(trailing or ()).get(ERROR_KIND_KEY)
-    cls = _ERRORS.get(kind) if isinstance(kind, str) else None
+    cls = ERROR_KINDS.get(kind) if isinstance(kind, str) else None
     if cls is None:
         cls = _ERROR_FOR_CODE.get(code, ServiceError) if code is not None else ServiceError
     exc = cls(f"{details}")
@@ -215,6 +201,19 @@ def check_chunk(
     return env
 
 
+def join_checked(parts: Sequence[Any]) -> bytes:
+    """One envelope of single-block envelopes whose CRCs were verified, in order, with one
+    copy and no CRC pass (``EnvelopeStream.add_checked_single`` combines their CRCs).
+
+    The parts must share one geometry and version (as the chunks of one stream checked
+    by :func:`check_chunk` against the first one's geometry do).
+    """
+    first = decode(parts[0], verify_crc=False)
+    stream = EnvelopeStream(first.version, first.geometry, len(parts))
+    records = [stream.add_checked_single(p) for p in parts]
+    return b"".join([stream.header, *records, stream.trailer()])
+
+
 def _target(target: str) -> str:
     return target[len(GRPC_SCHEME) :] if target.startswith(GRPC_SCHEME) else target
 
@@ -233,7 +232,7 @@ def _u64_list(hashes: Iterable[Any]) -> list[int]:
             pass  # the loop below names the offending value
     out = []
     for h in items:
-        value = int(h, 16) if isinstance(h, str) else int(h)
+        value = parse_hash_hex(h) if isinstance(h, str) else int(h)
         if not 0 <= value <= U64_MAX:
             raise ValueError(f"a block hash must fit u64, found {value}")
         out.append(value)
@@ -374,6 +373,7 @@ class TransferClient:
             request.tokens.extend(int(t) for t in tokens or ())
         parts: list[Any] = []
         geometry: Geometry | None = None
+        parts_version = 0
         try:
             for chunk in self._fetch(request, timeout=self._timeout, metadata=self._metadata):
                 payload = chunk.payload
@@ -385,11 +385,15 @@ class TransferClient:
                     chunk.crc32c,
                     geometry=geometry,
                 )
-                geometry = env.geometry
+                if geometry is not None and env.version != parts_version:
+                    raise FormatError(
+                        f"FetchKv chunk {len(parts)} is format v{env.version}, the stream's "
+                        f"first was v{parts_version}"
+                    )
+                geometry, parts_version = env.geometry, env.version
                 parts.append(payload)
         except grpc.RpcError as exc:
             raise error_from_status(exc) from None
         if not parts:
             return b""
-        # every part was checked (CRC included) as it arrived
-        return bytes(parts[0]) if len(parts) == 1 else join(parts, verify_crc=False)
+        return bytes(parts[0]) if len(parts) == 1 else join_checked(parts)

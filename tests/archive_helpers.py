@@ -14,13 +14,9 @@ import zstandard
 from conftest import SMALL, make_envelope
 
 from kvstore import Geometry, decode, split
-from kvstore._archive_format import BLOCK_NAME, Manifest, SequenceRecord, canonical_json
-from kvstore._zstdtar import (
-    END_OF_ARCHIVE,
-    encode_index,
-    member_prefix,
-    padding,
-)
+from kvstore.archive.frames import encode_index
+from kvstore.archive.manifest import BLOCK_NAME, Manifest, SequenceRecord, canonical_json
+from kvstore.archive.tar import END_OF_ARCHIVE, member_prefix, padding
 
 LONG_NAME = "agent-" + "x" * 110  # > 100 bytes as a member name: needs a pax header
 
@@ -157,7 +153,7 @@ def craft(
 
 def frame_bounds(path: Path) -> list[tuple[int, int]]:
     """``(offset, size)`` of every frame of an archive, the index frame last."""
-    from kvstore._zstdtar import read_index
+    from kvstore.archive.frames import read_index
 
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -1,8 +1,9 @@
 """Test helper: run ``python -m kvstore serve`` in a subprocess on a free loopback port.
 
 ``ServerProcess`` starts the real server (uvicorn, real LMDB directory), waits for
-``/healthz``, and stops it with SIGTERM (SIGKILL as a last resort). Its log goes to a
-file next to the data, printed when start-up fails.
+``/healthz`` and, with ``--workers N``, until ``/metrics`` lists all N workers, and stops
+it with SIGTERM (SIGKILL as a last resort). Its log goes to a file next to the data,
+printed when start-up fails.
 """
 
 from __future__ import annotations
@@ -88,15 +89,29 @@ class ServerProcess:
                 break
         raise RuntimeError(f"tlkv serve did not start:\n{self.log()}")
 
+    def _workers(self) -> int:
+        if "--workers" in self.args:
+            return int(self.args[self.args.index("--workers") + 1])
+        return 1
+
     def _wait_healthy(self) -> bool:
+        """Wait for ``/healthz``, then until ``/metrics`` lists every worker as started."""
         assert self.proc is not None
         deadline = time.monotonic() + START_TIMEOUT
+        healthy = False
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 return False
             try:
-                if httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200:
+                if not healthy:
+                    healthy = httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200
+                if healthy and self._workers() == 1:
                     return True
+                if healthy:
+                    r = httpx.get(f"{self.url}/metrics", headers=self.headers, timeout=1.0)
+                    started = r.text.count("\ntlkv_worker_start_time_seconds{")
+                    if started == self._workers():
+                        return True
             except httpx.HTTPError:
                 pass
             time.sleep(0.05)

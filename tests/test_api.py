@@ -16,7 +16,8 @@ from conftest import SMALL, make_blocks, make_envelope
 from http_server import ServerProcess, assert_error
 
 from kvstore import Block, Geometry, chain_hashes, crc32c, decode, encode, split, transcode
-from kvstore.layout import TRAILER
+from kvstore.codec import checksum
+from kvstore.codec.layout import TRAILER
 
 ENVELOPE = {"content-type": "application/vnd.tlkv"}
 GEOMETRY_ARG = ",".join(map(str, SMALL.as_tuple()))
@@ -55,7 +56,16 @@ def test_healthz(http: httpx.Client) -> None:
 
 def test_info(http: httpx.Client) -> None:
     info = http.get("/v1/info").json()
-    assert set(info) == {"version", "geometry", "formats", "blocks", "bytes", "capacity_bytes"}
+    assert set(info) == {
+        "version",
+        "crc32c_kernel",
+        "geometry",
+        "formats",
+        "blocks",
+        "bytes",
+        "capacity_bytes",
+    }
+    assert info["crc32c_kernel"] == checksum.KERNEL
     assert info["geometry"] == {"block_tokens": 4, "n_layers": 2, "n_kv_heads": 2, "head_dim": 8}
     assert info["formats"] == [1, 2]
     assert info["capacity_bytes"] is None
@@ -74,7 +84,7 @@ def test_metrics(http: httpx.Client) -> None:
     http.get("/v1/info")
     text = http.get("/metrics").text
     assert 'tlkv_http_requests_total{method="GET",route="/v1/info",status="200"}' in text
-    assert 'tlkv_http_request_duration_seconds_bucket{route="/v1/info",le="+Inf"}' in text
+    assert 'tlkv_http_request_duration_seconds_bucket{le="+Inf",route="/v1/info"}' in text
     for name in ("blocks", "bytes", "hits_total", "misses_total", "evictions_total"):
         assert f"\ntlkv_store_{name} " in text, name
     assert "\ntlkv_store_corrupt_total " in text

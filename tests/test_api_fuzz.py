@@ -164,6 +164,7 @@ def requests(draw: st.DrawFn, operations: list[tuple[str, str]]) -> dict[str, An
     }
 
 
+@pytest.mark.slow
 def test_openapi_operations_never_5xx(
     server: ServerProcess, operations: list[tuple[str, str]]
 ) -> None:

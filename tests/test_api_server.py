@@ -6,7 +6,9 @@ Each test starts its own ``tlkv serve`` subprocess(es) on real LMDB directories.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -110,6 +112,73 @@ def test_two_workers_one_store(tmp_path: Path) -> None:
                 hashes = [f"{int(h):016x}" for h in decode(data).hashes]
                 assert http.post("/v1/has-blocks", json={"hashes": hashes}).json()["prefix"] == 3
         assert "Traceback" not in srv.log()
+
+
+def _sample(text: str, series: str) -> float:
+    """The value of one series in a Prometheus text answer (0 when absent)."""
+    for line in text.splitlines():
+        if line.startswith(series + " "):
+            return float(line[len(series) + 1 :])
+    return 0.0
+
+
+def test_metrics_sum_every_worker(tmp_path: Path) -> None:
+    n = 30
+    info = 'tlkv_http_requests_total{method="GET",route="/v1/info",status="200"}'
+    latency = 'tlkv_http_request_duration_seconds_count{route="/v1/info"}'
+    scrapes = 'tlkv_http_requests_total{method="GET",route="/metrics",status="200"}'
+    with ServerProcess(tmp_path / "store", "--workers", "2", "--geometry", GEOMETRY_ARG) as srv:
+        data = make_envelope(SMALL, 4, seed=7)  # one block
+        block = f"/v1/blocks/{int(decode(data).hashes[0]):016x}"
+        with srv.client() as http:
+            assert http.put("/v1/blocks", content=data, headers=ENVELOPE).status_code == 200
+        closing = httpx.Client(base_url=srv.url, headers={"connection": "close"})
+
+        def requests(_: int) -> None:  # each on a new connection: both workers answer some
+            assert closing.get("/v1/info").status_code == 200
+            assert closing.get(block).status_code == 200
+            assert closing.get("/v1/blocks/00000000000000ff").status_code == 404
+
+        with closing, concurrent.futures.ThreadPoolExecutor(8) as pool:
+            list(pool.map(requests, range(n)))
+        time.sleep(0.2)  # a worker counts a request just after answering it
+
+        def check(text: str) -> str:
+            """Whichever worker answers, the scrape counts every worker's requests."""
+            assert _sample(text, info) == n, text
+            assert _sample(text, latency) == n
+            assert _sample(text, "tlkv_store_hits_total") == n
+            assert _sample(text, "tlkv_store_misses_total") == n
+            return str(int(_sample(text, "tlkv_worker_pid")))
+
+        # Kept-alive connections opened at once, until both workers hold some.
+        clients: dict[str, httpx.Client] = {}
+        with contextlib.ExitStack() as stack, concurrent.futures.ThreadPoolExecutor(8) as pool:
+            for _ in range(8):
+                batch = [stack.enter_context(srv.client()) for _ in range(8)]
+                pids = pool.map(lambda c: check(c.get("/metrics").text), batch)
+                clients = {**dict(zip(pids, batch)), **clients}
+                if len(clients) == 2:
+                    break
+            assert len(clients) == 2, clients
+            time.sleep(0.2)
+            made = int(_sample(clients[min(clients)].get("/metrics").text, scrapes)) + 1
+            previous = made - 1
+            for _ in range(10):  # alternate between the workers: the counts never go back
+                for pid, client in clients.items():
+                    text = client.get("/metrics").text
+                    assert check(text) == pid
+                    counted = _sample(text, scrapes)  # the scrape just before may not be yet
+                    assert previous <= counted and made - 1 <= counted <= made, (counted, made)
+                    previous = counted
+                    made += 1
+        text = httpx.get(f"{srv.url}/metrics").text
+        starts = re.findall(r'^tlkv_worker_start_time_seconds\{pid="(\d+)"\} ', text, re.M)
+        assert set(starts) == set(clients)
+        metrics_dir = re.search(r"metrics (\S+),", srv.log())
+        assert metrics_dir and Path(metrics_dir.group(1)).is_dir()
+    assert not Path(metrics_dir.group(1)).exists()  # removed when the server stops
+    assert "Traceback" not in srv.log()
 
 
 def test_restart_finds_every_block(tmp_path: Path) -> None:

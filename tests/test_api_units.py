@@ -1,19 +1,31 @@
-"""In-process pieces of the service: the streamed prefix answer, hash parsing, metrics text."""
+"""In-process pieces of the service: the streamed prefix answer, hash parsing, metrics text,
+which thread transcodes."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 from conftest import SMALL, make_envelope
+from http_server import REPO
 
+import kvstore.store.store as store_module
+from api.app import create_app
 from api.errors import error_body
 from api.metrics import Metrics
+from api.routes import blocks as blocks_module
 from api.routes.blocks import _stream
 from api.routes.common import parse_hash_list
+from api.settings import Settings
 from kvstore import Store, decode, join, split
 from kvstore.errors import InvalidRequestError, NotFoundError
 
@@ -69,10 +81,10 @@ def test_metrics_text() -> None:
     assert 'tlkv_http_requests_total{method="GET",route="/v1/blocks/{hash}",status="200"} 1' in text
     assert 'route="we\\"ird\\\\"' in text
     assert (
-        'tlkv_http_request_duration_seconds_bucket{route="/v1/blocks/{hash}",le="0.001"} 1' in text
+        'tlkv_http_request_duration_seconds_bucket{le="0.001",route="/v1/blocks/{hash}"} 1' in text
     )
     assert (
-        'tlkv_http_request_duration_seconds_bucket{route="/v1/blocks/{hash}",le="+Inf"} 2' in text
+        'tlkv_http_request_duration_seconds_bucket{le="+Inf",route="/v1/blocks/{hash}"} 2' in text
     )
     assert "tlkv_store_blocks 3" in text and "tlkv_store_hits_total 1" in text
     assert "capacity_bytes" not in text  # an unbounded store has no capacity gauge
@@ -80,7 +92,119 @@ def test_metrics_text() -> None:
         assert line.startswith("#") or len(line.rsplit(" ", 1)) == 2
 
 
+def test_metrics_of_two_apps_apart() -> None:
+    a, b = Metrics(), Metrics()
+    a.observe("GET", "/v1/info", 200, 0.001)
+    a.observe_grpc("/tlkv.v1.KvStore/GetBlock", "NOT_FOUND", 0.003)
+    text = b.render(None)
+    assert "/v1/info" not in text and "GetBlock" not in text
+    text = a.render(None)
+    assert 'tlkv_http_requests_total{method="GET",route="/v1/info",status="200"} 1' in text
+    assert 'tlkv_grpc_requests_total{code="NOT_FOUND",method="/tlkv.v1.KvStore/GetBlock"} 1' in text
+    assert (
+        'tlkv_grpc_request_duration_seconds_bucket{le="0.005",method="/tlkv.v1.KvStore/GetBlock"} 1'
+        in text
+    )
+
+
+def test_metrics_store_reads_add_increases() -> None:
+    m = Metrics()
+    m.observe_store_reads(5, 2)
+    m.observe_store_reads(5, 2)
+    m.observe_store_reads(7, 2)
+    m.observe_store_reads(1, 0)  # a store opened again counts from zero
+    text = m.render({"hits": 3, "misses": 4})
+    assert "tlkv_store_hits_total 10.0" in text and "tlkv_store_misses_total 6.0" in text
+
+
+_WORKER = """
+import sys
+from api.metrics import Metrics
+
+m = Metrics()
+n = int(sys.argv[1])
+for _ in range(n):
+    m.observe("GET", "/v1/info", 200, 0.001)
+m.observe_grpc("/tlkv.v1.KvStore/GetBlock", "OK", 0.002)
+if sys.argv[2] == "shutdown":
+    m.close()
+print(m.render({"blocks": 1, "hits": n, "misses": 1}))
+"""
+
+
+def test_metrics_sum_over_processes(tmp_path: Path) -> None:
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+
+    def worker(n: int, then: str) -> str:
+        cmd = [sys.executable, "-c", _WORKER, str(n), then]
+        return subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+
+    started = r'^tlkv_worker_start_time_seconds\{pid="(\d+)"\} '
+    shutdown = worker(3, "shutdown")  # drops its start time, keeps its counts
+    assert not re.search(started, shutdown, re.M)
+    assert len(re.findall(started, worker(4, "crash"), re.M)) == 1  # exits without shutdown
+    (tmp_path / "counter_999999999.db").touch()  # a process creating its file right now
+    text = worker(0, "stay")  # drops the series of the worker that crashed
+    assert len(re.findall(started, text, re.M)) == 1
+    assert 'tlkv_http_requests_total{method="GET",route="/v1/info",status="200"} 7.0' in text
+    assert 'tlkv_http_request_duration_seconds_count{route="/v1/info"} 7.0' in text
+    assert 'tlkv_grpc_requests_total{code="OK",method="/tlkv.v1.KvStore/GetBlock"} 3.0' in text
+    assert "tlkv_store_hits_total 7.0" in text and "tlkv_store_misses_total 3.0" in text
+    assert "tlkv_store_blocks 1.0" in text
+
+
 def test_error_body_is_bounded() -> None:
     body = json.loads(error_body("invalid_request", "x" * 10_000))
     assert body["error"]["kind"] == "invalid_request"
     assert len(body["error"]["message"]) <= 500
+
+
+# --- transcoding and joins stay off the event loop ------------------------------------
+
+
+def _on_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["gathered", "streamed"])
+def test_prefix_transcodes_and_joins_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, streamed: bool
+) -> None:
+    calls: list[tuple[str, bool]] = []
+
+    def spy(name: str, fn: Any) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            calls.append((name, _on_event_loop()))
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(store_module, "transcode", spy("transcode", store_module.transcode))
+    monkeypatch.setattr(blocks_module, "join", spy("join", blocks_module.join))
+    if streamed:  # every answer above one byte streams block by block
+        monkeypatch.setattr(blocks_module, "PREFIX_BUFFER_BYTES", 1)
+    data = make_envelope(SMALL, 24, seed=3, version=1)  # 6 full blocks, stored as v1
+    hashes = [f"{int(h):016x}" for h in decode(data).hashes]
+    app = create_app(Settings(data=tmp_path / "store", geometry=SMALL))
+
+    async def requests() -> None:
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as http,
+        ):
+            assert (await http.put("/v1/blocks", content=data)).status_code == 200
+            r = await http.post("/v1/prefix", json={"hashes": hashes}, params={"format": 2})
+            assert r.status_code == 200 and r.headers["x-tlkv-prefix-blocks"] == "6"
+            env = decode(r.content)
+            assert env.version == 2 and len(env) == 6
+            r = await http.post("/v1/prefix", json={"hashes": hashes})  # no transcoding
+            assert r.content == join(split(data))
+
+    asyncio.run(requests())
+    names = {name for name, _ in calls}
+    assert "transcode" in names and (streamed or "join" in names), calls
+    assert not [call for call in calls if call[1]], calls

@@ -14,19 +14,14 @@ import pytest
 from archive_helpers import LONG_NAME, frame_bounds, populate, snapshot
 from conftest import SMALL, make_envelope
 
-from kvstore import (
-    ArchiveError,
-    ChecksumError,
-    Geometry,
-    PinnedError,
-    ShapeError,
-    _archive_format,
-    decode,
-)
+from kvstore import ArchiveError, ChecksumError, Geometry, ShapeError, decode
 from kvstore import archive as ar
-from kvstore._zstdtar import FrameReader, ustar_header
+from kvstore.archive import writer as archive_writer
+from kvstore.archive.frames import FrameReader
+from kvstore.archive.tar import ustar_header
 from kvstore.cli import main
-from kvstore.store import Store
+from kvstore.errors import PinnedError
+from kvstore.store.store import Store
 
 
 @pytest.fixture
@@ -39,7 +34,7 @@ def store(tmp_path: Path) -> Iterator[Store]:
 @pytest.fixture
 def small_frames(monkeypatch: pytest.MonkeyPatch) -> None:
     """Frames of about 2 KiB: the small test blocks spread over many frames."""
-    monkeypatch.setattr(_archive_format, "FRAME_TARGET", 2048)
+    monkeypatch.setattr(archive_writer, "FRAME_TARGET", 2048)
 
 
 @pytest.fixture
@@ -385,9 +380,10 @@ def test_partial_restore_skips_a_damaged_frame(archive_file: Path, tmp_path: Pat
 def test_failed_commit_phase_is_undone(
     archive_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvstore import StoreFullError, _archive_store
+    from kvstore import StoreFullError
+    from kvstore.archive import importer as archive_importer
 
-    monkeypatch.setattr(_archive_store, "COMMIT_BATCH_BYTES", 2000)  # many batches
+    monkeypatch.setattr(archive_importer, "COMMIT_BATCH_BYTES", 2000)  # many batches
     with Store(tmp_path / "dst") as dst:
         populate(dst, seed=9)
         before = snapshot(dst)

@@ -24,8 +24,8 @@ from conftest import SMALL
 
 from kvstore import Geometry, decode
 from kvstore.cli import main
-from kvstore.cli_archive import ProgressBar
-from kvstore.store import Store
+from kvstore.cli.archive import ProgressBar
+from kvstore.store.store import Store
 
 
 @pytest.fixture
@@ -197,7 +197,7 @@ def test_progress_bar_of_the_real_commands_ends_full(
     command: str, data: Path, archive_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each phase's bar counts the same blocks its total counts: it ends at N/N, all '#'."""
-    import kvstore.cli_archive as cli_archive
+    import kvstore.cli.archive as cli_archive
 
     monkeypatch.setattr(cli_archive, "REFRESH_SECONDS", 0.0)  # draw on every update
     tty = _Tty()

@@ -11,16 +11,12 @@ from archive_helpers import frame_bounds
 from conftest import SMALL, make_envelope
 
 from kvstore import decode, split
-from kvstore._archive_format import (
-    ArchiveBlock,
-    ArchiveReader,
-    ArchiveSequence,
-    Manifest,
-    SequenceRecord,
-    write_archive,
-)
-from kvstore._zstdtar import encode_index, member_prefix, ustar_header
-from kvstore.checksum import crc32c
+from kvstore.archive.frames import encode_index
+from kvstore.archive.manifest import Manifest, SequenceRecord
+from kvstore.archive.reader import ArchiveBlock, ArchiveReader, ArchiveSequence
+from kvstore.archive.tar import member_prefix, ustar_header
+from kvstore.archive.writer import write_archive
+from kvstore.codec.checksum import crc32c
 
 
 def test_golden_manifest_and_record() -> None:
@@ -81,9 +77,9 @@ def _members() -> tuple[list[tuple[int, bytes]], list[SequenceRecord]]:
 def test_pure_round_trip(
     tmp_path: Path, buffer_type: type, frame_target: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvstore import _archive_format
+    from kvstore.archive import writer as archive_writer
 
-    monkeypatch.setattr(_archive_format, "FRAME_TARGET", frame_target)
+    monkeypatch.setattr(archive_writer, "FRAME_TARGET", frame_target)
     blocks, seqs = _members()
     path = tmp_path / "p.tar.zst"
     with open(path, "wb") as f:

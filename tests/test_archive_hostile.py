@@ -29,16 +29,15 @@ from kvstore import (
     Geometry,
     ShapeError,
     TlkvError,
-    UnsafeArchiveError,
     UnsupportedVersionError,
     encode,
     split,
 )
 from kvstore import archive as ar
-from kvstore._archive_format import SequenceRecord, canonical_json
-from kvstore._zstdtar import END_OF_ARCHIVE, USTAR_HEADER, ustar_header
-from kvstore.errors import TruncatedArchiveError
-from kvstore.store import Store
+from kvstore.archive.manifest import SequenceRecord, canonical_json
+from kvstore.archive.tar import END_OF_ARCHIVE, USTAR_HEADER, ustar_header
+from kvstore.errors import TruncatedArchiveError, UnsafeArchiveError
+from kvstore.store.store import Store
 
 OTHER = Geometry(2, 2, 2, 16)  # same envelope sizes as SMALL, another shape
 

@@ -7,12 +7,13 @@ import random
 from pathlib import Path
 
 import numpy as np
+import pytest
 from archive_helpers import run_tlkv
 
 from kvstore import Block, Geometry, crc32c, encode
-from kvstore._archive_format import write_archive
-from kvstore.layout import HEADER_SIZE, RECORD, TRAILER, TRAILER_SIZE
-from kvstore.store import Store
+from kvstore.archive.writer import write_archive
+from kvstore.codec.layout import HEADER_SIZE, RECORD, TRAILER, TRAILER_SIZE
+from kvstore.store.store import Store
 
 GEOMETRY = Geometry(16, 32, 8, 128)  # a 2 MiB v1 payload per block
 N_BLOCKS = 512  # 1 GiB of envelopes
@@ -38,6 +39,7 @@ def _envelope(template: bytes, block_hash: int) -> bytes:
     return bytes(buf)
 
 
+@pytest.mark.slow
 def test_one_gib_restore_and_create_in_bounded_memory(tmp_path: Path) -> None:
     hashes, templates = _blocks()
     source = tmp_path / "big.tlkv.tar.zst"

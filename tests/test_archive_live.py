@@ -17,12 +17,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from archive_helpers import REPO, live_hashes, live_sequence, populate
 from conftest import SMALL, make_envelope
 
 from kvstore import Geometry, decode
 from kvstore import archive as ar
-from kvstore.store import Store
+from kvstore.store.store import Store
 
 TESTS = Path(__file__).resolve().parent
 WINDOW = 3  # the writer keeps the newest WINDOW (+1 while it turns over) live sequences
@@ -33,7 +34,7 @@ _WRITER = """
 import os, sys
 sys.path.insert(0, sys.argv[1])
 from archive_helpers import live_hashes, live_sequence
-from kvstore.store import Store
+from kvstore.store.store import Store
 
 data, stop, window = sys.argv[2], sys.argv[3], int(sys.argv[4])
 with Store(data, sync=False) as store:
@@ -95,6 +96,7 @@ def _check_live_snapshot(path: Path, base_blocks: set[int], base_seq: bytes) -> 
     return hi
 
 
+@pytest.mark.slow
 def test_create_while_another_process_writes(tmp_path: Path) -> None:
     """Archives made while a writer process keeps putting and retiring sequences each
     verify and each hold one consistent point-in-time state (library and CLI)."""
@@ -207,6 +209,7 @@ def _digest(path: Path) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None
 
 
+@pytest.mark.slow
 def test_killed_create_never_leaves_a_half_archive(tmp_path: Path) -> None:
     """``tlkv archive create`` SIGKILLed before and while it writes: the final name holds
     nothing or the previous complete archive (or, killed after the rename, the new

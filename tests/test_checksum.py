@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore import crc32c
+from kvstore.codec import checksum
 
 
 def test_check_value() -> None:
@@ -57,3 +58,40 @@ def test_large_unaligned_slices() -> None:
     mv = memoryview(data)
     for start in (0, 1, 3, 7):
         assert crc32c(mv[start:]) == crc32c_pkg.crc32c(data[start:])
+
+
+def test_kernel_is_named_and_is_the_one_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    native = pytest.importorskip("kvstore.codec._native")
+    if native.crc32c_kernel() != checksum.PORTABLE_KERNEL:
+        assert native.crc32c_kernel() == checksum.KERNEL
+        assert checksum._crc32c is native.crc32c
+    assert checksum.KERNEL in {*native.crc32c_kernels(), "crc32c-package"}
+
+
+def test_kernel_choice_without_a_hardware_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Portable:
+        crc32c = staticmethod(crc32c_pkg.crc32c)
+
+        @staticmethod
+        def crc32c_kernel() -> str:
+            return checksum.PORTABLE_KERNEL
+
+    monkeypatch.setattr(checksum, "_native", Portable)
+    monkeypatch.setattr(crc32c_pkg, "hardware_based", True)
+    assert checksum._choose() == (crc32c_pkg.crc32c, "crc32c-package")
+    monkeypatch.setattr(crc32c_pkg, "hardware_based", False)
+    assert checksum._choose() == (Portable.crc32c, "slicing-by-8")
+    monkeypatch.setattr(checksum, "_native", None)
+    monkeypatch.setattr(crc32c_pkg, "hardware_based", True)
+    assert checksum._choose() == (crc32c_pkg.crc32c, "crc32c-package")
+
+
+@pytest.mark.parametrize("sizes", [[], [0], [28, 12, 4096], [28, 12, 100_003, 5]])
+def test_join_crc_native_and_fallback(sizes: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    rng = np.random.default_rng(sum(sizes))
+    parts = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+    joined = b"".join(parts)
+    want = joined + crc32c_pkg.crc32c(joined).to_bytes(4, "little")
+    assert checksum.join_crc(parts) == want
+    monkeypatch.setattr(checksum, "_native", None)  # the pure-Python path
+    assert checksum.join_crc(parts) == want

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 from conftest import SMALL, make_envelope
 
-from kvstore import crc32c
+from kvstore import __version__, crc32c
 from kvstore.cli import main
+from kvstore.codec import checksum
 
 
 def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -94,6 +95,11 @@ def test_verify_exit_codes(
         assert word in err
     if code in (3, 4, 5):  # a verification failure is one line naming the rule
         assert len(err.strip().splitlines()) == 1
+
+
+def test_version_names_the_crc_kernel(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"tlkv {__version__} (CRC-32C: {checksum.KERNEL})\n"
 
 
 def test_console_script_runs_as_module(tmp_path: Path) -> None:

@@ -7,9 +7,15 @@ actual request bodies.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Iterator
+import socket
+import threading
+import time
+import tracemalloc
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -21,7 +27,6 @@ from kvstore import (
     Block,
     FormatError,
     Geometry,
-    PinnedError,
     ShapeError,
     StoreFullError,
     UnsupportedVersionError,
@@ -33,14 +38,15 @@ from kvstore import (
     split,
 )
 from kvstore.cli import main
-from kvstore.client import Client, HasResult
+from kvstore.client import Client, HasResult, _BodyTransport
+from kvstore.codec.layout import TRAILER
 from kvstore.errors import (
     InvalidRequestError,
     NotFoundError,
+    PinnedError,
     TooLargeError,
     UnauthorizedError,
 )
-from kvstore.layout import TRAILER
 
 TOKEN = "client-test-token"
 GEOMETRY_ARG = ",".join(map(str, SMALL.as_tuple()))
@@ -304,3 +310,196 @@ def test_cli_errors(
     token_file.write_text(TOKEN)
     assert main(["has", server.url, "0000000000000001", "--token-file", str(token_file)]) == 0
     assert main(["has", "http://127.0.0.1:9", "0000000000000001"]) == 1  # nobody listens
+
+
+# --- the default transport (http.client keep-alive, bodies received in place) ------------
+
+
+def test_default_transport_round_trip(
+    server: ServerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    connects: list[object] = []
+    real_connect = _BodyTransport._connect
+
+    def counting(self: _BodyTransport, origin: object, timeout: object) -> object:
+        connects.append(origin)
+        return real_connect(self, origin, timeout)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_BodyTransport, "_connect", counting)
+    tokens, data = _prompt(22, seed=20)
+    hashes = [int(h) for h in decode(data).hashes if h]
+    with Client(server.url, token=TOKEN) as c:
+        assert isinstance(c._http._transport, _BodyTransport)
+        assert c.put(data).stored == hashes
+        got = c.get(hashes[0])
+        assert type(got) is bytes and got == split(data)[0]
+        assert c.get(12345) is None
+        prefix = c.prefix(tokens=tokens)
+        assert type(prefix) is bytes and prefix == _first_blocks(data, 5)
+        assert c.has_blocks(tokens=tokens).prefix == 5
+        c.put_sequence("rt", data)
+        assert c.get_sequence("rt") == data and c.get_sequence("nope") is None
+        with pytest.raises(InvalidRequestError):
+            c.get(1, format=3)
+        with pytest.raises(NotFoundError):
+            c._ok("GET", "/no/such/route")
+        assert c._ok("HEAD", f"/v1/blocks/{hashes[0]:016x}").content == b""
+        assert c.delete_sequence("rt") and c.delete(hashes[0])
+    assert len(connects) == 1  # one keep-alive connection served every request
+
+
+def test_default_transport_auth(server: ServerProcess) -> None:
+    with Client(server.url) as anonymous, pytest.raises(UnauthorizedError):
+        anonymous.get(1)
+    with Client(server.url, token="wrong") as bad, pytest.raises(UnauthorizedError):
+        bad.prefix(hashes=[1])
+
+
+def test_default_transport_under_a_proxy_is_httpx(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HTTP_PROXY", "http://proxy.invalid:3128")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    with Client("http://tlkv.invalid:8000") as c:
+        assert not isinstance(c._http._transport, _BodyTransport)
+    monkeypatch.setenv("NO_PROXY", "tlkv.invalid")
+    with Client("http://tlkv.invalid:8000") as c:
+        assert isinstance(c._http._transport, _BodyTransport)
+
+
+class FakeServer:
+    """A loopback server whose every connection runs ``handler(sock, index)`` in a thread."""
+
+    def __init__(self, handler: Callable[[socket.socket, int], None]) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.accepted = 0
+        self._handler = handler
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                sock, _addr = self.listener.accept()
+            except OSError:
+                return
+            index, self.accepted = self.accepted, self.accepted + 1
+            threading.Thread(target=self._run, args=(sock, index), daemon=True).start()
+
+    def _run(self, sock: socket.socket, index: int) -> None:
+        with sock, contextlib.suppress(OSError):
+            self._handler(sock, index)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def _read_request(sock: socket.socket) -> bytes:
+    """The request head (the fake servers are only sent bodiless GETs)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError("client closed")
+        data += chunk
+    return data
+
+
+def _reply(body: bytes, extra: bytes = b"") -> bytes:
+    return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n%s\r\n" % (len(body), extra) + body
+
+
+@pytest.fixture
+def fake() -> Iterator[Callable[[Callable[[socket.socket, int], None]], FakeServer]]:
+    servers: list[FakeServer] = []
+
+    def start(handler: Callable[[socket.socket, int], None]) -> FakeServer:
+        servers.append(FakeServer(handler))
+        return servers[-1]
+
+    yield start
+    for s in servers:
+        s.close()
+
+
+def test_transport_retries_a_connection_the_server_dropped(fake: Any) -> None:
+    def one_response_per_connection(sock: socket.socket, index: int) -> None:
+        _read_request(sock)
+        sock.sendall(_reply(b"first" if index == 0 else b"again"))
+        _read_request(sock)  # a second request on the kept-alive connection: dropped unanswered
+
+    srv = fake(one_response_per_connection)
+    with Client(srv.url) as c:
+        assert c._ok("GET", "/a").content == b"first"
+        assert c._ok("GET", "/b").content == b"again"
+    assert srv.accepted == 2
+
+
+def test_transport_skips_an_idle_connection_the_server_closed(fake: Any) -> None:
+    def close_after_one(sock: socket.socket, index: int) -> None:
+        _read_request(sock)
+        sock.sendall(_reply(b"x%d" % index))
+
+    srv = fake(close_after_one)
+    with Client(srv.url) as c:
+        assert c._ok("GET", "/a").content == b"x0"
+        time.sleep(0.1)  # the server has closed it: seen as readable, not reused
+        assert c._ok("GET", "/a").content == b"x1"
+
+
+def test_transport_large_and_chunked_bodies(fake: Any) -> None:
+    big = np.random.default_rng(5).integers(0, 256, (9 << 20) + 7, dtype=np.uint8).tobytes()
+
+    def serve(sock: socket.socket, index: int) -> None:
+        while True:
+            head = _read_request(sock)
+            if b"/big" in head:  # head and body apart: no copy on this side either
+                sock.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(big))
+                sock.sendall(big)
+            elif b"/chunked" in head:
+                sock.sendall(
+                    b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+                    b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
+                )
+            else:
+                sock.sendall(_reply(b""))
+
+    srv = fake(serve)
+    with Client(srv.url) as c:
+        tracemalloc.start()
+        try:
+            got = c._ok("GET", "/big").content
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert type(got) is bytes and got == big
+        assert peak < 1.25 * len(big)  # received into one buffer: no chunks joined
+        assert c._ok("GET", "/chunked").content == b"hello world"
+        assert c._ok("GET", "/empty").content == b""
+        assert c._ok("GET", "/big").content == big
+    assert srv.accepted == 1
+
+
+def test_transport_errors_are_httpx_errors(fake: Any) -> None:
+    def truncated(sock: socket.socket, index: int) -> None:
+        _read_request(sock)
+        sock.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly ten b")
+
+    def silent(sock: socket.socket, index: int) -> None:
+        _read_request(sock)
+        time.sleep(2)
+
+    def garbage(sock: socket.socket, index: int) -> None:
+        _read_request(sock)
+        sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+
+    with Client(fake(truncated).url) as c, pytest.raises(httpx.RemoteProtocolError):
+        c._ok("GET", "/")
+    with Client(fake(silent).url, timeout=0.2) as c, pytest.raises(httpx.ReadTimeout):
+        c._ok("GET", "/")
+    with Client(fake(garbage).url) as c, pytest.raises(httpx.RemoteProtocolError):
+        c._ok("GET", "/")
+    closed = socket.create_server(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    with Client(f"http://127.0.0.1:{port}") as c, pytest.raises(httpx.ConnectError):
+        c._ok("GET", "/")

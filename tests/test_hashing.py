@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore import block_hash, chain_hashes, fnv1a64, hashing
+from kvstore import block_hash, chain_hashes, fnv1a64
+from kvstore.codec import hashing
 
 
 def test_fnv1a64_of_a_is_the_spec_vector() -> None:
@@ -91,3 +92,60 @@ def test_kernel_matches_pure_python_oracle(
 @given(data=st.binary(max_size=200), h=st.integers(0, 2**64 - 1))
 def test_fnv1a64_matches_oracle(data: bytes, h: int) -> None:
     assert fnv1a64(data, h) == hashing._fnv1a64_py(data, h)
+
+
+def _outcome(tokens: object) -> object:
+    """chain_hashes' result, or its error as (type, message)."""
+    try:
+        return chain_hashes(tokens, 4)  # type: ignore[arg-type]
+    except (ValueError, TypeError) as exc:
+        return (type(exc), str(exc))
+
+
+@settings(max_examples=200, deadline=None)
+@given(tokens=st.lists(st.integers(0, 2**32 - 1), max_size=300), as_tuple=st.booleans())
+def test_list_path_equals_array_path(tokens: list[int], as_tuple: bool) -> None:
+    seq = tuple(tokens) if as_tuple else tokens
+    arr = np.array(tokens, dtype=np.uint32)
+    assert chain_hashes(seq, 4) == chain_hashes(arr, 4)
+    assert chain_hashes(seq, 4) == hashing._chain_hashes_py(arr, 4)
+
+
+def test_large_list_equals_array() -> None:
+    tokens = np.random.default_rng(3).integers(0, 2**32, 131_072, dtype=np.uint64)
+    assert chain_hashes(tokens.tolist(), 16) == chain_hashes(tokens.astype(np.uint32), 16)
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [
+        [-1] * 8,
+        [2**32] * 8,
+        [1, 2, 3, 2**40, 5, 6, 7, 8],
+        [5, 2**70, 1, 1],
+        [1, -(2**70), 1, 1],
+        [1, 2, 3, 4.0],
+        [True, False, True, False],
+        [True, 2, 3, 4],
+        [np.int64(3), 2, 3, 4],
+        [np.uint32(7), 2**32, 1, 1],
+        [[1, 2], [3, 4]],
+        (1, 2, "3", 4),
+        [],
+    ],
+)
+def test_list_path_keeps_the_general_rules(
+    tokens: list[object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fast = _outcome(tokens)
+    monkeypatch.setattr(hashing, "_native", None)  # the general path, in pure Python
+    assert fast == _outcome(tokens)
+
+
+def test_list_error_message() -> None:
+    with pytest.raises(
+        ValueError, match=r"^token ids must fit u32 \(0\.\.4294967295\), found 4294967296$"
+    ):
+        chain_hashes([1, 2, 2**32, 3], 2)
+    with pytest.raises(ValueError, match=r"found -5$"):
+        chain_hashes([1, -5, 2**32, 3], 2)

@@ -1,7 +1,7 @@
-"""The compiled kernels in kvstore._native against independent oracles.
+"""The compiled kernels in kvstore.codec._native against independent oracles.
 
 crc32c is checked against the ``crc32c`` package; fnv1a64/fnv_chain against the tiny
-pure-Python loops below (not kvstore.hashing, so a shared mistake cannot hide);
+pure-Python loops below (not kvstore.codec.hashing, so a shared mistake cannot hide);
 f16_finite against ``np.isfinite``.
 """
 
@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-native = pytest.importorskip("kvstore._native")
+native = pytest.importorskip("kvstore.codec._native")
 
 FNV_BASIS = 0xCBF29CE484222325
 FNV_PRIME = 0x100000001B3
@@ -71,6 +71,130 @@ def test_crc32c_every_length_to_5000(rand_bytes: bytes) -> None:
     for n in range(0, 5001, 17):
         data = rand_bytes[:n]
         assert native.crc32c(data, 0x9ABCDEF0) == crc32c_pkg.crc32c(data, 0x9ABCDEF0), n
+
+
+def _crc_table() -> list[int]:
+    table = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+        table.append(c)
+    return table
+
+
+CRC_TABLE = _crc_table()
+
+
+def crc32c_oracle(data: bytes, crc: int = 0) -> int:
+    """Bytewise CRC-32C in Python: independent of every compiled kernel and of the package."""
+    crc ^= 0xFFFFFFFF
+    for byte in data:
+        crc = CRC_TABLE[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
+KERNELS = native.crc32c_kernels()
+
+
+def test_crc32c_kernels_dispatch() -> None:
+    assert KERNELS and KERNELS[-1] == "slicing-by-8"  # the portable one is always there
+    assert native.crc32c_kernel() == KERNELS[0]  # the best this CPU can run is the one used
+    assert len(set(KERNELS)) == len(KERNELS)
+    known = ["vpclmulqdq-avx512", "vpclmulqdq-avx2", "sse4.2-pclmul", "slicing-by-8"]
+    assert [k for k in known if k in KERNELS] == KERNELS  # best first
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_crc32c_every_kernel_small_lengths_and_offsets(kernel: str, rand_bytes: bytes) -> None:
+    for off in range(9):
+        for n in range(301):
+            data = rand_bytes[off : off + n]
+            assert native.crc32c_with(kernel, data) == crc32c_oracle(data), (off, n)
+    for n in range(0, 301, 7):
+        data = rand_bytes[5 : 5 + n]
+        want = crc32c_oracle(data, 0x9ABCDEF0)
+        assert native.crc32c_with(kernel, data, 0x9ABCDEF0) == want, n
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_crc32c_every_kernel_to_5000(kernel: str, rand_bytes: bytes) -> None:
+    # Every length through the switch to the wide/fused paths and every tail after them.
+    for n in range(301, 5001):
+        off = n % 61
+        data = rand_bytes[off : off + n]
+        assert native.crc32c_with(kernel, data) == crc32c_pkg.crc32c(data), n
+    data = rand_bytes[3:4100]
+    assert native.crc32c_with(kernel, data, 7) == crc32c_oracle(data, 7)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize(
+    "n", [1024, 1279, 1280, 1281, 65537, (2 << 20) + 1, (2 << 20) + 63, (3 << 20) + 1]
+)
+@pytest.mark.parametrize("off", [0, 1, 31, 63])
+def test_crc32c_every_kernel_large(kernel: str, rand_bytes: bytes, n: int, off: int) -> None:
+    view = memoryview(rand_bytes)[off : off + n]
+    assert len(view) == n
+    assert native.crc32c_with(kernel, view) == crc32c_pkg.crc32c(view)
+    assert native.crc32c_with(kernel, view, 12345) == crc32c_pkg.crc32c(view, 12345)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_crc32c_every_kernel_large_against_python(kernel: str, rand_bytes: bytes) -> None:
+    data = rand_bytes[7 : 7 + (256 << 10) + 77]  # the Python oracle runs at ~5 MB/s
+    assert native.crc32c_with(kernel, data, 99) == crc32c_oracle(data, 99)
+    a, b = data[:100_003], data[100_003:]
+    assert native.crc32c_with(kernel, b, native.crc32c_with(kernel, a)) == crc32c_oracle(data)
+
+
+@pytest.mark.parametrize("kernel", [None, *KERNELS])
+def test_join_crc_every_kernel(kernel: str | None, rand_bytes: bytes) -> None:
+    mv = memoryview(rand_bytes)
+    cases: list[list[object]] = [
+        [],
+        [b""],
+        [b"", b"", b"abc"],
+        [mv[1:29], mv[3:15], mv[7 : 7 + (2 << 20)]],  # an envelope's header, record, payload
+        [mv[5 : 5 + n] for n in (1, 63, 64, 65, 255, 256, 1023, 1024, 1025, 4097)],
+        [mv[:300_001], bytearray(rand_bytes[:77]), np.arange(1000, dtype=np.float16)],
+        [mv[9 : 9 + (3 << 20) + 1]],
+    ]
+    for parts in cases:
+        joined = b"".join(bytes(memoryview(p).cast("B")) for p in parts)  # type: ignore[arg-type]
+        out = native.join_crc(parts, kernel)
+        assert type(out) is bytes
+        assert out == joined + struct.pack("<I", crc32c_pkg.crc32c(joined)), [len(p) for p in parts]  # type: ignore[arg-type]
+    small = [mv[3:50], mv[60:1500]]
+    joined = bytes(mv[3:50]) + bytes(mv[60:1500])
+    assert native.join_crc(small, kernel)[-4:] == struct.pack("<I", crc32c_oracle(joined))
+    assert native.join_crc(tuple(small), kernel) == native.join_crc(small, kernel)
+
+
+def test_join_crc_bad_arguments() -> None:
+    with pytest.raises(TypeError):
+        native.join_crc(5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        native.join_crc([b"ok", 5])
+    with pytest.raises((BufferError, ValueError)):
+        native.join_crc([b"ok", np.arange(100, dtype=np.uint8)[::2]])
+    with pytest.raises(ValueError, match="no usable"):
+        native.join_crc([b"x"], "no-such-kernel")
+    with pytest.raises(TypeError):
+        native.join_crc()  # type: ignore[call-arg]
+
+
+def test_crc32c_with_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="no usable"):
+        native.crc32c_with("no-such-kernel", b"x")
+    with pytest.raises(TypeError):
+        native.crc32c_with(1, b"x")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        native.crc32c_with()  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        native.crc32c_with(KERNELS[0])  # type: ignore[call-arg]
+    with pytest.raises((BufferError, ValueError)):
+        native.crc32c_with(KERNELS[0], np.arange(100, dtype=np.uint8)[::2])
 
 
 @pytest.mark.parametrize(
@@ -286,6 +410,57 @@ def test_fnv_chain_bad_arguments() -> None:
         native.fnv_chain(toks)
 
 
+def chain_list(tokens: list[int] | tuple[int, ...], *args: int) -> list[int] | None:
+    out = native.fnv_chain_list(tokens, *args)
+    return None if out is None else list(struct.unpack(f"<{len(out) // 8}Q", out))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, U32_MAX), max_size=200),
+    block_tokens=st.integers(1, 20),
+    parent=st.one_of(st.integers(0, U64), st.sampled_from([0, 1, U64])),
+)
+def test_fnv_chain_list_matches_oracle(tokens: list[int], block_tokens: int, parent: int) -> None:
+    want = fnv_chain_oracle(tokens, block_tokens, parent)
+    assert chain_list(tokens, block_tokens, parent) == want
+    assert chain_list(tuple(tokens), block_tokens, parent) == want
+    if parent == 0:
+        assert chain_list(tokens, block_tokens) == want
+
+
+def test_fnv_chain_list_large_equals_buffer_kernel() -> None:
+    toks = np.random.default_rng(8).integers(0, 1 << 32, 131_072 + 5, dtype=np.uint64)
+    assert native.fnv_chain_list(toks.tolist(), 16, 7) == native.fnv_chain(
+        toks.astype("<u4"), 16, 7
+    )
+
+
+@pytest.mark.parametrize(
+    "bad", [-1, 1 << 32, 1 << 64, -(1 << 70), True, 1.0, np.uint32(1), "1", None, [1]]
+)
+@pytest.mark.parametrize("where", [0, 5, 9])  # a full block, the last full one, the tail
+def test_fnv_chain_list_declines_anything_but_u32_ints(bad: object, where: int) -> None:
+    toks: list[object] = list(range(10))
+    toks[where] = bad
+    assert native.fnv_chain_list(toks, 3) is None
+    assert native.fnv_chain_list(tuple(toks), 3) is None
+
+
+def test_fnv_chain_list_bad_arguments() -> None:
+    for b in (0, -1):
+        with pytest.raises(ValueError):
+            native.fnv_chain_list([1, 2], b)
+    for parent in (-1, 1 << 64):
+        with pytest.raises(ValueError):
+            native.fnv_chain_list([1, 2], 2, parent)
+    for not_a_list in (np.arange(4), range(4), b"1234", iter([1, 2])):
+        with pytest.raises(TypeError):
+            native.fnv_chain_list(not_a_list, 2)  # type: ignore[arg-type]
+    assert native.fnv_chain_list([], 4) == b""
+    assert native.fnv_chain_list([1, 2, 3], 1 << 62) == b""
+
+
 # ---------------------------------------------------------------------------- f16_finite
 
 
@@ -360,5 +535,15 @@ def test_f16_finite_buffer_types_and_errors() -> None:
 
 
 def test_docstrings() -> None:
-    for name in ("crc32c", "fnv1a64", "fnv_chain", "f16_finite"):
+    for name in (
+        "crc32c",
+        "crc32c_kernel",
+        "crc32c_kernels",
+        "crc32c_with",
+        "join_crc",
+        "fnv1a64",
+        "fnv_chain",
+        "fnv_chain_list",
+        "f16_finite",
+    ):
         assert getattr(native, name).__doc__

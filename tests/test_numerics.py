@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstore import numerics
+from kvstore.codec import numerics
 
 
 def _reference(x: np.ndarray, filled: int) -> tuple[np.ndarray, np.ndarray]:

@@ -24,28 +24,24 @@ import numpy as np
 import pytest
 from conftest import SMALL, make_blocks, make_envelope
 
-import kvstore._keyset as keyset_module
-import kvstore._lmdbenv as lmdbenv_module
-import kvstore._storelayout as L
-import kvstore._writetxn as writetxn_module
-import kvstore.store as store_module
+import kvstore.store.diskformat as L
+import kvstore.store.keyset as keyset_module
+import kvstore.store.lmdbenv as lmdbenv_module
+import kvstore.store.store as store_module
+import kvstore.store.writetxn as writetxn_module
 from kvstore import (
-    BadMagicError,
     Block,
     BlockView,
     ChecksumError,
     FormatError,
     Geometry,
-    PinnedError,
     PutReport,
     PutResult,
     ShapeError,
     Store,
     StoreError,
     StoreFullError,
-    TruncatedError,
     UnsupportedVersionError,
-    ViewClosedError,
     chain_hashes,
     crc32c,
     decode,
@@ -54,8 +50,9 @@ from kvstore import (
     split,
     transcode,
 )
-from kvstore._crcmath import crc_combine, crc_shift
-from kvstore.layout import HEADER_SIZE, TRAILER_SIZE
+from kvstore.codec.crcmath import crc_combine, crc_shift
+from kvstore.codec.layout import HEADER_SIZE, TRAILER_SIZE
+from kvstore.errors import BadMagicError, PinnedError, TruncatedError, ViewClosedError
 
 REPO = Path(__file__).resolve().parent.parent
 SINGLE = SMALL.envelope_bytes(1)  # bytes of one stored SMALL v1 block
@@ -478,13 +475,11 @@ def test_remapping_under_an_escaped_array_is_refused_not_a_crash(tmp_path: Path)
     script = textwrap.dedent(
         f"""
         import numpy as np
-        import kvstore.store
         from kvstore import Geometry, Store, StoreError, encode
         from conftest import make_blocks
 
-        kvstore.store._INITIAL_MAP_SIZE = 1 << 20
         g = Geometry(16, 4, 2, 64)
-        with Store({str(tmp_path / "s")!r}) as s:
+        with Store({str(tmp_path / "s")!r}, map_bytes=1 << 20) as s:
             first = make_blocks(g, 32, seed=1)
             s.put(encode(g, first))
             with s.reader() as r:
@@ -499,7 +494,7 @@ def test_remapping_under_an_escaped_array_is_refused_not_a_crash(tmp_path: Path)
             print("intact", bool(np.array_equal(kv, expected)))
             del kv
             s.put(encode(g, make_blocks(g, 16 * 32, seed=50)))
-            print("grows after", s._env.info()["map_size"] > 1 << 20)
+            print("grows after", s.map_bytes > 1 << 20)
         """
     )
     out = _run_isolated(script)
@@ -960,10 +955,9 @@ def test_everything_survives_reopen_in_a_new_process(tmp_path: Path) -> None:
 def test_the_map_grows_without_the_user_seeing_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(store_module, "_INITIAL_MAP_SIZE", 1 << 20)
     g = Geometry(16, 4, 2, 64)  # 32 KiB blocks
-    with Store(tmp_path / "s") as s:
-        start = s._env.info()["map_size"]
+    with Store(tmp_path / "s", map_bytes=1 << 20) as s:
+        start = s.map_bytes
         stop = threading.Event()
         errors: list[BaseException] = []
 
@@ -985,42 +979,38 @@ def test_the_map_grows_without_the_user_seeing_it(
             stop.set()
             thread.join()
         assert not errors
-        assert s._env.info()["map_size"] > start
+        assert s.map_bytes > start
         assert s.stats()["blocks"] == 128
 
 
 def test_map_full_inside_a_transaction_grows_and_retries(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(store_module, "_INITIAL_MAP_SIZE", 1 << 20)
     monkeypatch.setattr(
         lmdbenv_module.LmdbEnv, "map_room", lambda self: 1 << 62
     )  # no growing ahead
     g = Geometry(16, 4, 2, 64)
     envelope = encode(g, full_blocks(g, 64, seed=44))  # 2 MiB into a 1 MiB map
-    with Store(tmp_path / "s") as s:
+    with Store(tmp_path / "s", map_bytes=1 << 20) as s:
         assert s.put(envelope).stored == 64
         assert s.get_many(hashes_of(envelope)) == split(envelope)
-        assert s._env.info()["map_size"] > 1 << 20
+        assert s.map_bytes > 1 << 20
 
 
 def test_a_map_grown_by_another_process_is_adopted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(store_module, "_INITIAL_MAP_SIZE", 1 << 20)
     g = Geometry(16, 4, 2, 64)
     path = tmp_path / "s"
-    with Store(path, geometry=g) as s:
-        small = s._env.info()["map_size"]
+    with Store(path, geometry=g, map_bytes=1 << 20) as s:
+        small = s.map_bytes
         script = textwrap.dedent(
             f"""
             import numpy as np
-            import kvstore.store
             from kvstore import Block, Geometry, Store, encode
-            kvstore.store._INITIAL_MAP_SIZE = 1 << 20
             g = Geometry(16, 4, 2, 64)
             kv = np.ones(g.kv_shape, np.float32)
-            with Store({str(path)!r}) as s:
+            with Store({str(path)!r}, map_bytes=1 << 20) as s:
                 for i in range(4):
                     s.put(encode(g, [Block(1000 * i + j + 1, 16, kv) for j in range(32)]))
             """
@@ -1029,7 +1019,7 @@ def test_a_map_grown_by_another_process_is_adopted(
             [sys.executable, "-c", script], check=True, env={**os.environ, "PYTHONPATH": str(REPO)}
         )
         assert s.has([1, 3032]) == [True, True]  # MapResizedError on begin: adopted
-        assert s._env.info()["map_size"] > small
+        assert s.map_bytes > small
         s.put(encode(g, full_blocks(g, 2, seed=45)))
         assert s.stats()["blocks"] == 130
 
@@ -1037,9 +1027,8 @@ def test_a_map_grown_by_another_process_is_adopted(
 def test_growing_while_this_thread_holds_a_reader_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(store_module, "_INITIAL_MAP_SIZE", 1 << 20)
     g = Geometry(16, 4, 2, 64)
-    with Store(tmp_path / "s") as s:
+    with Store(tmp_path / "s", map_bytes=1 << 20) as s:
         with s.reader(), pytest.raises(StoreError, match="reader"):
             s.put(encode(g, full_blocks(g, 64, seed=43)))
         assert s.stats()["blocks"] == 0
@@ -1048,12 +1037,9 @@ def test_growing_while_this_thread_holds_a_reader_is_refused(
 
 def _mp_worker(path: str, me: int, rounds: int, queue: multiprocessing.Queue) -> None:
     """One of two processes writing and reading the same store at once."""
-    import kvstore.store as sm
-
-    sm._INITIAL_MAP_SIZE = 1 << 20  # small, so both processes grow it while racing
     g = Geometry(16, 2, 2, 64)
     try:
-        with Store(path) as s:
+        with Store(path, map_bytes=1 << 20) as s:  # small: both processes grow it racing
             seen = 0
             for i in range(rounds):
                 blocks = [

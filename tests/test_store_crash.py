@@ -29,16 +29,14 @@ WRITER = textwrap.dedent(
     """
     import sys
     import numpy as np
-    import kvstore._writebehind
-    import kvstore.store
+    import kvstore.store.writebehind
     from kvstore import Block, Geometry, Store, crc32c, encode
 
-    kvstore.store._INITIAL_MAP_SIZE = 1 << 20  # small: map growth happens under fire too
-    kvstore._writebehind.MIN_BYTES = 0  # every commit writes behind: kills land mid-way
+    kvstore.store.writebehind.MIN_BYTES = 0  # every commit writes behind: kills land mid-way
     path, seed = sys.argv[1], int(sys.argv[2])
     g = Geometry(16, 4, 2, 64)  # 32 KiB payloads
     kv = np.random.default_rng(seed).standard_normal(g.kv_shape).astype(np.float16)
-    with Store(path) as s:
+    with Store(path, map_bytes=1 << 20) as s:  # small: map growth happens under fire too
         print("ready", flush=True)
         i = 0
         while True:
@@ -76,6 +74,7 @@ def _run_writer(script: Path, path: Path, seed: int, rng: random.Random) -> list
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL is POSIX")
 def test_sigkilled_writers_never_lose_or_corrupt_committed_blocks(tmp_path: Path) -> None:
     script = tmp_path / "writer.py"

@@ -21,16 +21,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from test_store import check_consistency
 
-from kvstore import (
-    PinnedError,
-    PutResult,
-    Store,
-    StoreFullError,
-    decode,
-    encode,
-    join,
-    transcode,
-)
+from kvstore import PutResult, Store, StoreFullError, decode, encode, join, transcode
+from kvstore.errors import PinnedError
 
 # A pool of blocks: two chains of full blocks (distinct hashes) and two partial tails,
 # each as a single-block envelope in both format versions.

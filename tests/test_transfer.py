@@ -11,7 +11,8 @@ import pytest
 from conftest import SMALL, make_envelope
 from http_server import REPO
 
-from kvstore import (
+from kvstore import Geometry, crc32c, decode, encode, split
+from kvstore.errors import (
     BadMagicError,
     ChecksumError,
     FormatError,
@@ -23,12 +24,7 @@ from kvstore import (
     TruncatedError,
     UnauthorizedError,
     UnsupportedVersionError,
-    crc32c,
-    decode,
-    encode,
-    split,
 )
-from kvstore.geometry import Geometry
 from kvstore.transfer import (
     ERROR_KIND_KEY,
     MAX_CHUNK_PAYLOAD,

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 
 from kvstore import Block, Geometry, Store, encode
-from kvstore._writebehind import INTERVAL, MIN_BYTES, WriteBehind
+from kvstore.store.writebehind import INTERVAL, MIN_BYTES, WriteBehind
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="sync_file_range is Linux-only"
 )
-syscalls = pytest.importorskip("kvstore._syscalls")
+syscalls = pytest.importorskip("kvstore.fileio._syscalls")
 
 
 def _dirty_file(path: Path, nbytes: int) -> None:

@@ -28,9 +28,9 @@ import numpy as np
 from bench_common import Row
 
 from kvstore import Block, Geometry, crc32c, encode
-from kvstore.archive import extract
-from kvstore.layout import HEADER_SIZE, RECORD, TRAILER, TRAILER_SIZE
-from kvstore.store import Store
+from kvstore.archive.operations import extract
+from kvstore.codec.layout import HEADER_SIZE, RECORD, TRAILER, TRAILER_SIZE
+from kvstore.store.store import Store
 
 GEOMETRY = Geometry(16, 32, 8, 128)
 REPO = Path(__file__).resolve().parent.parent

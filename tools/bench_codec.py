@@ -7,6 +7,9 @@ against a baseline measured in this same run.
 from __future__ import annotations
 
 import argparse
+import array
+import statistics
+from collections.abc import Callable
 
 import ml_dtypes
 import numpy as np
@@ -14,6 +17,7 @@ from bench_common import Row, best_seconds, gbps
 from crc32c import crc32c as crc32c_package
 
 from kvstore import Block, Geometry, chain_hashes, crc32c, decode, encode
+from kvstore.codec import checksum
 
 GEOMETRY = Geometry(16, 32, 8, 128)
 
@@ -42,35 +46,75 @@ def run(args: argparse.Namespace) -> list[Row]:
     dst = np.empty_like(src)
 
     t_memcpy = best_seconds(lambda: np.copyto(dst, src), repeat, 20)
-    t_crc = best_seconds(lambda: crc32c(src), repeat, 20)
+
+    # CRC-32C against the peer packages, interleaved round by round (noise hits all alike).
+    contenders: dict[str, Callable[[], object]] = {
+        f"ours ({checksum.KERNEL})": lambda: crc32c(src),
+        "crc32c package": lambda: crc32c_package(src),
+    }
+    try:
+        import google_crc32c
+
+        contenders["google-crc32c"] = lambda: google_crc32c.value(src)
+    except ImportError:  # the bench extra: pip install -e '.[bench]'
+        pass
+    per_round: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(max(repeat, 5)):
+        for name, fn in contenders.items():
+            per_round[name].append(best_seconds(fn, 1, 20))
+    ours_name = next(iter(contenders))
+    t_crc = min(per_round[ours_name])
+    peers = {name: min(ts) for name, ts in per_round.items() if name != ours_name}
+    peer = min(peers, key=peers.__getitem__)
+    fastest_peer_rounds = [
+        min(per_round[name][i] for name in peers) for i in range(len(per_round[ours_name]))
+    ]
+    ratios = [p / o for p, o in zip(fastest_peer_rounds, per_round[ours_name])]
     rows.append(
         Row(
-            "crc32c, 2 MiB",
+            f"crc32c, 2 MiB, kernel {checksum.KERNEL}",
+            gbps(payload, t_crc),
+            f"{peer} {gbps(payload, peers[peer])} (faster peer)",
+            peers[peer] / t_crc,
+            ">= 1.0x",
+            peers[peer] / t_crc >= 1.0,
+        )
+    )
+    rows.append(
+        Row(
+            "  (spread over rounds)",
+            f"per round {min(ratios):.2f}-{max(ratios):.2f}x, "
+            f"median {statistics.median(ratios):.2f}x",
+        )
+    )
+    for name, t in peers.items():
+        if name != peer:
+            rows.append(Row(f"  same vs {name}", gbps(payload, t_crc), gbps(payload, t), t / t_crc))
+    native = getattr(checksum, "_native", None)
+    for kernel in native.crc32c_kernels()[1:] if native is not None else []:
+        t = best_seconds(lambda k=kernel: native.crc32c_with(k, src), repeat, 20)
+        rows.append(Row(f"  other kernel here: {kernel}", gbps(payload, t), "", peers[peer] / t))
+    if "google-crc32c" not in peers:
+        rows.append(Row("  google-crc32c not installed (pip install -e '.[bench]')", ""))
+    rows.append(
+        Row(
+            "  same CRC vs memcpy",
             gbps(payload, t_crc),
             f"memcpy {gbps(payload, t_memcpy)}",
             t_memcpy / t_crc,
-            ">= 1.5x",
-            t_memcpy / t_crc >= 1.5,
-        )
-    )
-
-    t_peer = best_seconds(lambda: crc32c_package(src), repeat, 20)
-    rows.append(
-        Row(
-            "  same CRC vs the crc32c package (peer)",
-            gbps(payload, t_crc),
-            f"crc32c package {gbps(payload, t_peer)}",
-            t_peer / t_crc,
-            "",
-            None,
         )
     )
 
     n_blocks = 16 if args.quick else 64
     blocks = [Block(i + 1, g.block_tokens, kv16) for i in range(n_blocks)]
     big = encode(g, blocks, 1)
-    t_crc_big = best_seconds(lambda: crc32c(big), repeat)
-    t_decode = best_seconds(lambda: decode(big, g), repeat)
+    # Interleaved: 128 MiB does not fit in cache, so other processes' memory traffic
+    # would otherwise fall on one side only.
+    crc_big, decode_big = [], []
+    for _ in range(repeat):
+        crc_big.append(best_seconds(lambda: crc32c(big), 3))
+        decode_big.append(best_seconds(lambda: decode(big, g), 3))
+    t_crc_big, t_decode = min(crc_big), min(decode_big)
     rows.append(
         Row(
             f"decode+validate, {n_blocks}-block v1",
@@ -138,6 +182,39 @@ def run(args: argparse.Namespace) -> list[Row]:
             None,
             "<= 2 ms",
             t_chain <= 2e-3,
+        )
+    )
+
+    # Token ids as users hold them: a list of Python ints. Interleaved with the array path.
+    token_list = tokens.tolist()
+    t_list, t_array, t_arraymod = (
+        min(ts)
+        for ts in zip(
+            *(
+                (
+                    best_seconds(lambda: chain_hashes(token_list, 16), 1, 5),
+                    best_seconds(lambda: chain_hashes(tokens, 16), 1, 5),
+                    best_seconds(lambda: array.array("I", token_list), 1, 5),
+                )
+                for _ in range(repeat)
+            )
+        )
+    )
+    ok = t_list <= 2e-3 and t_list <= 2 * t_array
+    rows.append(
+        Row(
+            "chain_hashes(list of 131,072 ints)",
+            f"{t_list * 1e3:.3f} ms",
+            f"numpy u32 array input {t_array * 1e3:.3f} ms",
+            t_list / t_array,
+            "<= 2 ms and <= 2x",
+            ok,
+        )
+    )
+    rows.append(
+        Row(
+            "  (array.array('I', list) alone, for scale)",
+            f"{t_arraymod * 1e3:.3f} ms",
         )
     )
     return rows

@@ -1,16 +1,18 @@
 """Block routes: put, get/head (with transcoding and ETag), delete, has-blocks and prefix.
 
 Envelopes go out verbatim as ``application/vnd.tlkv`` bytes (no serialization layer).
-Plain reads run on the event loop (an LMDB read plus a CRC check, well under a
-millisecond for 2 MiB); writes and deletes wait for a durable commit, and transcoding and
-multi-block joins take milliseconds, so those run in the thread pool.
+Plain single-block reads run on the event loop (an LMDB read plus a CRC check, well under
+a millisecond for 2 MiB). Everything that takes milliseconds runs in the thread pool:
+writes and deletes (they wait for a durable commit), every read with ``?format=`` (it may
+transcode 2 MiB), and the multi-block reads and join of ``/v1/prefix`` -- gathered in one
+call, or, when streamed, one call per block that reads it (transcoding it if needed) and
+folds it into the running CRC of the envelope (``kvstore.codec.assembly.EnvelopeStream``).
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import re
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Annotated, Any
@@ -20,19 +22,14 @@ from fastapi import APIRouter, Path, Query, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response, StreamingResponse
 
-from kvstore.checksum import crc32c
-from kvstore.envelope import decode, encode, join
-from kvstore.errors import NotFoundError, TlkvError
-from kvstore.geometry import Geometry
-from kvstore.layout import (
-    DTYPE_FOR_VERSION,
-    HEADER,
-    HEADER_SIZE,
-    MAGIC,
-    TRAILER,
-    TRAILER_SIZE,
+from kvstore.codec.assembly import EnvelopeStream, stored_crc
+from kvstore.codec.envelope import decode, encode, join
+from kvstore.codec.geometry import Geometry
+from kvstore.codec.layout import (
     VERSION_V1,
 )
+from kvstore.errors import NotFoundError, TlkvError
+from kvstore.protocol import PREFIX_HEADER, is_hash_hex, parse_hash_hex
 from kvstore.store import Store
 
 from ..errors import send_error
@@ -53,7 +50,6 @@ from .common import (
 
 router = APIRouter(tags=["blocks"])
 
-PREFIX_HEADER = "x-tlkv-prefix-blocks"
 # A prefix answer up to this size is gathered first (and cut at a block that vanished);
 # a larger one streams block by block, so memory stays flat whatever the prefix length.
 PREFIX_BUFFER_BYTES = 64 * 1024 * 1024
@@ -64,10 +60,17 @@ FormatQuery = Annotated[
 ]
 
 
+async def _read(store: Store, h: int, version: int | None) -> bytes | None:
+    """``store.get``: on the event loop when plain, in the thread pool with a ``version``
+    (transcoding quantizes or widens 2 MiB)."""
+    if version is None:
+        return store.get(h)
+    return await run_in_threadpool(functools.partial(store.get, h, version=version))
+
+
 def _etag(data: bytes) -> str:
     # The envelope's own CRC-32C: it changes whenever a byte of the answer does.
-    (crc,) = TRAILER.unpack_from(data, len(data) - TRAILER_SIZE)
-    return f'"{crc:08x}-{len(data)}"'
+    return f'"{stored_crc(data):08x}-{len(data)}"'
 
 
 @router.put("/v1/blocks", openapi_extra=ENVELOPE_BODY)
@@ -95,12 +98,7 @@ def _put(store: Store, body: bytes | bytearray) -> tuple[list[int], list[int], i
 )
 async def get_block(request: Request, hash: HashPath, format: FormatQuery = None) -> Response:
     """The stored single-block envelope, verbatim (or transcoded with ``?format=``)."""
-    store = store_of(request)
-    h = int(hash, 16)
-    if format is None:
-        data = store.get(h)
-    else:  # transcoding quantizes or widens 2 MiB: off the event loop
-        data = await run_in_threadpool(functools.partial(store.get, h, version=format))
+    data = await _read(store_of(request), parse_hash_hex(hash), format)
     if data is None:
         raise NotFoundError(f"block {hash} not found")
     etag = _etag(data)
@@ -111,7 +109,6 @@ async def get_block(request: Request, hash: HashPath, format: FormatQuery = None
 
 _BLOCK_PREFIX = "/v1/blocks/"
 _BLOCK_PATH_LEN = len(_BLOCK_PREFIX) + 16
-_HEX16 = re.compile(r"[0-9a-f]{16}")
 
 
 class BlockReadFastPath:
@@ -136,7 +133,7 @@ class BlockReadFastPath:
             and scope["method"] in ("GET", "HEAD")
             and not scope.get("query_string")
             and path.startswith(_BLOCK_PREFIX)
-            and _HEX16.fullmatch(path, len(_BLOCK_PREFIX))
+            and is_hash_hex(path[len(_BLOCK_PREFIX) :])
         ):
             store = getattr(scope["app"].state, "store", None)
         if store is None:
@@ -144,7 +141,7 @@ class BlockReadFastPath:
             return
         scope["route"] = self.route
         try:
-            data = store.get(int(path[len(_BLOCK_PREFIX) :], 16))
+            data = store.get(parse_hash_hex(path[len(_BLOCK_PREFIX) :]))
         except TlkvError as exc:
             await send_error(send, exc)
             return
@@ -172,7 +169,7 @@ class BlockReadFastPath:
 async def delete_block(request: Request, hash: HashPath) -> Response:
     """Delete a block: 204, 404 when absent, 409 when a sequence pins it."""
     store = store_of(request)
-    if not await run_in_threadpool(store.delete, int(hash, 16)):
+    if not await run_in_threadpool(store.delete, parse_hash_hex(hash)):
         raise NotFoundError(f"block {hash} not found")
     return Response(status_code=204)
 
@@ -219,23 +216,30 @@ def _gather(store: Store, hashes: np.ndarray, version: int) -> bytes | None:
     return join(blocks) if len(blocks) > 1 else None
 
 
+def _stream_record(
+    store: Store, out: EnvelopeStream, h: int, version: int, data: bytes | None = None
+) -> memoryview:
+    """Block ``h``'s record in ``version`` (``data``, when already read), accounted for in
+    ``out``'s CRC: one thread-pool call of the streamed prefix. ``store.get`` checked the
+    block's CRC, so the record's CRC follows from it without a second pass."""
+    if data is None:
+        data = store.get(h, version=version)
+        if data is None:
+            # The header already promised this block: abort, the client sees a short body.
+            raise NotFoundError(f"block {h:016x} vanished while streaming the prefix")
+    return out.add_checked_single(data)
+
+
 async def _stream(
     store: Store, hashes: np.ndarray, first: bytes, geometry: Geometry, version: int
 ) -> AsyncIterator[bytes | memoryview]:
-    header = HEADER.pack(
-        MAGIC, version, DTYPE_FOR_VERSION[version], len(hashes), *geometry.as_tuple()
-    )
-    crc = crc32c(header)
-    yield header
-    for i, h in enumerate(hashes):
-        data = first if i == 0 else store.get(int(h), version=version)
-        if data is None:
-            # The header already promised this block: abort, the client sees a short body.
-            raise NotFoundError(f"block {int(h):016x} vanished while streaming the prefix")
-        record = memoryview(data)[HEADER_SIZE : len(data) - TRAILER_SIZE]
-        crc = crc32c(record, crc)
-        yield record
-    yield TRAILER.pack(crc)
+    out = EnvelopeStream(version, geometry, len(hashes))
+    yield out.header
+    for i, h in enumerate(hashes.tolist()):
+        yield await run_in_threadpool(
+            _stream_record, store, out, h, version, first if i == 0 else None
+        )
+    yield out.trailer()
 
 
 @router.post("/v1/prefix", openapi_extra=HASHES_BODY, responses=ENVELOPE_RESPONSE)
@@ -245,7 +249,7 @@ async def prefix(request: Request, format: FormatQuery = None) -> Response:
     hashes = await request_hashes(request, store)
     k = store.longest_prefix(hashes) if len(hashes) else 0
     geometry = store.geometry
-    first = store.get(int(hashes[0]), version=format) if k else None
+    first = await _read(store, int(hashes[0]), format) if k else None
     if first is None or geometry is None:
         data = _empty(geometry, format or VERSION_V1)
         return Response(data, media_type=ENVELOPE_MEDIA_TYPE, headers={PREFIX_HEADER: "0"})

@@ -7,25 +7,29 @@ a request model halves a JSON endpoint's rate, and has-blocks takes 8,192 hashes
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 import numpy as np
 from fastapi import Request
 from starlette.responses import Response
 
+from kvstore.codec.hashing import chain_hashes_array
 from kvstore.errors import InvalidRequestError, ServiceError
-from kvstore.hashing import chain_hashes_array
+from kvstore.protocol import (
+    ENVELOPE_MEDIA_TYPE,
+    HASH_HEX_DIGITS,
+    HASH_HEX_PATTERN,
+    HASHES_MEDIA_TYPE,
+    JSON_MEDIA_TYPE,
+    hash_hex,
+    is_hash_hex,
+)
 from kvstore.store import Store
 
-ENVELOPE_MEDIA_TYPE = "application/vnd.tlkv"
-OCTET_STREAM = "application/octet-stream"
-JSON_MEDIA_TYPE = "application/json"
+OCTET_STREAM = HASHES_MEDIA_TYPE
 ENVELOPE_TYPES = frozenset({ENVELOPE_MEDIA_TYPE, OCTET_STREAM})
 
-HASH_PATTERN = "^[0-9a-f]{16}$"
-_HASH = re.compile(r"[0-9a-f]{16}")
-_HASH_HEX = 16
+HASH_PATTERN = HASH_HEX_PATTERN
 
 # Request-body schemas for the OpenAPI document (the routes parse bodies by hand).
 ENVELOPE_BODY: dict[str, Any] = {
@@ -108,7 +112,7 @@ def parse_hash_list(items: Any) -> np.ndarray:
         joined = "".join(items)  # TypeError on any non-string
     except TypeError:
         joined = ""
-    ok = len(joined) == _HASH_HEX * len(items) and set(map(len, items)) == {_HASH_HEX}
+    ok = len(joined) == HASH_HEX_DIGITS * len(items) and set(map(len, items)) == {HASH_HEX_DIGITS}
     if ok:
         try:
             raw = bytes.fromhex(joined)
@@ -118,7 +122,7 @@ def parse_hash_list(items: Any) -> np.ndarray:
             ok = raw.hex() == joined  # refuses upper case and whitespace that fromhex allows
     if not ok:
         for i, item in enumerate(items):
-            if not (isinstance(item, str) and _HASH.fullmatch(item)):
+            if not is_hash_hex(item):
                 raise InvalidRequestError(
                     f"hashes[{i}]: a block hash is 16 lowercase hex digits, found {item!r:.40}"
                 )
@@ -128,7 +132,7 @@ def parse_hash_list(items: Any) -> np.ndarray:
 
 def hex_list(hashes: Any) -> list[str]:
     """Hashes as 16-lowercase-hex-digit strings."""
-    return [f"{int(h):016x}" for h in hashes]
+    return [hash_hex(h) for h in hashes]
 
 
 def media_type(request: Request) -> str | None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Request
@@ -10,6 +9,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from kvstore.errors import InvalidRequestError, NotFoundError
+from kvstore.protocol import check_sequence_name
 
 from ..formats import require_formats
 from .common import (
@@ -24,18 +24,14 @@ from .common import (
 
 router = APIRouter(tags=["sequences"])
 
-NAME_PATTERN = "^[A-Za-z0-9._-]{1,128}$"
-_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
-
 NamePath = Annotated[str, Path(description="1-128 characters of [A-Za-z0-9._-]")]
 
 
 def _check_name(name: str) -> str:
-    if not _NAME.fullmatch(name):
-        raise InvalidRequestError(
-            f"a sequence name is 1-128 characters of [A-Za-z0-9._-], found {name[:140]!r}"
-        )
-    return name
+    try:
+        return check_sequence_name(name)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc)[:200]) from None
 
 
 @router.get("/v1/sequences")

@@ -6,6 +6,7 @@ from fastapi import APIRouter, Request
 from starlette.responses import PlainTextResponse, Response
 
 import kvstore
+from kvstore.codec.checksum import KERNEL
 
 from .common import json_response, store_of
 
@@ -27,7 +28,7 @@ async def healthz() -> Response:
     responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
 )
 async def metrics(request: Request) -> Response:
-    """Prometheus text: request counts and latency by route; the store's gauges (per worker)."""
+    """Prometheus text: request counts and latency (all workers summed); the store's."""
     stats = store_of(request).stats()
     text = request.app.state.metrics.render(stats)
     return Response(text, media_type=PROMETHEUS_MEDIA_TYPE)
@@ -39,19 +40,11 @@ async def info(request: Request) -> Response:
     store = store_of(request)
     stats = store.stats()
     g = store.geometry
-    geometry = (
-        None
-        if g is None
-        else {
-            "block_tokens": g.block_tokens,
-            "n_layers": g.n_layers,
-            "n_kv_heads": g.n_kv_heads,
-            "head_dim": g.head_dim,
-        }
-    )
+    geometry = None if g is None else g.as_dict()
     return json_response(
         {
             "version": kvstore.__version__,
+            "crc32c_kernel": KERNEL,
             "geometry": geometry,
             "formats": list(request.app.state.settings.formats),
             "blocks": stats.get("blocks"),

@@ -1,0 +1,47 @@
+"""Archives of a store's KV state: create, restore, verify, list and extract.
+
+The format (ARCHIVE.md beside this package) keeps the store's single-block envelopes
+verbatim in a tar stream cut into independent zstd frames, with a seek index at the end.
+"""
+
+from .importer import RestoreReport
+from .manifest import ARCHIVE_FORMAT, ARCHIVE_VERSION, Manifest, SequenceRecord
+from .operations import (
+    CreateSummary,
+    Listing,
+    Progress,
+    VerifyReport,
+    create,
+    extract,
+    extract_all,
+    iter_blocks,
+    list_archive,
+    restore,
+    verify,
+)
+from .reader import ArchiveBlock, ArchiveReader, ArchiveSequence, Problem
+from .writer import write_archive
+
+__all__ = [
+    "ARCHIVE_FORMAT",
+    "ARCHIVE_VERSION",
+    "ArchiveBlock",
+    "ArchiveReader",
+    "ArchiveSequence",
+    "CreateSummary",
+    "Listing",
+    "Manifest",
+    "Problem",
+    "Progress",
+    "RestoreReport",
+    "SequenceRecord",
+    "VerifyReport",
+    "create",
+    "extract",
+    "extract_all",
+    "iter_blocks",
+    "list_archive",
+    "restore",
+    "verify",
+    "write_archive",
+]

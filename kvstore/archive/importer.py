@@ -1,0 +1,172 @@
+"""Restore's commit side: validated archive items imported into the store in bounded batches.
+
+Blocks commit in transactions of about ``COMMIT_BATCH_BYTES`` (LMDB holds a transaction's
+dirty pages in memory until it commits), one batch committing on a thread of its own while
+the next is validated and filled; sequences follow once every block is in, assembled from
+the store's copies (or the archive's). On a failure, :meth:`Importer.undo` removes what
+this restore added.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..codec.assembly import (
+    assemble,
+    crc_matches,
+    envelope_version,
+    pack_header,
+    record_of,
+)
+from ..codec.envelope import decode
+from ..errors import PinnedError, TlkvError
+from ..pipeline import OrderedPipeline
+from .reader import ArchiveBlock, ArchiveReader, ArchiveSequence, Problem
+
+# Restore commits blocks in transactions of about this many envelope bytes: LMDB holds a
+# transaction's dirty pages in memory until it commits. One batch commits (on its own
+# thread) while the next one is validated and filled.
+COMMIT_BATCH_BYTES = 16 << 20
+
+
+@dataclass
+class RestoreReport:
+    """What ``restore`` did: blocks and sequences imported, blocks newly stored (the rest
+    were present already), and with ``partial=True`` the members it refused."""
+
+    blocks: int = 0
+    new_blocks: int = 0
+    sequences: int = 0
+    problems: list[Problem] = field(default_factory=list)
+
+
+class Importer:
+    """Imports validated items into the store in bounded batches; can undo its additions.
+
+    Block batches are committed on a thread of their own while the caller validates the
+    next batch (LMDB releases the GIL while it writes and syncs); sequences follow once
+    every block is in.
+    """
+
+    def __init__(self, store: Any, archive: ArchiveReader, report: RestoreReport) -> None:
+        self.store = store
+        self.archive = archive
+        self.report = report
+        self.blocks: list[ArchiveBlock] = []
+        self.block_bytes = 0
+        self.sequences: list[tuple[str, bytes]] = []
+        self.sequence_bytes = 0
+        self.added: list[int] = []
+        self.existing_names = set(store.sequences())
+        self.created: list[str] = []
+        # One batch commits while the next is validated and filled; a batch is sent only
+        # after the one before it committed, so nothing is committed after a failure.
+        self._pool: ThreadPoolExecutor | None = None
+        self._commits: OrderedPipeline[None] | None = None
+
+    def _commit_blocks(self, batch: list[ArchiveBlock]) -> None:
+        present = self.store.has([b.hash for b in batch])
+        new = [b for b, p in zip(batch, present) if not p]
+        if new:
+            self.store.import_batch(blocks=[b.envelope for b in new])
+            self.added.extend(b.hash for b in new)
+        self.report.blocks += len(batch)
+        self.report.new_blocks += len(new)
+
+    def add_block(self, item: ArchiveBlock) -> None:
+        self.blocks.append(item)
+        self.block_bytes += len(item.envelope)
+        if self.block_bytes >= COMMIT_BATCH_BYTES:
+            self._send_blocks()
+
+    def _send_blocks(self) -> None:
+        if not self.blocks:
+            return
+        if self._commits is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="tlkv-restore")
+            self._commits = OrderedPipeline[None](self._pool, max_pending=1)
+        while not self._commits.has_room():
+            self._commits.take()  # the previous batch's failure is raised here
+        self._commits.submit(None, self._commit_blocks, self.blocks)
+        self.blocks, self.block_bytes = [], 0
+
+    def _join(self) -> None:
+        """Wait until every block batch is committed (raising the first failure)."""
+        if self._commits is None:
+            return
+        try:
+            while len(self._commits):
+                self._commits.take()
+        finally:
+            self._commits.cancel()
+            if self._pool is not None:
+                self._pool.shutdown()
+            self._commits = self._pool = None
+
+    def flush_blocks(self) -> None:
+        self._send_blocks()
+        self._join()
+
+    def add_sequence(self, item: ArchiveSequence) -> None:
+        self.flush_blocks()
+        envelope = self._assemble(item)
+        self.sequences.append((item.name, envelope))
+        self.sequence_bytes += len(envelope)
+        if self.sequence_bytes >= COMMIT_BATCH_BYTES:
+            self.flush_sequences()
+
+    def _assemble(self, item: ArchiveSequence) -> bytes:
+        """The sequence's whole envelope: its blocks from the store when the stored copy
+        has the sequence's format version, else from the archive, then the tail."""
+        g = self.archive.geometry
+        assert g is not None
+        version = item.version
+        n = len(item.hashes) + (item.tail is not None)
+        parts: list[Any] = [pack_header(version, g, n)]
+        fallback: list[int] = []
+        with self.store.reader() as r:
+            for i, h in enumerate(item.hashes):
+                stored = r.envelope(h)
+                if stored is None or envelope_version(stored) != version or not crc_matches(stored):
+                    fallback.append(i)  # absent, another version, or damaged: the archive's
+                    parts.append(b"")
+                    continue
+                parts.append(bytes(record_of(stored)))
+        for i in fallback:  # read_block checks every rule, the CRC included
+            parts[1 + i] = record_of(self.archive.read_block(item.hashes[i]))
+        if item.tail is not None:
+            decode(item.tail, g)  # the CRC, which the second pass does not check
+            parts.append(record_of(item.tail))
+        return assemble(parts)
+
+    def flush_sequences(self) -> None:
+        if not self.sequences:
+            return
+        self.store.import_batch(sequences=self.sequences)
+        for name, _ in self.sequences:
+            if name not in self.existing_names:
+                self.created.append(name)
+        self.report.sequences += len(self.sequences)
+        self.sequences, self.sequence_bytes = [], 0
+
+    def finish(self) -> None:
+        self.flush_blocks()
+        self.flush_sequences()
+
+    def abort(self) -> None:
+        """Stop the commit thread (after a failure), keeping what it committed."""
+        with contextlib.suppress(BaseException):
+            self._join()
+
+    def undo(self) -> None:
+        """Remove the sequences created and the blocks added (after a failed commit)."""
+        self.abort()
+        for name in self.created:
+            with contextlib.suppress(TlkvError, OSError):
+                self.store.delete_sequence(name)
+        for h in self.added:
+            with contextlib.suppress(TlkvError, OSError, PinnedError):
+                self.store.delete(h)

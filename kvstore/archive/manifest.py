@@ -1,0 +1,256 @@
+"""The tlkv archive format's names and records (ARCHIVE.md 1): member names, the manifest,
+sequence records, and the rules a member envelope must meet, shared by the writer and the
+reader. Sans-IO: bytes and values in, checked values or ArchiveError out.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..codec.envelope import decode
+from ..codec.geometry import Geometry
+from ..codec.layout import NO_HASH, SUPPORTED_VERSIONS, U32_MAX
+from ..errors import (
+    ArchiveError,
+    EnvelopeError,
+    FormatError,
+    UnsafeArchiveError,
+    UnsupportedVersionError,
+)
+from ..protocol import HASH_HEX_REGEX, SEQUENCE_NAME_REGEX, is_hash_hex
+
+ARCHIVE_FORMAT = "tlkv-archive"
+ARCHIVE_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+BLOCK_NAME = re.compile(rf"blocks/({HASH_HEX_REGEX})\.tlkv")
+SEQUENCE_JSON_NAME = re.compile(rf"sequences/({SEQUENCE_NAME_REGEX})\.json")
+SEQUENCE_TAIL_NAME = re.compile(rf"sequences/({SEQUENCE_NAME_REGEX})\.tail\.tlkv")
+MANIFEST_KEYS = ("archive_version", "blocks", "format", "geometry", "sequences", "tool")
+GEOMETRY_KEYS = tuple(sorted(Geometry.FIELDS))
+SEQUENCE_KEYS = ("hashes", "name", "tail")
+TOOL_NAME = re.compile(r"[ -~]{1,64}")
+
+MAX_MANIFEST_BYTES = 1 << 16
+MAX_SEQUENCE_BYTES = 1 << 24  # about 880,000 hashes: far beyond any context length
+MAX_BLOCK_BYTES = 1 << 26  # the largest single-block envelope an archive may hold
+FRAME_TARGET = 4 << 20  # the writer starts a new frame rather than grow one past this
+DEFAULT_LEVEL = 3
+
+
+def tool_version() -> str:
+    """The ``tool`` string of the manifest: ``tlkv <version>``."""
+    from .._version import __version__
+
+    return f"tlkv {__version__}"
+
+
+def canonical_json(obj: Any) -> bytes:
+    """The one serialization a manifest or sequence record may have (ARCHIVE.md 1.2)."""
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return (text + "\n").encode("ascii")
+
+
+def _strict_json(data: Any, what: str, limit: int) -> Any:
+    raw = bytes(data)
+    if len(raw) > limit:
+        raise UnsafeArchiveError(f"{what}: {len(raw)} bytes exceeds the limit of {limit}")
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ArchiveError(f"{what}: not JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ArchiveError(f"{what}: expected a JSON object")
+    try:
+        canonical = canonical_json(obj)
+    except (TypeError, ValueError):
+        canonical = b""
+    if canonical != raw:
+        raise ArchiveError(f"{what}: not in canonical form (sorted keys, no spaces, one \\n)")
+    return obj
+
+
+def _is_int(value: Any, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def block_member(block_hash: int) -> str:
+    """Member name of a block: ``blocks/<16 lowercase hex>.tlkv``."""
+    return f"blocks/{block_hash:016x}.tlkv"
+
+
+def sequence_member(name: str) -> str:
+    """Member name of a sequence record."""
+    return f"sequences/{name}.json"
+
+
+def tail_member(name: str) -> str:
+    """Member name of a sequence's tail envelope."""
+    return f"sequences/{name}.tail.tlkv"
+
+
+def escapes(name: str) -> bool:
+    parts = name.replace("\\", "/").split("/")
+    return name.startswith(("/", "\\")) or ".." in parts or ":" in name
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The first member: format version, geometry, member counts and the writing tool."""
+
+    geometry: Geometry | None
+    blocks: int
+    sequences: int
+    tool: str = field(default_factory=tool_version)
+    archive_version: int = ARCHIVE_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        """The manifest as a JSON-ready dict."""
+        g = self.geometry
+        return {
+            "archive_version": self.archive_version,
+            "blocks": self.blocks,
+            "format": ARCHIVE_FORMAT,
+            "geometry": None if g is None else g.as_dict(),
+            "sequences": self.sequences,
+            "tool": self.tool,
+        }
+
+    def to_json(self) -> bytes:
+        """The canonical bytes of ``manifest.json``."""
+        return canonical_json(self.to_dict())
+
+    @classmethod
+    def from_json(cls, data: Any) -> Manifest:
+        """Parse and check ``manifest.json`` (ARCHIVE.md 1.2).
+
+        Raises:
+            UnsupportedVersionError: another archive_version.
+            ArchiveError: anything else malformed.
+        """
+        obj = _strict_json(data, MANIFEST_NAME, MAX_MANIFEST_BYTES)
+        if obj.get("format") != ARCHIVE_FORMAT:
+            raise ArchiveError(f"manifest: format must be {ARCHIVE_FORMAT!r}")
+        version = obj.get("archive_version")
+        if version != ARCHIVE_VERSION:
+            raise UnsupportedVersionError(
+                f"manifest: archive_version {version!r}; this reader reads {ARCHIVE_VERSION}"
+            )
+        if tuple(sorted(obj)) != MANIFEST_KEYS:
+            raise ArchiveError(f"manifest: keys must be {MANIFEST_KEYS}, found {sorted(obj)}")
+        for key in ("blocks", "sequences"):
+            if not _is_int(obj[key], 0, U32_MAX):
+                raise ArchiveError(f"manifest: {key} must be an integer in 0..{U32_MAX}")
+        if not isinstance(obj["tool"], str) or not TOOL_NAME.fullmatch(obj["tool"]):
+            raise ArchiveError("manifest: tool must be 1-64 printable ASCII characters")
+        g = obj["geometry"]
+        geometry = None
+        if g is None:
+            if obj["blocks"] or obj["sequences"]:
+                raise ArchiveError("manifest: geometry is null but the archive is not empty")
+        else:
+            if not isinstance(g, dict) or tuple(sorted(g)) != GEOMETRY_KEYS:
+                raise ArchiveError(f"manifest: geometry must have the keys {GEOMETRY_KEYS}")
+            if not all(_is_int(g[k], 1, U32_MAX) for k in GEOMETRY_KEYS):
+                raise ArchiveError(f"manifest: geometry values must be in 1..{U32_MAX}")
+            geometry = Geometry.from_dict(g)
+        return cls(geometry, obj["blocks"], obj["sequences"], obj["tool"], version)
+
+    def max_envelope(self) -> int:
+        """The largest single-block envelope the geometry allows (either version)."""
+        if self.geometry is None:
+            return 0
+        return max(self.geometry.envelope_bytes(1, v) for v in SUPPORTED_VERSIONS)
+
+
+@dataclass(frozen=True)
+class SequenceRecord:
+    """A named KV state: its full blocks' hashes in order and its tail envelope (or None)."""
+
+    name: str
+    hashes: Sequence[int]
+    tail: Any = None
+
+    def to_json(self) -> bytes:
+        """The canonical bytes of ``sequences/<name>.json``."""
+        return canonical_json(
+            {
+                "hashes": [f"{h:016x}" for h in self.hashes],
+                "name": self.name,
+                "tail": self.tail is not None,
+            }
+        )
+
+
+def parse_sequence_json(data: Any, name: str) -> tuple[list[int], bool]:
+    """``(hashes, has_tail)`` of a sequence record named ``name`` (ARCHIVE.md 1.4)."""
+    what = sequence_member(name)
+    obj = _strict_json(data, what, MAX_SEQUENCE_BYTES)
+    if tuple(sorted(obj)) != SEQUENCE_KEYS:
+        raise ArchiveError(f"{what}: keys must be {SEQUENCE_KEYS}, found {sorted(obj)}")
+    if obj["name"] != name:
+        raise ArchiveError(f"{what}: records the name {obj['name']!r}")
+    hashes, tail = obj["hashes"], obj["tail"]
+    if not isinstance(tail, bool) or not isinstance(hashes, list):
+        raise ArchiveError(f"{what}: hashes must be a list and tail a boolean")
+    if not all(map(is_hash_hex, hashes)):
+        raise ArchiveError(f"{what}: every hash must be 16 lowercase hex digits")
+    values = [int(h, 16) for h in hashes]
+    if NO_HASH in values:
+        raise ArchiveError(f"{what}: hash 0 (no hash) cannot name a full block")
+    if not values and not tail:
+        raise ArchiveError(f"{what}: a sequence has at least one block or a tail")
+    return values, tail
+
+
+def check_member_envelope(
+    env_bytes: Any, geometry: Geometry, what: str, want_hash: int | None, verify_crc: bool = True
+) -> Any:
+    """Decode a single-block envelope by every reader rule; its hash must be ``want_hash``
+    (or 0 for a tail, ``want_hash=None``)."""
+    try:
+        env = decode(env_bytes, geometry, verify_crc=verify_crc)
+    except EnvelopeError as exc:
+        raise type(exc)(f"{what}: {exc}") from None
+    if len(env) != 1:
+        raise FormatError(f"{what}: holds {len(env)} blocks; a member holds exactly one")
+    found = int(env.hashes[0])
+    if want_hash is None:
+        if found != NO_HASH:
+            raise ArchiveError(f"{what}: a tail's block hash must be 0, found {found:016x}")
+    elif found != want_hash:
+        raise ArchiveError(f"{what}: the envelope's block hash is {found:016x}")
+    return env
+
+
+def find_positions(present: np.ndarray, hashes: Sequence[int]) -> tuple[np.ndarray, int | None]:
+    """Positions of ``hashes`` in the sorted array ``present``, and the first hash that is
+    not there (or None)."""
+    wanted = np.asarray(hashes, dtype=np.uint64)
+    if not len(wanted):
+        return np.zeros(0, dtype=np.intp), None
+    if not len(present):
+        return np.zeros(0, dtype=np.intp), int(wanted[0])
+    pos = np.searchsorted(present, wanted)
+    pos[pos >= len(present)] = 0
+    ok = present[pos] == wanted
+    if bool(ok.all()):
+        return pos, None
+    return pos, int(wanted[int(np.argmin(ok))])
+
+
+def sequence_version(
+    what: str, versions: np.ndarray, positions: np.ndarray, tail_version: int | None
+) -> int:
+    """The one format version of a sequence's blocks and tail (ARCHIVE.md rule R12)."""
+    found = set(np.unique(versions[positions]).tolist()) if len(positions) else set()
+    if tail_version is not None:
+        found.add(tail_version)
+    if len(found) != 1:
+        raise ArchiveError(f"{what}: blocks and tail mix format versions {sorted(found)}")
+    return int(found.pop())

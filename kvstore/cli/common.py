@@ -1,0 +1,58 @@
+"""What every ``tlkv`` command shares: the exit-code table and argument types.
+
+Exit codes: 0 success; 1 any other failure (e.g. a block not found); 2 usage; 3 a format
+error (of an envelope or an archive); 4 shape mismatch; 5 unsupported version.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..codec.geometry import Geometry
+from ..errors import ArchiveError, EnvelopeError, ShapeError, UnsupportedVersionError
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+EXIT_FORMAT = 3
+EXIT_SHAPE = 4
+EXIT_VERSION = 5
+
+
+def exit_code_for(error: BaseException) -> int:
+    """The exit code of an error: 4 shape, 5 version, 3 any other envelope or archive
+    error, else 1."""
+    if isinstance(error, ShapeError):
+        return EXIT_SHAPE
+    if isinstance(error, UnsupportedVersionError):
+        return EXIT_VERSION
+    if isinstance(error, (EnvelopeError, ArchiveError)):
+        return EXIT_FORMAT
+    return EXIT_FAILURE
+
+
+def geometry_arg(text: str) -> Geometry:
+    """argparse type for ``B,L,H,D``."""
+    try:
+        return Geometry.parse(text)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def versions_arg(text: str) -> tuple[int, ...]:
+    """argparse type for ``1,2``."""
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"versions must be like 1,2; found {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    """argparse type for an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, found {text!r}")
+    return value

@@ -1,0 +1,108 @@
+"""The service protocol's shared facts: media types, headers, name rules and error kinds.
+
+Every rule here is spelled once and used by the HTTP service (``api``), the clients and the
+command line, so they cannot disagree: a block hash on the wire is exactly 16 lowercase hex
+digits (``0x12``, ``12`` and upper case are refused everywhere), a sequence name is 1-128
+characters of ``[A-Za-z0-9._-]``, and an error's ``kind`` names its class in
+:mod:`kvstore.errors`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+
+from . import errors
+from .codec.layout import U64_MAX
+
+ENVELOPE_MEDIA_TYPE = "application/vnd.tlkv"
+HASHES_MEDIA_TYPE = "application/octet-stream"  # a has-blocks/prefix body of raw u64 LE hashes
+JSON_MEDIA_TYPE = "application/json"
+PREFIX_HEADER = "x-tlkv-prefix-blocks"  # number of blocks in a /v1/prefix answer
+
+HASH_HEX_DIGITS = 16
+HASH_HEX_REGEX = "[0-9a-f]{16}"
+HASH_HEX_PATTERN = f"^{HASH_HEX_REGEX}$"
+_HASH_HEX = re.compile(HASH_HEX_REGEX)
+
+SEQUENCE_NAME_MAX = 128
+SEQUENCE_NAME_REGEX = "[A-Za-z0-9._-]{1,128}"
+SEQUENCE_NAME_PATTERN = f"^{SEQUENCE_NAME_REGEX}$"
+_SEQUENCE_NAME = re.compile(SEQUENCE_NAME_REGEX)
+
+
+def is_hash_hex(text: Any) -> bool:
+    """Whether ``text`` is a block hash in its wire spelling (16 lowercase hex digits)."""
+    return isinstance(text, str) and _HASH_HEX.fullmatch(text) is not None
+
+
+def parse_hash_hex(text: Any) -> int:
+    """The block hash spelled by ``text``.
+
+    Raises:
+        ValueError: ``text`` is not 16 lowercase hex digits.
+    """
+    if not is_hash_hex(text):
+        raise ValueError(f"a block hash is {HASH_HEX_DIGITS} lowercase hex digits, found {text!r}")
+    return int(text, 16)
+
+
+def hash_hex(block_hash: Any) -> str:
+    """The wire spelling of a hash given as an int, a numpy integer or already as hex.
+
+    Raises:
+        ValueError: the value is not a u64, or a string is not the wire spelling.
+    """
+    if isinstance(block_hash, str):
+        parse_hash_hex(block_hash)
+        return block_hash
+    if isinstance(block_hash, bool) or not isinstance(block_hash, (int, np.integer)):
+        raise ValueError(f"a block hash is an integer, found {block_hash!r}")
+    value = int(block_hash)
+    if not 0 <= value <= U64_MAX:
+        raise ValueError(f"a block hash must fit u64, found {value}")
+    return f"{value:016x}"
+
+
+def is_sequence_name(name: Any) -> bool:
+    """Whether ``name`` is a valid sequence name."""
+    return isinstance(name, str) and _SEQUENCE_NAME.fullmatch(name) is not None
+
+
+def check_sequence_name(name: Any) -> str:
+    """``name`` itself, once checked against the sequence-name rule.
+
+    Raises:
+        ValueError: it is not 1-128 characters of ``[A-Za-z0-9._-]``.
+    """
+    if not is_sequence_name(name):
+        raise ValueError(
+            f"a sequence name is 1-{SEQUENCE_NAME_MAX} characters of [A-Za-z0-9._-], found {name!r}"
+        )
+    return str(name)
+
+
+# The error classes a server answers with, by the ``kind`` of the JSON error shape.
+ERROR_KINDS: dict[str, type[errors.TlkvError]] = {
+    cls.kind: cls
+    for cls in (
+        errors.FormatError,
+        errors.ShapeError,
+        errors.UnsupportedVersionError,
+        errors.NotFoundError,
+        errors.PinnedError,
+        errors.TooLargeError,
+        errors.UnauthorizedError,
+        errors.StoreFullError,
+        errors.InvalidRequestError,
+        errors.MethodNotAllowedError,
+        errors.ServiceError,
+    )
+}
+
+
+def error_for_kind(kind: str, message: str) -> errors.TlkvError:
+    """The typed exception a client raises for a server error of ``kind``."""
+    return ERROR_KINDS.get(kind, errors.ServiceError)(message)

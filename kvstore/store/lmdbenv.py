@@ -1,0 +1,278 @@
+"""LMDB plumbing of the block store: the environment, its map size, its transactions.
+
+Owns ``lmdb.open`` and the sub-database handles, read and write transactions guarded
+against remaps (``MapGuard``), growing the map on ``MapFullError`` (and ahead of large
+writes), adopting another process's map size on ``MapResizedError``, and telling a full
+disk (``StoreFullError``) from other LMDB failures (``StoreError``). A user of the store
+never sees an ``lmdb`` exception.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import shutil
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import lmdb
+
+from ..errors import StoreError, StoreFullError
+from .diskformat import DB_ATIME, DB_BLOCKS, DB_INDEX, DB_LRU, DB_META, DB_REFS, DB_SEQS, Dbs
+from .mapguard import MapGuard
+from .writebehind import WriteBehind
+
+try:
+    import resource
+except ImportError:  # pragma: no cover - not on Windows
+    resource = None  # type: ignore[assignment]
+
+log = logging.getLogger("tlkv.store")
+
+T = TypeVar("T")
+
+MAP_ALIGN = 2 << 20
+_MAX_DBS = 8
+_MAX_READERS = 512
+_SPARE_TXNS = 8
+_SPACE_SLACK = 16 << 20  # a failed write with less free disk than need + this: disk full
+
+
+# Environments whose close was skipped because zero-copy arrays still point into their
+# map: kept (mapped) until the process exits.
+_KEPT_OPEN: list[LmdbEnv] = []
+
+
+class LmdbEnv:
+    """One LMDB environment in a directory, with guarded transactions and a managed map.
+
+    Args:
+        path: the directory (created if missing).
+        map_size: the initial map size; it grows on demand.
+        sync: fsync every commit (data and meta) before it returns.
+        grow_floor: the least a growth adds beyond what is used and needed.
+
+    Raises:
+        StoreError: the directory does not hold an LMDB environment.
+    """
+
+    def __init__(self, path: str, *, map_size: int, sync: bool, grow_floor: int) -> None:
+        self.path = path
+        self.guard = MapGuard()
+        self._grow_floor = grow_floor
+        # Read transactions kept open for zero-copy arrays that outlived their reader.
+        self._lingering: list[tuple[Any, list[weakref.ref[Any]]]] = []
+        self._linger_lock = threading.Lock()
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as exc:  # a file in the way, no permission
+            raise StoreError(f"cannot create the store directory {path}: {exc}") from exc
+        try:
+            self.env = lmdb.open(
+                path,
+                map_size=map_size,
+                subdir=True,
+                max_dbs=_MAX_DBS,
+                sync=sync,
+                metasync=sync,
+                readahead=False,
+                max_readers=_MAX_READERS,
+                max_spare_txns=_SPARE_TXNS,
+                mode=0o644,
+            )
+            self.psize = int(self.env.stat()["psize"])
+        except lmdb.Error as exc:
+            raise StoreError(f"cannot open an LMDB environment in {path}: {exc}") from exc
+        # Only durable commits wait for the disk; without sync the kernel writes later.
+        self._write_behind = WriteBehind(os.path.join(path, "data.mdb"), enabled=sync)
+
+    def open(self, check: Callable[[Any, Dbs], None]) -> Dbs:
+        """Open (creating) every sub-database in one write transaction, run ``check``."""
+        env = self.env
+        for _attempt in range(8):
+            try:
+                with env.begin(write=True) as txn:
+                    dbs = Dbs(
+                        meta=env.open_db(DB_META, txn=txn),
+                        blocks=env.open_db(DB_BLOCKS, txn=txn),
+                        index=env.open_db(
+                            DB_INDEX, txn=txn, dupsort=True, dupfixed=True, integerdup=True
+                        ),
+                        refs=env.open_db(DB_REFS, txn=txn),
+                        atime=env.open_db(DB_ATIME, txn=txn),
+                        lru=env.open_db(DB_LRU, txn=txn),
+                        seqs=env.open_db(DB_SEQS, txn=txn),
+                    )
+                    check(txn, dbs)
+                return dbs
+            except lmdb.MapResizedError:
+                env.set_mapsize(0)
+            except lmdb.MapFullError:
+                env.set_mapsize(2 * env.info()["map_size"])
+        raise StoreError(f"cannot open the store in {self.path}: the map keeps changing size")
+
+    def close(self, sync: bool) -> None:
+        """Wait for this process's transactions to end, then close (after an fsync).
+
+        If zero-copy arrays of a closed reader are still referenced, the environment is
+        left open (and its map in place) for the rest of the process instead: closing
+        would unmap memory they point into.
+        """
+        with self.guard.exclusive():
+            self._write_behind.close()
+            if sync:
+                self.env.sync(True)
+            if self._pinned_arrays():
+                log.warning(
+                    "%s: zero-copy arrays from a closed reader are still referenced; the "
+                    "LMDB environment stays mapped until the process exits",
+                    self.path,
+                )
+                _KEPT_OPEN.append(self)
+                return
+            self.env.close()
+
+    def begin_read(self, buffers: bool) -> Any:
+        """A read transaction holding the map guard; end it with ``end_read``."""
+        while True:
+            self.guard.acquire()
+            try:
+                return self.env.begin(buffers=True) if buffers else self.env.begin()
+            except lmdb.MapResizedError:
+                self.guard.release()
+            except BaseException:
+                self.guard.release()
+                raise
+            self.resize(grow=False, need=0)
+
+    def end_read(self, txn: Any) -> None:
+        try:
+            txn.abort()
+        finally:
+            self.guard.release()
+
+    def linger(self, txn: Any, refs: list[weakref.ref[Any]]) -> None:
+        """End a read like ``end_read``, but keep ``txn`` open while any of ``refs`` lives.
+
+        Zero-copy arrays that escaped a reader point into LMDB's map: the open snapshot
+        keeps their pages from being reused, and the map is not moved while they live
+        (``resize`` refuses). The transaction ends at the first ``reap`` after they die.
+        """
+        with self._linger_lock:
+            self._lingering.append((txn, refs))
+        self.guard.release()
+
+    def reap(self) -> int:
+        """End the lingering transactions whose arrays are gone; how many remain."""
+        with self._linger_lock:
+            keep = []
+            for txn, refs in self._lingering:
+                if any(r() is not None for r in refs):
+                    keep.append((txn, refs))
+                else:
+                    txn.abort()
+            self._lingering = keep
+            return len(keep)
+
+    def _pinned_arrays(self) -> int:
+        """Lingering transactions left after reaping (and collecting cycles)."""
+        if not self._lingering or not self.reap():
+            return 0
+        gc.collect()
+        return self.reap()
+
+    def write(self, body: Callable[[Any], T], need: int = 0) -> T:
+        """Run ``body(txn)`` in one write transaction (``buffers=True``) and commit it.
+
+        ``body`` may run more than once: after MapFullError the map grows and it is
+        retried, after MapResizedError the new size is adopted and it is retried. ``need``
+        is the bytes it writes (to grow ahead, to diagnose a full disk, and to start the
+        disk writing during a large durable commit: ``WriteBehind``).
+
+        Raises:
+            StoreFullError: the disk is full (nothing was written).
+            StoreError: any other LMDB failure.
+        """
+        if self._lingering:
+            self.reap()
+        if need and self.map_room() < need + need // 4:
+            self.resize(grow=True, need=need)
+        while True:
+            self.guard.acquire()
+            try:
+                txn = self.env.begin(write=True, buffers=True)
+                try:
+                    result = body(txn)
+                except BaseException:
+                    txn.abort()
+                    raise
+                with self._write_behind.during(need):
+                    txn.commit()
+                return result
+            except lmdb.MapFullError:
+                grow = True
+            except lmdb.MapResizedError:
+                grow = False
+            except lmdb.Error as exc:
+                raise self._translate(exc, need) from exc
+            finally:
+                self.guard.release()
+            self.resize(grow=grow, need=need)
+
+    def map_room(self) -> int:
+        """Bytes of map above the highest page in use (free pages inside are extra)."""
+        info = self.env.info()
+        return int(info["map_size"]) - (int(info["last_pgno"]) + 1) * self.psize
+
+    def resize(self, *, grow: bool, need: int) -> None:
+        """Grow the map (at least doubling), or adopt the size another process set."""
+        with self.guard.exclusive():
+            pinned = self._pinned_arrays()
+            if pinned:
+                raise StoreError(
+                    f"{self.path}: cannot remap LMDB's map while zero-copy arrays from "
+                    f"{pinned} closed reader(s) are still referenced (they point into it): "
+                    "views are valid only inside `with store.reader()`; copy what you keep "
+                    "(bytes(), .copy())"
+                )
+            if not grow:
+                self.env.set_mapsize(0)
+                return
+            info = self.env.info()
+            used = (int(info["last_pgno"]) + 1) * self.psize
+            new = max(2 * int(info["map_size"]), used + 2 * need + self._grow_floor)
+            new = -(-new // MAP_ALIGN) * MAP_ALIGN
+            log.debug("%s: growing the LMDB map to %d bytes", self.path, new)
+            self.env.set_mapsize(new)
+
+    def _translate(self, exc: lmdb.Error, need: int) -> StoreError:
+        if self._out_of_space(exc, need):
+            return StoreFullError(
+                f"the disk holding {self.path} is full ({exc}); a write of {need} bytes "
+                "did not fit and nothing was stored"
+            )
+        return StoreError(f"LMDB failed in {self.path}: {exc}")
+
+    def _out_of_space(self, exc: lmdb.Error, need: int) -> bool:
+        if isinstance(exc, lmdb.DiskError):
+            return True
+        text = str(exc)
+        if any(s in text for s in ("No space left", "File too large", "quota exceeded")):
+            return True
+        if "Input/output error" not in text:
+            return False
+        # LMDB reports a short write -- what a full disk produces -- as EIO.
+        try:
+            if shutil.disk_usage(self.path).free < need + _SPACE_SLACK:
+                return True
+            size = os.path.getsize(os.path.join(self.path, "data.mdb"))
+        except OSError:
+            return False
+        if resource is not None:
+            limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+            if limit != resource.RLIM_INFINITY and size + need + self.psize > limit:
+                return True
+        return False

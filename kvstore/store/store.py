@@ -1,0 +1,770 @@
+"""The persistent block store: one LMDB environment of content-addressed KV blocks.
+
+Owns the public ``Store`` API and its life cycle: opening (geometry, format), LMDB's map
+size (grown on demand, adopted from other processes), durability, transactions, capacity,
+integrity on the way out and the ``has`` key set. The on-disk layout is declared in
+``_storelayout``, the write side in ``_writetxn``, zero-copy readers in ``_reader``; the
+codec (``envelope``) validates every envelope, and a block is stored as its verbatim
+single-block envelope.
+
+Choices:
+
+- ``bytes``/``capacity_bytes`` count stored values: block envelopes plus sequence records
+  (which hold a sequence's partial tail). Capacity is a per-handle setting.
+- ``hits``/``misses`` count this process's reads since it opened the store; the other
+  ``stats()`` are persisted.
+- A block failing its CRC is removed from the block space and counted; sequences keep
+  their reference, and ``get_sequence`` returns None until a block with that hash is put
+  again. A sequence record failing its own CRC is removed and every pin recounted.
+- Recency: reads record hits in process memory; the next write transaction, a background
+  flush at most every ``_FLUSH_INTERVAL`` seconds, or ``close`` persists them (LRU order
+  is approximate across processes and survives reopening).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from types import TracebackType
+from typing import Any, NamedTuple, TypeVar
+
+import numpy as np
+
+from ..codec.assembly import crc_matches, envelope_version
+from ..codec.envelope import Envelope, decode, transcode
+from ..codec.geometry import Geometry
+from ..codec.layout import (
+    HEADER_SIZE,
+    NO_HASH,
+    SUPPORTED_VERSIONS,
+    U64_MAX,
+)
+from ..errors import (
+    ChecksumError,
+    EnvelopeError,
+    FormatError,
+    PinnedError,
+    ShapeError,
+    StoreError,
+    UnsupportedVersionError,
+)
+from ..protocol import check_sequence_name
+from .diskformat import (
+    BLOCK_KEY,
+    COUNTER_KEYS,
+    META_BYTES,
+    META_CORRUPT,
+    META_EVICTIONS,
+    META_FORMAT,
+    META_FORMAT_VALUE,
+    META_GEOMETRY,
+    META_GEOMETRY_VALUE,
+    STORE_FORMAT,
+    Dbs,
+    counter,
+    parse_sequence,
+)
+from .eviction import RecencyBuffer
+from .keyset import KeySet, hash_array
+from .lmdbenv import MAP_ALIGN, LmdbEnv
+from .reader import KvSpec, Reader, ReadSnapshot, assemble_sequence, reader_consts
+from .writetxn import CrcMismatch, WriteTxn
+
+__all__ = ["PutReport", "PutResult", "Reader", "Store"]
+
+log = logging.getLogger("tlkv.store")
+
+_INITIAL_MAP_SIZE = 64 << 20  # LMDB map of a new store without a capacity; grows by doubling
+_FLUSH_INTERVAL = 5.0  # seconds: pending read hits are persisted at least this often
+
+T = TypeVar("T")
+
+_open_stores: weakref.WeakSet[Store] = weakref.WeakSet()
+
+
+def _mark_forked() -> None:
+    for store in list(_open_stores):
+        store._forked = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_mark_forked)
+
+
+class PutResult(NamedTuple):
+    """Outcome of a put: blocks newly stored, already present, and partial (not stored)."""
+
+    stored: int
+    duplicate: int
+    partial: int
+
+
+class PutReport(NamedTuple):
+    """Outcome of a put, by hash: which blocks this put stored and which were present.
+
+    ``stored`` and ``duplicate`` are in envelope order; a hash repeated within one
+    envelope is stored once and then counted as a duplicate. Both lists come from the
+    write transaction itself, so they are exact even under concurrent writers.
+    """
+
+    stored: list[int]
+    duplicate: list[int]
+    partial: int
+
+    def counts(self) -> PutResult:
+        """The same outcome as counts."""
+        return PutResult(len(self.stored), len(self.duplicate), self.partial)
+
+
+def _check_hash(block_hash: Any) -> int:
+    h = operator.index(block_hash)
+    if not 0 <= h <= U64_MAX:
+        raise ValueError(f"a block hash must fit u64, found {h}")
+    return h
+
+
+def _seq_key(name: Any) -> bytes:
+    return check_sequence_name(name).encode("ascii")
+
+
+def _check_sequence_blocks(env: Envelope) -> None:
+    """A sequence holds at least one block; a partial block (hash 0) may only be its last."""
+    if len(env) == 0:
+        raise ValueError("a sequence holds at least one block; the envelope has none")
+    if len(env) > 1:
+        zeros = np.flatnonzero(env.hashes[:-1] == NO_HASH)
+        if zeros.size:
+            i = int(zeros[0])
+            raise FormatError(
+                f"block {i} at offset {HEADER_SIZE + i * env.record_bytes}: a partial block "
+                f"(hash 0) may only be the last block of a sequence, found at position {i} "
+                f"of {len(env)}"
+            )
+
+
+class _ReadHandle:
+    """A store as its readers see it (:class:`~kvstore.store.reader.ReadHandle`)."""
+
+    __slots__ = ("_store",)
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+
+    @property
+    def path(self) -> str:
+        return self._store.path
+
+    def open_snapshot(self) -> ReadSnapshot:
+        return self._store._open_snapshot()
+
+    def close_snapshot(self, txn: Any, escaped: list[Any]) -> None:
+        self._store._close_snapshot(txn, escaped)
+
+    def account(self, hits: int, misses: int, corrupt: list[int]) -> None:
+        self._store._account(hits, misses, corrupt)
+
+
+class Store:
+    """A persistent, content-addressed store of KV blocks in one LMDB environment.
+
+    Args:
+        path: directory of the environment (created if missing).
+        geometry: the store's block geometry; a new store without one adopts the geometry
+            of its first successful put.
+        capacity_bytes: bound on the stored bytes (block envelopes + sequence records);
+            a put beyond it first evicts least-recently-used unpinned blocks. None: the
+            store grows until the disk is full (then ``StoreFullError``).
+        sync: True: a write returns once LMDB has fsynced its commit (durable; a commit of
+            8 MiB or more starts the disk while LMDB still copies, ``writebehind``). False
+            (LMDB's MDB_NOSYNC): a commit survives a crash of the process, but an OS crash
+            or power loss may undo the latest ones and, on a filesystem that does not
+            preserve write order, may corrupt the environment (LMDB's documented risk);
+            ``close`` syncs. Use it only for a cache that can be rebuilt.
+        map_bytes: the initial size of LMDB's memory map (default 64 MiB, or twice the
+            capacity); it grows on demand by at least doubling, invisibly to the user.
+
+    Raises:
+        ShapeError: the store exists with another geometry.
+        StoreError: the directory holds something else, or another store format.
+
+    Open a store in the process that uses it (after fork): a ``Store`` used in a forked
+    child raises ``StoreError``. Several processes may open the same path and read and
+    write concurrently. Threads may share a ``Store``.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        geometry: Geometry | None = None,
+        capacity_bytes: int | None = None,
+        sync: bool = True,
+        map_bytes: int | None = None,
+    ) -> None:
+        if map_bytes is not None and (
+            isinstance(map_bytes, bool) or not isinstance(map_bytes, int)
+        ):
+            raise TypeError(f"map_bytes must be an int, found {type(map_bytes).__name__}")
+        if map_bytes is not None and map_bytes <= 0:
+            raise ValueError(f"map_bytes must be > 0, found {map_bytes}")
+        if geometry is not None and not isinstance(geometry, Geometry):
+            raise TypeError(f"geometry must be a Geometry, found {type(geometry).__name__}")
+        if capacity_bytes is not None and (
+            isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int)
+        ):
+            raise TypeError(f"capacity_bytes must be an int, found {type(capacity_bytes).__name__}")
+        if capacity_bytes is not None and capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be > 0, found {capacity_bytes}")
+        self._path = os.fspath(path)
+        self._capacity = capacity_bytes
+        self._sync = bool(sync)
+        self._closed = True
+        self._forked = False
+        self._geometry: Geometry | None = None
+        self._recency = RecencyBuffer()
+        self._flush_lock = threading.Lock()
+        self._last_flush = time.monotonic()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        self._rconsts: tuple[Geometry, dict[int, int], dict[int, KvSpec]] | None = None
+        self.hits = 0
+        self.misses = 0
+        initial = _INITIAL_MAP_SIZE if map_bytes is None else map_bytes
+        map_size = initial
+        if capacity_bytes is not None:
+            map_size = max(map_size, -(-(2 * capacity_bytes) // MAP_ALIGN) * MAP_ALIGN)
+        self._lmdb = LmdbEnv(self._path, map_size=map_size, sync=self._sync, grow_floor=initial)
+        self._env = self._lmdb.env
+        try:
+            self._dbs = self._lmdb.open(lambda txn, dbs: self._check_meta(txn, dbs, geometry))
+        except BaseException:
+            self._env.close()
+            raise
+        self._keys = KeySet(self._dbs)
+        self._closed = False
+        self._pid = os.getpid()
+        _open_stores.add(self)
+
+    def _check_meta(self, txn: Any, dbs: Dbs, geometry: Geometry | None) -> None:
+        """Record or check the store format and the geometry (in the opening transaction)."""
+        fmt = txn.get(META_FORMAT, None, dbs.meta)
+        if fmt is None:
+            txn.put(META_FORMAT, META_FORMAT_VALUE.pack(STORE_FORMAT), db=dbs.meta)
+        elif META_FORMAT_VALUE.unpack(fmt)[0] != STORE_FORMAT:
+            raise StoreError(
+                f"{self._path}: store format {META_FORMAT_VALUE.unpack(fmt)[0]} is not "
+                f"supported (expected {STORE_FORMAT})"
+            )
+        raw = txn.get(META_GEOMETRY, None, dbs.meta)
+        stored = None if raw is None else Geometry(*META_GEOMETRY_VALUE.unpack(raw))
+        if stored is not None and geometry is not None and stored != geometry:
+            raise ShapeError(
+                f"the store in {self._path} holds geometry {stored.as_tuple()}, "
+                f"opened with {geometry.as_tuple()}"
+            )
+        if stored is None and geometry is not None:
+            txn.put(META_GEOMETRY, META_GEOMETRY_VALUE.pack(*geometry.as_tuple()), db=dbs.meta)
+        self._geometry = stored or geometry
+
+    # --- properties and life cycle -----------------------------------------------------
+
+    @property
+    def path(self) -> str:
+        """The environment's directory."""
+        return self._path
+
+    @property
+    def geometry(self) -> Geometry | None:
+        """The store's block geometry (None until given or adopted by a first put)."""
+        if self._geometry is None and not self._closed:
+            txn = self._begin_read(False)
+            try:
+                self._geometry_in(txn)
+            finally:
+                self._end_read(txn)
+        return self._geometry
+
+    @property
+    def map_bytes(self) -> int:
+        """The size of LMDB's memory map now (it grows on demand)."""
+        return int(self._env.info()["map_size"])
+
+    @property
+    def capacity_bytes(self) -> int | None:
+        """The capacity this handle enforces (None: unbounded)."""
+        return self._capacity
+
+    def close(self) -> None:
+        """Persist pending recency, wait for this process's open readers, close LMDB."""
+        if self._closed:
+            return
+        if self._forked:
+            self._closed = True  # the parent's environment is not ours to close
+            return
+        with self._flush_lock:
+            if len(self._recency):
+                try:
+                    self._write(lambda w: None)
+                except StoreError as exc:
+                    log.warning("%s: could not persist recency on close: %s", self._path, exc)
+            self._lmdb.close(sync=not self._sync)
+            self._closed = True
+        with self._pool_lock:
+            if self._pool is not None:
+                self._pool.shutdown()
+                self._pool = None
+        _open_stores.discard(self)
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"Store({self._path!r}, geometry={self._geometry}, {state})"
+
+    # --- transactions --------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise StoreError(f"the store {self._path} is closed")
+        if self._forked:
+            raise StoreError(
+                f"the store {self._path} was opened in process {self._pid}; "
+                "open stores after fork, in the process that uses them"
+            )
+
+    # --- the read side's handle (Reader sees only this) -------------------------------------
+
+    def _open_snapshot(self) -> ReadSnapshot:
+        txn = self._begin_read(True)
+        try:
+            g = self._geometry_in(txn)
+        except BaseException:
+            self._end_read(txn)
+            raise
+        version_of, specs = self._reader_consts(g) if g is not None else ({}, {})
+        return ReadSnapshot(
+            txn, g, version_of, specs, self._dbs.blocks, self._dbs.seqs, self._recency.touch
+        )
+
+    def _close_snapshot(self, txn: Any, escaped: list[Any]) -> None:
+        if escaped:
+            self._lmdb.linger(txn, escaped)
+        else:
+            self._end_read(txn)
+
+    def _account(self, hits: int, misses: int, corrupt: list[int]) -> None:
+        self.hits += hits
+        self.misses += misses
+        if corrupt:
+            self._quarantine(corrupt)
+        self._flush_soon()
+
+    def _begin_read(self, buffers: bool) -> Any:
+        """A read transaction holding the map guard; end it with ``_end_read``."""
+        self._check_usable()
+        return self._lmdb.begin_read(buffers)
+
+    def _end_read(self, txn: Any) -> None:
+        self._lmdb.end_read(txn)
+
+    def _write(self, body: Callable[[WriteTxn], T], need: int = 0) -> T:
+        """Run ``body`` in one write transaction, after persisting pending read hits.
+
+        ``need``: the bytes the body writes (the map grows ahead of large writes).
+        """
+        self._check_usable()
+        taken = self._recency.take()
+
+        def run(txn: Any) -> tuple[T, WriteTxn]:
+            w = WriteTxn(txn, self._dbs, self._capacity, self._helper_pool, self._path)
+            for h in taken:
+                w.touch(h)
+            result = body(w)
+            w.save()
+            return result, w
+
+        try:
+            result, w = self._lmdb.write(run, need)
+        except BaseException:
+            self._recency.restore(taken)
+            raise
+        self._last_flush = time.monotonic()
+        for hook in w.after_commit:
+            hook()
+        return result
+
+    def _helper_pool(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="tlkv-store-stage")
+            return self._pool
+
+    def _stored_geometry(self, txn: Any) -> Geometry | None:
+        raw = txn.get(META_GEOMETRY, None, self._dbs.meta)
+        return None if raw is None else Geometry(*META_GEOMETRY_VALUE.unpack(raw))
+
+    def _geometry_in(self, txn: Any) -> Geometry | None:
+        """The geometry, read from ``txn`` while this handle has none (another process may
+        have adopted one)."""
+        if self._geometry is None:
+            self._geometry = self._stored_geometry(txn)
+        return self._geometry
+
+    def _reader_consts(self, g: Geometry) -> tuple[dict[int, int], dict[int, KvSpec]]:
+        cached = self._rconsts
+        if cached is None or cached[0] is not g:  # identity: no dataclass hashing
+            cached = self._rconsts = (g, *reader_consts(g))
+        return cached[1], cached[2]
+
+    def _adopt_geometry(self, w: WriteTxn, geometry: Geometry) -> None:
+        if self._geometry is not None:
+            return  # decode checked the envelope against it already
+        stored = self._stored_geometry(w.txn)
+        if stored is None:
+            w.txn.put(META_GEOMETRY, META_GEOMETRY_VALUE.pack(*geometry.as_tuple()), db=w.dbs.meta)
+        elif stored != geometry:
+            raise ShapeError(
+                "rule 'block_tokens, n_layers, n_kv_heads, head_dim equal the receiving pool's' "
+                f"failed: expected {stored.as_tuple()}, found {geometry.as_tuple()}"
+            )
+
+        def adopt() -> None:
+            self._geometry = geometry
+
+        w.after_commit.append(adopt)
+
+    def _flush_soon(self) -> None:
+        """Persist pending hits in a background thread when the last write is old."""
+        if time.monotonic() - self._last_flush < _FLUSH_INTERVAL or not len(self._recency):
+            return
+        if not self._flush_lock.acquire(blocking=False):
+            return
+        self._last_flush = time.monotonic()
+
+        def run() -> None:
+            try:
+                if not self._closed and not self._forked:
+                    self._write(lambda w: None)
+            except Exception as exc:  # a background flush must never take anything down
+                log.warning("%s: background recency flush failed: %s", self._path, exc)
+            finally:
+                self._flush_lock.release()
+
+        threading.Thread(target=run, name="tlkv-store-flush", daemon=True).start()
+
+    # --- writes ------------------------------------------------------------------------
+
+    def _validate(self, data: Any, geometry: Geometry | None = None) -> Envelope:
+        """Every reader rule but the CRC (checked while writing); errors in the codec's order."""
+        geometry = geometry or self._geometry
+        try:
+            return decode(data, geometry, verify_crc=False)
+        except EnvelopeError:
+            decode(data, geometry)  # raises the codec's own error, the CRC checked first
+            raise
+
+    def _run_write(self, body: Callable[[WriteTxn], T], need: int) -> T:
+        """Run a put-like transaction; a CRC mismatch found while writing raises the codec's
+        ``ChecksumError``."""
+        try:
+            return self._write(body, need)
+        except CrcMismatch as exc:
+            decode(exc.envelope.data)  # raises ChecksumError with the codec's message
+            raise ChecksumError("rule 'the CRC matches' failed") from None
+
+    def put(self, envelope: Any) -> PutResult:
+        """Store every full block of ``envelope`` under its hash, in one transaction.
+
+        The envelope is validated by every reader rule against the store's geometry; the
+        value stored per block is its verbatim single-block envelope, the bytes ``get``
+        returns. Hashes already present are not rewritten (the first put wins); partial
+        blocks (hash 0) are not stored.
+
+        Raises:
+            EnvelopeError: a reader rule failed (nothing stored).
+            StoreFullError: the blocks do not fit even after eviction (nothing stored).
+        """
+        return self.put_report(envelope).counts()
+
+    def put_report(self, envelope: Any) -> PutReport:
+        """``put``, reporting the hashes stored and already present (the HTTP reply)."""
+        env = self._validate(envelope)
+
+        def body(w: WriteTxn) -> PutReport:
+            self._adopt_geometry(w, env.geometry)
+            return PutReport(*w.put_blocks(env))
+
+        return self._run_write(body, len(env.data))
+
+    def put_sequence(self, name: str, envelope: Any) -> PutResult:
+        """Store a named KV state, replacing any sequence of that name.
+
+        Its full blocks are stored content-addressed (deduplicated) and pinned; its partial
+        tail, if any, is kept inside the sequence record. ``get_sequence`` returns the
+        envelope byte-identical (a block already stored in another format version or with
+        other bytes is kept inside the record too, unpinned).
+
+        Raises:
+            ValueError: ``name`` is not 1-128 characters of ``[A-Za-z0-9._-]``, or the
+                envelope has no block.
+            FormatError: a partial block (hash 0) is not the last block.
+            EnvelopeError: a reader rule failed.  StoreFullError: it does not fit.
+        """
+        key = _seq_key(name)
+        env = self._validate(envelope)
+        _check_sequence_blocks(env)
+
+        def body(w: WriteTxn) -> PutResult:
+            self._adopt_geometry(w, env.geometry)
+            return PutResult(*w.put_sequence(key, env))
+
+        return self._run_write(body, len(env.data))
+
+    def import_batch(
+        self, blocks: Iterable[Any] = (), sequences: Iterable[tuple[str, Any]] = ()
+    ) -> PutResult:
+        """Put many block envelopes, then sequences ``(name, envelope)``, in ONE write
+        transaction: all or nothing (the archive restore path).
+
+        Everything is validated before the transaction opens. LMDB holds the batch's dirty
+        pages in memory until it commits: size batches accordingly.
+        """
+        geometry = self._geometry
+        envs: list[Envelope] = []
+        for data in blocks:
+            envs.append(self._validate(data, geometry))
+            geometry = geometry or envs[-1].geometry
+        seqs: list[tuple[bytes, Envelope]] = []
+        for name, data in sequences:
+            key = _seq_key(name)
+            env = self._validate(data, geometry)
+            geometry = geometry or env.geometry
+            _check_sequence_blocks(env)
+            seqs.append((key, env))
+
+        def body(w: WriteTxn) -> PutResult:
+            if geometry is not None:
+                self._adopt_geometry(w, geometry)
+            results = [PutReport(*w.put_blocks(e)).counts() for e in envs]
+            results += [PutResult(*w.put_sequence(k, e)) for k, e in seqs]
+            return PutResult(
+                sum(r.stored for r in results),
+                sum(r.duplicate for r in results),
+                sum(r.partial for r in results),
+            )
+
+        need = sum(len(e.data) for e in envs) + sum(len(e.data) for _, e in seqs)
+        return self._run_write(body, need)
+
+    def delete(self, block_hash: int) -> bool:
+        """Remove a block; False when absent.
+
+        Raises:
+            PinnedError: a sequence references the block (HTTP 409).
+        """
+        h = _check_hash(block_hash)
+        hk = BLOCK_KEY.pack(h)
+
+        def body(w: WriteTxn) -> bool:
+            value = w.txn.get(hk, None, w.dbs.blocks)
+            if value is None:
+                return False
+            refs = w.txn.get(hk, None, w.dbs.refs)
+            if refs is not None:
+                raise PinnedError(
+                    f"block {h:016x} is pinned by a sequence; delete the sequences using it first"
+                )
+            w.remove_block(hk, h, len(value))
+            return True
+
+        removed = self._write(body)
+        if removed:
+            self._recency.discard(h)
+        return removed
+
+    def delete_sequence(self, name: str) -> bool:
+        """Drop a sequence and its pins; False when absent."""
+        key = _seq_key(name)
+        return self._write(lambda w: w.drop_sequence(key, self._geometry_in(w.txn)))
+
+    def _quarantine(self, hashes: list[int]) -> None:
+        """Remove blocks that fail their CRC (checked again inside the write transaction)."""
+
+        def body(w: WriteTxn) -> None:
+            for h in dict.fromkeys(hashes):
+                w.quarantine(h, lambda value: not crc_matches(value))
+
+        try:
+            self._write(body)
+        except StoreError as exc:
+            log.error("%s: could not quarantine corrupt blocks: %s", self._path, exc)
+
+    def _quarantine_sequence(self, key: bytes) -> None:
+        def body(w: WriteTxn) -> None:
+            raw = w.txn.get(key, None, w.dbs.seqs)
+            geometry = self._geometry_in(w.txn)
+            if raw is not None and parse_sequence(raw, geometry) is None:
+                w.drop_corrupt_sequence(key, len(raw))
+                w.rebuild_refs(geometry)
+
+        try:
+            self._write(body)
+        except StoreError as exc:
+            log.error("%s: could not quarantine a corrupt sequence: %s", self._path, exc)
+
+    # --- reads ---------------------------------------------------------------------------
+
+    def get(self, block_hash: int, *, version: int | None = None) -> bytes | None:
+        """The block's single-block envelope, CRC-verified; None when absent or corrupt
+        (a corrupt block is quarantined). With ``version`` differing from the stored
+        format, the block is transcoded on the way out."""
+        return self.get_many([block_hash], version=version)[0]
+
+    def get_many(self, hashes: Iterable[int], *, version: int | None = None) -> list[bytes | None]:
+        """``get`` of every hash, in one read transaction."""
+        if version is not None and version not in SUPPORTED_VERSIONS:
+            raise UnsupportedVersionError(f"format version must be 1 or 2, found {version}")
+        items = hashes.tolist() if isinstance(hashes, np.ndarray) else hashes
+        hs = [_check_hash(h) for h in items]
+        txn = self._begin_read(False)
+        try:
+            get, db = txn.get, self._dbs.blocks
+            values = [get(BLOCK_KEY.pack(h), None, db) if h else None for h in hs]
+        finally:
+            self._end_read(txn)
+        out: list[bytes | None] = []
+        corrupt: list[int] = []
+        for h, data in zip(hs, values):
+            if data is not None and not crc_matches(data):
+                corrupt.append(h)
+                data = None
+            if data is None:
+                self.misses += 1
+            else:
+                self.hits += 1
+                self._recency.touch(h)
+                if version is not None and envelope_version(data) != version:
+                    data = transcode(data, version)
+            out.append(data)
+        if corrupt:
+            self._quarantine(corrupt)
+        self._flush_soon()
+        return out
+
+    def has(self, hashes: Iterable[int]) -> list[bool]:
+        """Whether each hash is stored; ``hashes`` are ints or a numpy integer array.
+
+        One read transaction, no write lock. Large queries are answered from a sorted copy
+        of the stored hashes, re-read (a page of hashes per LMDB call) only after a write.
+
+        Raises:
+            ValueError: a hash is not an integer in 0..2^64-1.
+        """
+        queries = hash_array(hashes)
+        if not queries.size:
+            return []
+        txn = self._begin_read(True)
+        try:
+            return self._keys.has(txn, queries)
+        finally:
+            self._end_read(txn)
+
+    def longest_prefix(self, hashes: Iterable[int]) -> int:
+        """How many leading hashes are stored (the cached prefix of a chain); no write lock.
+
+        Raises:
+            ValueError: a hash is not an integer in 0..2^64-1.
+        """
+        queries = hash_array(hashes)
+        if not queries.size:
+            return 0
+        txn = self._begin_read(True)
+        try:
+            return self._keys.longest_prefix(txn, queries)
+        finally:
+            self._end_read(txn)
+
+    def reader(self) -> Reader:
+        """A read transaction for zero-copy views: ``with store.reader() as r: r.view(h)``.
+
+        Views, memoryviews and arrays from it are valid only inside the ``with`` block;
+        a resize of LMDB's map (a write in this process) waits until it closes.
+        """
+        self._check_usable()
+        return Reader(_ReadHandle(self))
+
+    def get_sequence(self, name: str) -> bytes | None:
+        """The sequence's envelope, byte-identical to the canonical one put; None when
+        absent or damaged (a block quarantined as corrupt and not put again)."""
+        key = _seq_key(name)
+        corrupt: list[int] = []
+        bad_record = False
+        out = None
+        txn = self._begin_read(True)
+        try:
+            raw = txn.get(key, None, self._dbs.seqs)
+            geometry = self._geometry_in(txn)
+            if raw is not None and geometry is not None:
+                seq = parse_sequence(raw, geometry)
+                if seq is None:
+                    bad_record = True
+                else:
+                    out = assemble_sequence(
+                        txn, self._dbs.blocks, geometry, seq, name, self._path, corrupt
+                    )
+        finally:
+            self._end_read(txn)
+        if corrupt:
+            self._quarantine(corrupt)
+        if bad_record:
+            self._quarantine_sequence(key)
+        return out
+
+    def sequences(self) -> list[str]:
+        """Names of every sequence, sorted."""
+        txn = self._begin_read(True)
+        try:
+            keys = txn.cursor(db=self._dbs.seqs).iternext(values=False)
+            return [bytes(k).decode("ascii") for k in keys]
+        finally:
+            self._end_read(txn)
+
+    def stats(self) -> dict[str, int | None]:
+        """blocks, bytes, capacity_bytes, pinned_blocks, sequences, hits, misses, evictions,
+        corrupt (hits and misses: this process's reads since it opened the store)."""
+        dbs = self._dbs
+        txn = self._begin_read(True)
+        try:
+            counters = {key: counter(txn.get(key, None, dbs.meta)) for key in COUNTER_KEYS}
+            pinned = txn.stat(dbs.refs)["entries"]
+            if counters[META_CORRUPT]:  # a quarantined block may still be referenced
+                refs = txn.cursor(db=dbs.refs).iternext(values=False)
+                pinned = sum(txn.get(k, None, dbs.blocks) is not None for k in refs)
+            return {
+                "blocks": txn.stat(dbs.blocks)["entries"],
+                "bytes": counters[META_BYTES],
+                "capacity_bytes": self._capacity,
+                "pinned_blocks": pinned,
+                "sequences": txn.stat(dbs.seqs)["entries"],
+                "hits": self.hits,
+                "misses": self.misses,
+                "evictions": counters[META_EVICTIONS],
+                "corrupt": counters[META_CORRUPT],
+            }
+        finally:
+            self._end_read(txn)

@@ -1,0 +1,387 @@
+"""The block store's write side: one LMDB write transaction and every change it makes.
+
+``WriteTxn`` keeps the store's invariants inside a transaction: a block is in ``blocks``
+and ``index`` together; an unpinned block has one ``atime`` tick and the matching
+``lru`` entry, a pinned one has neither; ``refs`` counts the sequence positions served
+from the block space; the ``bytes`` counter is the size of every stored value.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from ..codec.assembly import SingleBlock, holds_record, same_bytes, single_block, stored_crc
+from ..codec.checksum import crc32c
+from ..codec.envelope import Envelope
+from ..codec.geometry import Geometry
+from ..codec.layout import (
+    HEADER_SIZE,
+    NO_HASH,
+    TRAILER_SIZE,
+)
+from ..errors import StoreFullError
+from ..pipeline import OrderedPipeline
+from .diskformat import (
+    BLOCK_KEY,
+    COUNTER,
+    COUNTER_KEYS,
+    INDEX_KEY,
+    INDEX_VALUE,
+    REFCOUNT,
+    Dbs,
+    counter,
+    pack_sequence,
+    parse_sequence,
+)
+from .eviction import LruOrder
+
+log = logging.getLogger("tlkv.store")
+
+# Blocks at least this large are staged by a helper thread while LMDB copies the last one.
+PIPELINE_MIN_RECORD = 256 << 10
+
+
+class CrcMismatch(Exception):
+    """An envelope's CRC failed while it was being written (the transaction aborts)."""
+
+    def __init__(self, envelope: Envelope) -> None:
+        super().__init__("CRC mismatch")
+        self.envelope = envelope
+
+
+class _Staging:
+    """A reusable single-block envelope under construction: header fixed, record + CRC filled."""
+
+    __slots__ = ("body", "buf", "consts")
+
+    def __init__(self, consts: SingleBlock) -> None:
+        self.consts = consts
+        self.buf = bytearray(consts.single_len)
+        self.buf[:HEADER_SIZE] = consts.header1
+        self.body = np.frombuffer(self.buf, np.uint8, consts.record_bytes, HEADER_SIZE)
+
+    def fill(self, record: memoryview) -> int:
+        """Copy ``record`` in and seal the CRC; returns the record's own CRC-32C."""
+        np.copyto(self.body, np.frombuffer(record, np.uint8))  # both release the GIL
+        return self.consts.seal(self.buf)
+
+
+class WriteTxn:
+    """One write transaction: the block-space operations and the counters they change."""
+
+    def __init__(
+        self,
+        txn: Any,
+        dbs: Dbs,
+        capacity: int | None,
+        pool: Callable[[], ThreadPoolExecutor],
+        path: str,
+    ) -> None:
+        self.txn = txn
+        self.dbs = dbs
+        self.capacity = capacity
+        self._pool = pool
+        self.path = path
+        self._loaded = tuple(counter(txn.get(key, None, dbs.meta)) for key in COUNTER_KEYS)
+        self.bytes, tick, self.evictions, self.corrupt = self._loaded
+        self.lru = LruOrder(txn, dbs.atime, dbs.lru, tick)
+        self.protect: set[int] = set()  # hashes this transaction must not evict
+        self.after_commit: list[Callable[[], None]] = []
+
+    def save(self) -> None:
+        """Write back the counters that changed (before commit)."""
+        values = (self.bytes, self.lru.tick, self.evictions, self.corrupt)
+        for key, old, new in zip(COUNTER_KEYS, self._loaded, values):
+            if old != new:
+                self.txn.put(key, COUNTER.pack(new), db=self.dbs.meta)
+
+    def touch(self, h: int) -> None:
+        """A use of a stored block (the eviction policy's input)."""
+        self.lru.touch(h)
+
+    # --- blocks ---------------------------------------------------------------------------
+
+    def insert_block(self, h: int, value: Any) -> None:
+        hk = BLOCK_KEY.pack(h)
+        self.txn.put(hk, value, db=self.dbs.blocks)
+        self.txn.put(INDEX_KEY, INDEX_VALUE.pack(h), db=self.dbs.index)
+        self.bytes += len(value)
+        if self.txn.get(hk, None, self.dbs.refs) is None:
+            self.lru.add(hk, h)
+
+    def remove_block(self, hk: bytes, h: int, size: int) -> None:
+        self.txn.delete(hk, db=self.dbs.blocks)
+        self.txn.delete(INDEX_KEY, INDEX_VALUE.pack(h), db=self.dbs.index)
+        self.lru.remove(hk, h)
+        self.bytes -= size
+
+    def pin(self, h: int, count: int) -> None:
+        hk = BLOCK_KEY.pack(h)
+        raw = self.txn.get(hk, None, self.dbs.refs)
+        old = 0 if raw is None else REFCOUNT.unpack(raw)[0]
+        self.txn.put(hk, REFCOUNT.pack(old + count), db=self.dbs.refs)
+        if old == 0:
+            self.lru.remove(hk, h)
+
+    def unpin(self, h: int, count: int) -> None:
+        hk = BLOCK_KEY.pack(h)
+        raw = self.txn.get(hk, None, self.dbs.refs)
+        left = (0 if raw is None else REFCOUNT.unpack(raw)[0]) - count
+        if left > 0:
+            self.txn.put(hk, REFCOUNT.pack(left), db=self.dbs.refs)
+            return
+        self.txn.delete(hk, db=self.dbs.refs)
+        if self.txn.get(hk, None, self.dbs.blocks) is not None:
+            self.lru.add(hk, h)  # unpinned blocks re-enter the LRU as recently used
+
+    def make_room(self, need: int) -> None:
+        """Evict least-recently-used unpinned blocks until ``need`` more bytes fit.
+
+        Raises:
+            StoreFullError: they cannot fit even after evicting every evictable block
+                (the transaction is aborted: nothing is evicted either).
+        """
+        cap = self.capacity
+        if cap is None or self.bytes + need <= cap:
+            return
+        txn, dbs = self.txn, self.dbs
+        for h in self.lru.evict(self.protect, lambda: self.bytes + need <= cap):
+            hk = BLOCK_KEY.pack(h)
+            value = txn.get(hk, None, dbs.blocks)
+            if value is not None:
+                size = len(value)  # before any write moves pages
+                txn.delete(hk, db=dbs.blocks)
+                txn.delete(INDEX_KEY, INDEX_VALUE.pack(h), db=dbs.index)
+                self.bytes -= size
+                self.evictions += 1
+        if self.bytes + need > cap:
+            raise StoreFullError(
+                f"a write of {need} bytes does not fit in capacity_bytes={cap}: "
+                f"{self.bytes} bytes stay stored (pinned by sequences or part of this write) "
+                "after evicting every other block; nothing was stored"
+            )
+
+    def quarantine(self, h: int, still_bad: Callable[[Any], bool]) -> bool:
+        """Remove a block that fails its CRC (if it still does); count and log it."""
+        hk = BLOCK_KEY.pack(h)
+        value = self.txn.get(hk, None, self.dbs.blocks)
+        if value is None or not still_bad(value):
+            return False  # gone already, or put again since
+        self.remove_block(hk, h, len(value))
+        self.corrupt += 1
+        log.warning(
+            "%s: block %016x failed its CRC-32C; quarantined (removed from the block space, "
+            "counted in stats()['corrupt'])",
+            self.path,
+            h,
+        )
+        return True
+
+    # --- writing envelopes ----------------------------------------------------------------
+
+    def write_records(self, env: Envelope, hashes: list[int], new: list[bool]) -> None:
+        """Store the marked records as single-block envelopes; check the CRC in the same pass.
+
+        The envelope's CRC is verified by combining every record's CRC, so each record is
+        read once (from its staging copy for stored blocks); a mismatch raises
+        ``CrcMismatch`` and the transaction aborts. Large blocks are staged by a helper
+        thread while LMDB copies the previous one (copy and CRC run without the GIL).
+        """
+        mv = env.data
+        end = len(mv) - TRAILER_SIZE
+        expected = stored_crc(mv)
+        if len(env) == 1:  # the envelope is the value: no copy
+            if crc32c(mv[:end]) != expected:
+                raise CrcMismatch(env)
+            if new[0]:
+                self.insert_block(hashes[0], mv)
+            return
+        c = single_block(env.geometry, env.version)
+        total = crc32c(mv[:HEADER_SIZE])
+        if c.record_bytes >= PIPELINE_MIN_RECORD and sum(new) > 1:
+            total = self._write_pipelined(env, hashes, new, c, total)
+        else:
+            staging = _Staging(c) if any(new) else None
+            for i in range(len(env)):
+                record = env.record(i)
+                if staging is not None and new[i]:
+                    crc = staging.fill(record)
+                    self.insert_block(hashes[i], staging.buf)
+                else:
+                    crc = crc32c(record)
+                total = c.shift(total) ^ crc
+        if total != expected:
+            raise CrcMismatch(env)
+
+    def _write_pipelined(
+        self, env: Envelope, hashes: list[int], new: list[bool], c: SingleBlock, total: int
+    ) -> int:
+        """``write_records`` with a helper thread filling the next of two staging buffers."""
+        stagings = (_Staging(c), _Staging(c))
+        n, nxt, turn = len(env), 0, 0
+        # A staging buffer weighs 1: both may be filling while neither is inserted yet.
+        with OrderedPipeline[int](self._pool(), max_weight=len(stagings)) as pipeline:
+            while True:
+                while nxt < n and pipeline.has_room(int(new[nxt])):
+                    record = env.record(nxt)
+                    if new[nxt]:
+                        staging = stagings[turn]
+                        turn ^= 1
+                        pipeline.submit((nxt, staging), staging.fill, record, weight=1)
+                    else:
+                        pipeline.submit((nxt, None), crc32c, record)
+                    nxt += 1
+                if not len(pipeline):
+                    return total
+                (i, staging), crc = pipeline.take()
+                total = c.shift(total) ^ crc
+                if staging is not None:
+                    self.insert_block(hashes[i], staging.buf)
+
+    def put_blocks(self, env: Envelope) -> tuple[list[int], list[int], int]:
+        """Store every new full block of ``env``.
+
+        Returns ``(stored, duplicate, partial)``: the hashes written by this transaction,
+        the hashes already present (or repeated within ``env``), in envelope order, and
+        the number of partial blocks.
+        """
+        txn, blocks = self.txn, self.dbs.blocks
+        hashes = env.hashes.tolist()
+        new = [False] * len(hashes)
+        seen: set[int] = set()
+        stored: list[int] = []
+        duplicate: list[int] = []
+        partial = 0
+        for i, h in enumerate(hashes):
+            if h == NO_HASH:
+                partial += 1
+                continue
+            if h in seen:
+                duplicate.append(h)
+                continue
+            seen.add(h)
+            if txn.get(BLOCK_KEY.pack(h), None, blocks) is None:
+                new[i] = True
+                stored.append(h)
+            else:
+                duplicate.append(h)
+                self.touch(h)  # a re-put is a use: keep it over older blocks
+        self.protect |= seen
+        self.make_room(len(stored) * single_block(env.geometry, env.version).single_len)
+        self.write_records(env, hashes, new)
+        return stored, duplicate, partial
+
+    # --- sequences ------------------------------------------------------------------------
+
+    def put_sequence(self, key: bytes, env: Envelope) -> tuple[int, int, int]:
+        """Store a sequence (replacing ``key``): ``(stored, duplicate, partial)``.
+
+        Full blocks go to the block space (deduplicated) and are pinned; a block whose
+        stored copy has another version or other bytes, and the partial tail, are kept
+        inside the record so ``get_sequence`` is byte-identical to ``env``.
+        """
+        self.drop_sequence(key, env.geometry)
+        txn = self.txn
+        c = single_block(env.geometry, env.version)
+        hashes = env.hashes.tolist()
+        new = [False] * len(hashes)
+        own: list[int] = []
+        pins: Counter[int] = Counter()
+        first: dict[int, int] = {}  # hash -> its first position in this envelope
+        stored = duplicate = partial = 0
+        for i, h in enumerate(hashes):
+            if h == NO_HASH:
+                partial += 1
+                own.append(i)
+                continue
+            record = env.record(i)
+            j = first.get(h)
+            if j is not None:  # the same hash again in this envelope
+                duplicate += 1
+                if j not in own and same_bytes(env.record(j), record):
+                    pins[h] += 1
+                else:
+                    own.append(i)
+                continue
+            first[h] = i
+            value = txn.get(BLOCK_KEY.pack(h), None, self.dbs.blocks)
+            if value is None:
+                new[i] = True
+                stored += 1
+                pins[h] += 1
+                continue
+            duplicate += 1
+            if holds_record(value, env.version, record):
+                pins[h] += 1
+            else:  # stored in another version or with other bytes: keep ours in the record
+                own.append(i)
+        for h, count in pins.items():
+            self.pin(h, count)
+        sequence = pack_sequence(env.version, hashes, own, [env.record(i) for i in own])
+        self.protect.update(first)
+        self.make_room(stored * c.single_len + len(sequence))
+        self.write_records(env, hashes, new)
+        txn.put(key, sequence, db=self.dbs.seqs)
+        self.bytes += len(sequence)
+        return stored, duplicate, partial
+
+    def drop_sequence(self, key: bytes, geometry: Geometry | None) -> bool:
+        """Delete a sequence record and release its pins; False when absent."""
+        raw = self.txn.get(key, None, self.dbs.seqs)
+        if raw is None:
+            return False
+        size = len(raw)
+        seq = parse_sequence(raw, geometry)
+        if seq is None:
+            self.drop_corrupt_sequence(key, size)
+            self.rebuild_refs(geometry)
+            return True
+        pins = Counter(seq.referenced())
+        self.txn.delete(key, db=self.dbs.seqs)
+        self.bytes -= size
+        for h, count in pins.items():
+            self.unpin(h, count)
+        return True
+
+    def drop_corrupt_sequence(self, key: bytes, size: int) -> None:
+        self.txn.delete(key, db=self.dbs.seqs)
+        self.bytes -= size
+        self.corrupt += 1
+        log.warning(
+            "%s: sequence record %r failed its CRC-32C; removed (counted in "
+            "stats()['corrupt']) and every pin recounted",
+            self.path,
+            key.decode("ascii", "replace"),
+        )
+
+    def rebuild_refs(self, geometry: Geometry | None) -> None:
+        """Recount every pin from the sequence records (after one was found corrupt)."""
+        txn = self.txn
+        counts: Counter[int] = Counter()
+        bad: list[tuple[bytes, int]] = []
+        for key, raw in txn.cursor(db=self.dbs.seqs):
+            seq = parse_sequence(raw, geometry)
+            if seq is None:
+                bad.append((bytes(key), len(raw)))
+            else:
+                counts.update(seq.referenced())
+        for key, size in bad:
+            self.drop_corrupt_sequence(key, size)
+        current = {
+            BLOCK_KEY.unpack(k)[0]: REFCOUNT.unpack(v)[0] for k, v in txn.cursor(db=self.dbs.refs)
+        }
+        for h, have in current.items():
+            want = counts.get(h, 0)
+            if want == 0:
+                self.unpin(h, have)
+            elif want != have:
+                txn.put(BLOCK_KEY.pack(h), REFCOUNT.pack(want), db=self.dbs.refs)
+        for h, want in counts.items():
+            if h not in current:
+                self.pin(h, want)
