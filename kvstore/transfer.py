@@ -13,6 +13,7 @@ The generated messages and stubs live in ``kvstore._tlkv_v1`` (from
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -21,11 +22,18 @@ import numpy as np
 
 from ._tlkv_v1 import kv_pb2, kv_pb2_grpc
 from ._wirechunk import WireChunk, parse_chunk, serialize_chunk
-from .codec.assembly import EnvelopeStream
+from .codec.assembly import EnvelopeStream, pack_header, record_of
 from .codec.checksum import crc32c
 from .codec.envelope import Envelope, decode
 from .codec.geometry import Geometry
-from .codec.layout import NO_HASH, SUPPORTED_VERSIONS, TRAILER, TRAILER_SIZE, U64_MAX
+from .codec.layout import (
+    HEADER_SIZE,
+    NO_HASH,
+    SUPPORTED_VERSIONS,
+    TRAILER,
+    TRAILER_SIZE,
+    U64_MAX,
+)
 from .errors import (
     EnvelopeError,
     FormatError,
@@ -371,29 +379,45 @@ class TransferClient:
             request.block_hashes.extend(_u64_list(hashes))
         else:
             request.tokens.extend(int(t) for t in tokens or ())
-        parts: list[Any] = []
+        # The envelope is written as the chunks arrive (each record copied once, while the
+        # next chunk is on its way) into a BytesIO, whose getvalue() hands over its own
+        # bytes object: no join at the end. The header's block count and the trailer's CRC
+        # (one pass over the result) are written once the stream has ended.
+        out = io.BytesIO()
         geometry: Geometry | None = None
-        parts_version = 0
+        version = count = 0
         try:
             for chunk in self._fetch(request, timeout=self._timeout, metadata=self._metadata):
-                payload = chunk.payload
                 env = check_chunk(
                     chunk.block_hash,
                     chunk.n_tokens,
                     chunk.kv_format,
-                    payload,
+                    chunk.payload,
                     chunk.crc32c,
                     geometry=geometry,
                 )
-                if geometry is not None and env.version != parts_version:
+                if geometry is None:
+                    geometry, version = env.geometry, env.version
+                    out.write(bytes(HEADER_SIZE))
+                elif env.version != version:
                     raise FormatError(
-                        f"FetchKv chunk {len(parts)} is format v{env.version}, the stream's "
-                        f"first was v{parts_version}"
+                        f"FetchKv chunk {count} is format v{env.version}, the stream's first "
+                        f"was v{version}"
                     )
-                geometry, parts_version = env.geometry, env.version
-                parts.append(payload)
+                if kv_format and env.version != kv_format:
+                    raise FormatError(
+                        f"FetchKv asked for format v{kv_format}, chunk {count} is v{env.version}"
+                    )
+                out.write(record_of(chunk.payload))
+                count += 1
         except grpc.RpcError as exc:
             raise error_from_status(exc) from None
-        if not parts:
+        if geometry is None:
             return b""
-        return bytes(parts[0]) if len(parts) == 1 else join_checked(parts)
+        out.seek(0)
+        out.write(pack_header(version, geometry, count))
+        out.seek(0, io.SEEK_END)
+        with out.getbuffer() as view:
+            crc = crc32c(view)
+        out.write(TRAILER.pack(crc))
+        return out.getvalue()

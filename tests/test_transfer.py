@@ -32,6 +32,7 @@ from kvstore.transfer import (
     envelope_crc_to_chunk_crc,
     error_from_status,
     grpc_status_of,
+    join_checked,
 )
 
 V1 = split(make_envelope(SMALL, 8, version=1))[0]
@@ -164,3 +165,10 @@ def test_generated_modules_match_a_fresh_generation() -> None:
     fresh = gen_proto.generate()
     for name, text in fresh.items():
         assert (REPO / "kvstore" / "_tlkv_v1" / name).read_text(encoding="utf-8") == text, name
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_join_checked_is_join(version: int) -> None:
+    parts = split(make_envelope(SMALL, 11, version=version))
+    assert join_checked(parts) == join(parts)
+    assert join_checked(parts[:1]) == parts[0]
