@@ -11,7 +11,7 @@ import pytest
 from conftest import SMALL, make_envelope
 from http_server import REPO
 
-from kvstore import Geometry, crc32c, decode, encode, split
+from kvstore import Geometry, crc32c, decode, encode, join, split
 from kvstore.errors import (
     BadMagicError,
     ChecksumError,
