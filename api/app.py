@@ -3,7 +3,9 @@
 Uvicorn calls ``create_app`` (``factory=True``) in every worker process, so each worker
 reads its :class:`~api.settings.Settings` from the environment and opens the LMDB store
 after the fork, as LMDB requires; its :class:`~api.metrics.Metrics` add up with the other
-workers' when ``PROMETHEUS_MULTIPROC_DIR`` is set (``tlkv serve`` sets it). Middleware,
+workers' when ``PROMETHEUS_MULTIPROC_DIR`` is set (``tlkv serve`` sets it). With
+``TLKV_GRPC`` set, the lifespan also starts the tl.kv.v1 gRPC server
+(``api.grpc_service``) on that store and event loop. Middleware,
 outermost first: metrics, the guard (auth, body limit), then the block-read fast path;
 every error leaves in the one JSON shape of ``api.errors``.
 """
@@ -42,9 +44,23 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             capacity_bytes=settings.capacity_bytes,
         )
         app.state.store = store
+        grpc_server = None
         try:
+            if settings.grpc_address is not None:
+                from .grpc_service import start_server
+
+                grpc_server = await start_server(
+                    store,
+                    settings.grpc_address,
+                    token=settings.token,
+                    formats=settings.formats,
+                    max_stream=settings.grpc_max_stream,
+                    metrics=app.state.metrics,
+                )
             yield
         finally:
+            if grpc_server is not None:
+                await grpc_server.stop(grace=2.0)
             app.state.store = None
             store.close()
             app.state.metrics.close()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvstore.codec.geometry import Geometry
+from kvstore.codec.layout import SUPPORTED_VERSIONS
 
 ENV_DATA = "TLKV_DATA"
 ENV_GEOMETRY = "TLKV_GEOMETRY"
@@ -21,9 +22,13 @@ ENV_CAPACITY = "TLKV_CAPACITY"
 ENV_TOKEN = "TLKV_TOKEN"
 ENV_TOKEN_FILE = "TLKV_TOKEN_FILE"
 ENV_MAX_BODY = "TLKV_MAX_BODY"
+ENV_GRPC = "TLKV_GRPC"  # host:port of the tl.kv.v1 gRPC server; absent: no gRPC
+ENV_GRPC_MAX_STREAM = "TLKV_GRPC_MAX_STREAM"
+ENV_FORMATS = "TLKV_FORMATS"  # envelope versions this server reads, e.g. "1" or "1,2"
 
 DEFAULT_DATA = "./tlkv-data"
 DEFAULT_MAX_BODY = 64 * 1024 * 1024
+DEFAULT_GRPC_MAX_STREAM = 1024 * 1024 * 1024
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*", re.IGNORECASE)
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
@@ -67,6 +72,21 @@ def read_token_file(path: str | os.PathLike[str]) -> str:
     return token
 
 
+def parse_formats(text: str) -> tuple[int, ...]:
+    """Envelope versions from ``"1"`` or ``"1,2"`` (each one tlkv reads).
+
+    Raises:
+        ValueError: an item is not a supported version, or none is given.
+    """
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items or not all(t.isdigit() and int(t) in SUPPORTED_VERSIONS for t in items):
+        raise ValueError(
+            f"formats are a comma-separated subset of {','.join(map(str, SUPPORTED_VERSIONS))}"
+            f", found {text!r}"
+        )
+    return tuple(sorted({int(t) for t in items}))
+
+
 @dataclass(frozen=True)
 class Settings:
     """Everything a worker needs to open its store and guard its routes."""
@@ -76,6 +96,9 @@ class Settings:
     capacity_bytes: int | None = None
     token: str | None = None
     max_body: int = DEFAULT_MAX_BODY
+    grpc_address: str | None = None
+    grpc_max_stream: int = DEFAULT_GRPC_MAX_STREAM
+    formats: tuple[int, ...] = SUPPORTED_VERSIONS
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -90,10 +113,15 @@ class Settings:
         token_file = env.get(ENV_TOKEN_FILE)
         token = read_token_file(token_file) if token_file else (env.get(ENV_TOKEN) or None)
         max_body = env.get(ENV_MAX_BODY)
+        max_stream = env.get(ENV_GRPC_MAX_STREAM)
+        formats = env.get(ENV_FORMATS)
         return cls(
             data=Path(env.get(ENV_DATA) or DEFAULT_DATA),
             geometry=Geometry.parse(geometry) if geometry else None,
             capacity_bytes=parse_size(capacity) if capacity else None,
             token=token,
             max_body=parse_size(max_body) if max_body else DEFAULT_MAX_BODY,
+            grpc_address=env.get(ENV_GRPC) or None,
+            grpc_max_stream=parse_size(max_stream) if max_stream else DEFAULT_GRPC_MAX_STREAM,
+            formats=parse_formats(formats) if formats else SUPPORTED_VERSIONS,
         )

@@ -33,6 +33,7 @@ from kvstore.protocol import PREFIX_HEADER, is_hash_hex, parse_hash_hex
 from kvstore.store import Store
 
 from ..errors import send_error
+from ..formats import require_formats
 from .common import (
     ENVELOPE_BODY,
     ENVELOPE_MEDIA_TYPE,
@@ -78,6 +79,7 @@ async def put_blocks(request: Request) -> Response:
     require_envelope_type(request)
     store = store_of(request)
     body = await read_body(request)
+    require_formats(body, request.app.state.settings.formats)
     stored, duplicate, partial = await run_in_threadpool(_put, store, body)
     return json_response(
         {"stored": hex_list(stored), "duplicate": hex_list(duplicate), "partial": partial}

@@ -11,6 +11,7 @@ from starlette.responses import Response
 from kvstore.errors import InvalidRequestError, NotFoundError
 from kvstore.protocol import check_sequence_name
 
+from ..formats import require_formats
 from .common import (
     ENVELOPE_BODY,
     ENVELOPE_MEDIA_TYPE,
@@ -46,6 +47,7 @@ async def put_sequence(request: Request, name: NamePath) -> Response:
     require_envelope_type(request)
     store = store_of(request)
     body = await read_body(request)
+    require_formats(body, request.app.state.settings.formats)
     await run_in_threadpool(store.put_sequence, name, body)
     return json_response({"name": name}, status_code=201)
 

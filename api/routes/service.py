@@ -7,7 +7,6 @@ from starlette.responses import PlainTextResponse, Response
 
 import kvstore
 from kvstore.codec.checksum import KERNEL
-from kvstore.codec.layout import SUPPORTED_VERSIONS
 
 from .common import json_response, store_of
 
@@ -47,7 +46,7 @@ async def info(request: Request) -> Response:
             "version": kvstore.__version__,
             "crc32c_kernel": KERNEL,
             "geometry": geometry,
-            "formats": list(SUPPORTED_VERSIONS),
+            "formats": list(request.app.state.settings.formats),
             "blocks": stats.get("blocks"),
             "bytes": stats.get("bytes"),
             "capacity_bytes": stats.get("capacity_bytes"),

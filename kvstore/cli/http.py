@@ -20,7 +20,7 @@ from ..protocol import is_hash_hex
 from .common import EXIT_FAILURE, EXIT_OK, geometry_arg
 
 _LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
-DEFAULT_URL_HELP = "server base URL, e.g. http://127.0.0.1:8000"
+DEFAULT_URL_HELP = "server: http://127.0.0.1:8000, or grpc://127.0.0.1:50051 for tl.kv.v1"
 PROMETHEUS_MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"  # prometheus-client's multiprocess mode
 
 
@@ -75,6 +75,12 @@ def _serve(args: argparse.Namespace, metrics_dir: str | None) -> int:
         env[s.ENV_CAPACITY] = str(args.capacity)
     if args.token_file is not None:
         env[s.ENV_TOKEN_FILE] = str(Path(args.token_file).resolve())
+    if args.grpc_port is not None:
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        env[s.ENV_GRPC] = f"{host}:{args.grpc_port}"
+        env[s.ENV_GRPC_MAX_STREAM] = str(args.grpc_max_stream)
+    if args.formats is not None:
+        env[s.ENV_FORMATS] = args.formats  # checked by Settings.from_env below
     os.environ.update(env)  # the workers (spawned processes) inherit these
     settings = s.Settings.from_env()  # fail here, once, on a bad token file
 
@@ -84,10 +90,11 @@ def _serve(args: argparse.Namespace, metrics_dir: str | None) -> int:
 
     Store(settings.data, geometry=settings.geometry, capacity_bytes=settings.capacity_bytes).close()
     auth = "on" if settings.token else "off"
+    grpc = f", grpc://{settings.grpc_address}" if settings.grpc_address else ""
     metrics = "" if metrics_dir is None else f"metrics {metrics_dir}, "
     print(
         f"tlkv serve: data {settings.data}, auth {auth}, {args.workers} worker(s), "
-        f"{metrics}http://{args.host}:{args.port}",
+        f"{metrics}http://{args.host}:{args.port}{grpc}",
         file=sys.stderr,
     )
     uvicorn.run(
@@ -112,7 +119,15 @@ def _token(args: argparse.Namespace) -> str | None:
     return os.environ.get("TLKV_TOKEN") or None
 
 
+def _is_grpc(args: argparse.Namespace) -> bool:
+    return str(args.url).startswith("grpc://")
+
+
 def _client(args: argparse.Namespace) -> Any:
+    if _is_grpc(args):
+        from ..transfer import TransferClient
+
+        return TransferClient(args.url, token=_token(args))
     from ..client import Client
 
     return Client(args.url, token=_token(args))
@@ -133,6 +148,10 @@ def _cmd_put(args: argparse.Namespace) -> int:
     data = Path(args.file).read_bytes()
 
     def action(client: Any) -> int:
+        if _is_grpc(args):
+            json.dump(client.push(data)._asdict(), sys.stdout)
+            sys.stdout.write("\n")
+            return EXIT_OK
         result = client.put(data)
         reply = {
             "stored": [f"{h:016x}" for h in result.stored],
@@ -148,7 +167,10 @@ def _cmd_put(args: argparse.Namespace) -> int:
 
 def _cmd_get(args: argparse.Namespace) -> int:
     def action(client: Any) -> int:
-        data = client.get(args.hash, format=args.format)
+        if _is_grpc(args):
+            data = client.fetch(hashes=[args.hash], kv_format=args.format or 0) or None
+        else:
+            data = client.get(args.hash, format=args.format)
         if data is None:
             print(f"tlkv get: block {args.hash} not found", file=sys.stderr)
             return EXIT_FAILURE
@@ -171,7 +193,13 @@ def _cmd_has(args: argparse.Namespace) -> int:
         return 2
 
     def action(client: Any) -> int:
-        if args.tokens is not None:
+        if args.tokens is not None and _is_grpc(args):
+            from ..codec.hashing import chain_hashes
+
+            # HasBlocks takes hashes: they are computed here, with --block-tokens.
+            result = client.has_blocks(chain_hashes(args.tokens, args.block_tokens))
+            names = [f"block {i}" for i in range(len(result.present))]
+        elif args.tokens is not None:
             result = client.has_blocks(tokens=args.tokens)
             names = [f"block {i}" for i in range(len(result.present))]
         else:
@@ -216,6 +244,16 @@ def register(sub: Any) -> None:
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     p.add_argument("--access-log", action="store_true", help="log every request")
+    p.add_argument(
+        "--grpc-port", type=int, default=None, help="also serve tl.kv.v1 gRPC on this port"
+    )
+    p.add_argument(
+        "--grpc-max-stream",
+        type=_size_arg,
+        default=1024 * 1024 * 1024,
+        help="payload bytes one PushKv stream may buffer (1GiB)",
+    )
+    p.add_argument("--formats", default=None, help="envelope versions read, e.g. 1 (1,2)")
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("put", help="send an envelope's blocks to a server")
@@ -237,5 +275,11 @@ def register(sub: Any) -> None:
     p.add_argument("hashes", nargs="*", type=_hash_arg, help="block hashes")
     p.add_argument("--tokens", nargs="+", type=int, default=None, help="token ids instead")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--block-tokens",
+        type=_positive_int,
+        default=16,
+        help="B for hashing --tokens on a grpc:// server (default 16)",
+    )
     _add_token(p)
     p.set_defaults(func=_cmd_has)

@@ -1,0 +1,586 @@
+"""tl.kv.v1 over gRPC: the ``KvTransfer`` servicer on a worker's ``Store``, and its server.
+
+Design: every uvicorn worker starts one ``grpc.aio`` server in its FastAPI lifespan
+(``api.app``), on the worker's own event loop (uvloop) and the ``Store`` that worker
+opened, so one ``tlkv serve`` answers both protocols from the same processes, with no
+extra process to supervise. The port is bound with ``SO_REUSEPORT`` (gRPC's default on
+Linux, asked for explicitly here): with ``--workers N`` the N servers share it and the
+kernel spreads connections among them; the store (LMDB) is shared by the processes.
+
+- ``PushKv`` parses chunks without copying their payloads (``parse_chunk``), checks each
+  as it arrives (``kvstore.transfer.check_chunk``: one CRC pass, in the thread pool,
+  overlapping the next chunk's arrival) and keeps the payloads in memory; after the last
+  chunk everything is committed in one store transaction (``Store.import_batch``, or
+  ``Store.put_sequence`` when ``sequence`` is set), so a failed or cancelled stream stores
+  nothing. A stream is bounded by ``grpc_max_stream`` payload bytes (RESOURCE_EXHAUSTED
+  beyond).
+- A referenced block (empty payload) must be held when the stream commits: sent earlier
+  in the same stream, or in the store (checked at commit, FAILED_PRECONDITION naming the
+  hash otherwise). Without ``sequence`` a reference writes nothing; with it, the stored
+  copy is read (transcoded to the pushed format if it is stored in the other) and pinned.
+- ``FetchKv`` streams ``Store.get`` results (CRC-checked, written by ``serialize_chunk``),
+  reading block i+1 in the thread pool while block i is sent; a block evicted meanwhile
+  ends the stream (a shorter prefix).
+- ``HasBlocks`` is ``Store.has`` (read-only, no write lock).
+
+Errors map to status codes by ``kvstore.transfer.grpc_status_of``; the trailing metadata
+``tlkv-error-kind`` carries the error's kind for our client; every call is counted by
+``Metrics.observe_grpc`` (full method name, status code name, duration). The bearer token
+of the HTTP service guards every KvTransfer call (``authorization: Bearer`` metadata); the standard
+health service (``grpc.health.v1``) answers without it, like ``/healthz``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kvstore import Geometry, Store, chain_hashes, decode, transcode
+from kvstore._tlkv_v1 import kv_pb2, kv_pb2_grpc
+from kvstore.codec.layout import NO_HASH, SUPPORTED_VERSIONS
+from kvstore.errors import (
+    FormatError,
+    InvalidRequestError,
+    NotFoundError,
+    ShapeError,
+    TlkvError,
+    TooLargeError,
+    UnauthorizedError,
+    UnsupportedVersionError,
+)
+from kvstore.protocol import SEQUENCE_NAME_MAX, is_sequence_name
+from kvstore.transfer import (
+    ERROR_KIND_KEY,
+    MAX_CHUNK_PAYLOAD,
+    MAX_MESSAGE_BYTES,
+    MISSING_BLOCK_KEY,
+    WireChunk,
+    check_chunk,
+    envelope_crc_to_chunk_crc,
+    grpc_status_of,
+    join_checked,
+    parse_chunk,
+    serialize_chunk,
+)
+
+from .metrics import Metrics
+
+log = logging.getLogger("tlkv.grpc")
+
+SERVICE_NAME = "tl.kv.v1.KvTransfer"
+DEFAULT_MAX_STREAM = 1 << 30  # payload bytes one PushKv stream may buffer before it commits
+_MAX_DETAILS = 1000
+
+T = TypeVar("T")
+
+
+class _Push:
+    """One PushKv stream: its chunks checked as they arrive and kept until it commits.
+
+    ``note`` runs on the event loop, in stream order (the rules that depend on order and
+    the stream's byte limit); ``check`` runs in the thread pool (the payload's CRC and
+    reader rules, the CRC with the GIL released); ``finish`` takes the checked entries in
+    stream order.
+    """
+
+    def __init__(self, store: Store, formats: Sequence[int], max_stream: int) -> None:
+        self.store = store
+        self.formats = tuple(formats)
+        self.max_stream = max_stream
+        self.store_geometry = store.geometry
+        self.name: str | None = None
+        # (hash, payload or None for a reference, kv_format) in stream order
+        self.entries: list[tuple[int, Any, int]] = []
+        self.referenced = 0
+        self.payload_bytes = 0
+        self.count = 0
+
+    def note(self, chunk: Any) -> int:
+        """The order-dependent rules of the next chunk; returns its index."""
+        index = self.count
+        self.count += 1
+        if chunk.sequence:
+            if index == 0:
+                if not is_sequence_name(chunk.sequence):
+                    raise InvalidRequestError(
+                        f"a sequence name is 1-{SEQUENCE_NAME_MAX} characters of "
+                        f"[A-Za-z0-9._-], found {chunk.sequence[:140]!r}"
+                    )
+                self.name = chunk.sequence
+            elif chunk.sequence != self.name:
+                raise InvalidRequestError(
+                    f"chunk {index}: the sequence name is given on the first chunk only"
+                )
+        self.payload_bytes += len(chunk.payload)
+        if self.payload_bytes > self.max_stream:
+            raise TooLargeError(
+                f"the stream's payloads exceed this server's limit of {self.max_stream} bytes "
+                "per PushKv; push in smaller parts"
+            )
+        return index
+
+    def check(self, index: int, chunk: Any) -> tuple[int, Any, int, Geometry | None]:
+        """Every rule of one chunk but "the referenced block is held" (thread pool)."""
+        h, fmt, payload = chunk.block_hash, chunk.kv_format, chunk.payload
+        if not len(payload):
+            if fmt and fmt not in self.formats:
+                raise UnsupportedVersionError(
+                    f"chunk {index}: kv_format {fmt} is not a format this server reads "
+                    f"(it reads {', '.join(map(str, self.formats))})"
+                )
+            if chunk.crc32c:
+                raise FormatError(
+                    f"chunk {index}: crc32c {chunk.crc32c:#010x} of an empty payload must be 0"
+                )
+            if h == NO_HASH:
+                raise InvalidRequestError(
+                    f"chunk {index}: an empty payload references a full block by its hash; "
+                    "block_hash 0 (the partial tail) must carry its payload"
+                )
+            return h, None, fmt, None
+        try:
+            env = check_chunk(
+                h,
+                chunk.n_tokens,
+                fmt,
+                payload,
+                chunk.crc32c,
+                geometry=self.store_geometry,
+                versions=self.formats,
+            )
+        except TlkvError as exc:
+            raise type(exc)(f"chunk {index} (block {h:016x}): {exc}") from None
+        return h, payload, env.version, env.geometry
+
+    def finish(
+        self, checked: list[tuple[int, Any, int, Geometry | None]], chunks: list[Any]
+    ) -> None:
+        """Take the checked chunks: one geometry for the stream, full references."""
+        geometry = self.store_geometry
+        for index, ((h, payload, fmt, g), chunk) in enumerate(zip(checked, chunks)):
+            if g is not None and geometry is None:
+                geometry = g
+            elif g is not None and g != geometry:
+                assert geometry is not None
+                raise ShapeError(
+                    f"chunk {index} (block {h:016x}): geometry {g.as_tuple()} differs from "
+                    f"the stream's {geometry.as_tuple()}"
+                )
+            if payload is None:
+                if geometry is not None and chunk.n_tokens != geometry.block_tokens:
+                    raise InvalidRequestError(
+                        f"chunk {index}: a referenced block is full: n_tokens must be "
+                        f"{geometry.block_tokens}, found {chunk.n_tokens}"
+                    )
+                self.referenced += 1
+            self.entries.append((h, payload, fmt))
+
+    def commit(self) -> kv_pb2.PushKvResponse:
+        """Store the stream in one transaction (all or nothing)."""
+        if not self.entries:
+            return kv_pb2.PushKvResponse()
+        if self.name is None:
+            stored, duplicate = self._commit_blocks()
+        else:
+            stored, duplicate = self._commit_sequence(self.name)
+        return kv_pb2.PushKvResponse(
+            blocks=len(self.entries),
+            referenced=self.referenced,
+            stored=stored,
+            duplicate=duplicate,
+            payload_bytes=self.payload_bytes,
+        )
+
+    def _commit_blocks(self) -> tuple[int, int]:
+        sent = {h for h, payload, _ in self.entries if payload is not None and h != NO_HASH}
+        refs = [h for h, payload, _ in self.entries if payload is None and h not in sent]
+        if refs:
+            for h, here in zip(refs, self.store.has(refs)):
+                if not here:
+                    raise _missing(h)
+        blocks = [p for h, p, _ in self.entries if p is not None and h != NO_HASH]
+        if not blocks:
+            return 0, 0
+        result = self.store.import_batch(blocks=blocks)
+        return result.stored, result.duplicate
+
+    def _commit_sequence(self, name: str) -> tuple[int, int]:
+        formats = [v for _, p, v in self.entries if p is not None]
+        version = formats[0] if formats else next((v for _, _, v in self.entries if v), None)
+        for i, (_, payload, v) in enumerate(self.entries):
+            if payload is not None and v != version:
+                raise InvalidRequestError(
+                    f"chunk {i}: a sequence is one envelope of one format: kv_format {v} "
+                    f"after {version}"
+                )
+        sent = {h: p for h, p, _ in self.entries if p is not None and h != NO_HASH}
+        refs = [h for h, p, _ in self.entries if p is None and h not in sent]
+        held: dict[int, bytes] = {}
+        if refs:
+            for h, data in zip(refs, self.store.get_many(refs)):
+                if data is None:
+                    raise _missing(h)
+                if version is None:
+                    version = decode(data, verify_crc=False).version
+                if decode(data, verify_crc=False).version != version:
+                    data = transcode(data, version)
+                held[h] = data
+        parts = [p if p is not None else held.get(h) or sent[h] for h, p, _ in self.entries]
+        # every part's CRC was checked: on arrival, by Store.get_many, or made by transcode
+        envelope = parts[0] if len(parts) == 1 else join_checked(parts)
+        result = self.store.put_sequence(name, envelope)
+        # put_sequence counts the referenced blocks as duplicates (they were held).
+        full_refs = sum(1 for h, p, _ in self.entries if p is None)
+        return result.stored, max(0, result.duplicate - full_refs)
+
+
+def _missing(h: int) -> NotFoundError:
+    exc = NotFoundError(
+        f"block {h:016x} is not held by this server (evicted since HasBlocks?): "
+        "resend it with its payload"
+    )
+    exc.missing_hash = h  # type: ignore[attr-defined]
+    return exc
+
+
+class KvTransferService(kv_pb2_grpc.KvTransferServicer):
+    """The tl.kv.v1 servicer on one open ``Store``.
+
+    Args:
+        store: the worker's store.
+        token: the bearer token every call must carry (None: no auth).
+        formats: envelope versions this server reads (``--formats``).
+        max_stream: payload bytes one PushKv may buffer.
+        metrics: the worker's metrics (calls counted by method and code), if any.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        token: str | None = None,
+        formats: Sequence[int] = SUPPORTED_VERSIONS,
+        max_stream: int = DEFAULT_MAX_STREAM,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.store = store
+        self.token = token.encode() if token is not None else None
+        self.formats = tuple(formats)
+        self.max_stream = max_stream
+        self.metrics = metrics
+
+    # --- plumbing -------------------------------------------------------------------
+
+    def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+        if self.token is None:
+            return
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization":
+                raw = value.encode() if isinstance(value, str) else bytes(value)
+                scheme, _, credentials = raw.strip().partition(b" ")
+                if scheme.lower() == b"bearer" and hmac.compare_digest(
+                    credentials.strip(), self.token
+                ):
+                    return
+        raise UnauthorizedError("missing or wrong bearer token")
+
+    def _observe(self, method: str, code: grpc.StatusCode, started: float) -> None:
+        if self.metrics is not None:
+            seconds = time.perf_counter() - started
+            self.metrics.observe_grpc(f"/{SERVICE_NAME}/{method}", code.name, seconds)
+
+    async def _fail(self, context: grpc.aio.ServicerContext, exc: Exception) -> grpc.StatusCode:
+        """Abort the call with the status of ``exc`` (raises ``grpc.aio.AbortError``)."""
+        if isinstance(exc, TlkvError | ValueError):
+            code = grpc_status_of(exc)
+            kind = exc.kind if isinstance(exc, TlkvError) else InvalidRequestError.kind
+        else:
+            log.error("unexpected %s in a tl.kv.v1 call", type(exc).__name__, exc_info=exc)
+            code, kind = grpc.StatusCode.INTERNAL, "internal"
+            exc = RuntimeError(f"internal error ({type(exc).__name__}); see the log")
+        if code is grpc.StatusCode.INTERNAL and kind != "internal":
+            log.error("tl.kv.v1 call failed: %r", exc)
+        trailing: list[tuple[str, str]] = [(ERROR_KIND_KEY, kind)]
+        missing = getattr(exc, "missing_hash", None)
+        if missing is not None:
+            trailing.append((MISSING_BLOCK_KEY, f"{missing:016x}"))
+        message = str(exc) or kind
+        if len(message) > _MAX_DETAILS:
+            message = message[: _MAX_DETAILS - 3] + "..."
+        await context.abort(code, message, trailing_metadata=tuple(trailing))
+        return code  # not reached: abort raises
+
+    async def _unary(
+        self,
+        method: str,
+        context: grpc.aio.ServicerContext,
+        body: Callable[[], Awaitable[T]],
+    ) -> T:
+        code = grpc.StatusCode.OK
+        started = time.perf_counter()
+        try:
+            self._authorize(context)
+            return await body()
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception as exc:
+            if isinstance(exc, grpc.aio.AbortError):
+                raise
+            code = _code_of(exc)
+            await self._fail(context, exc)
+            raise  # not reached
+        finally:
+            self._observe(method, code, started)
+
+    # --- RPCs -------------------------------------------------------------------------
+
+    async def HasBlocks(  # the generated servicer names the RPCs
+        self, request: kv_pb2.HasBlocksRequest, context: grpc.aio.ServicerContext
+    ) -> kv_pb2.HasBlocksResponse:
+        """``present`` per hash and ``prefix_blocks``, the leading run present."""
+
+        async def body() -> kv_pb2.HasBlocksResponse:
+            hashes = np.asarray(request.block_hashes, dtype=np.uint64)
+            if not hashes.size:
+                return kv_pb2.HasBlocksResponse()
+            present = self.store.has(hashes)
+            try:
+                prefix = present.index(False)
+            except ValueError:
+                prefix = len(present)
+            return kv_pb2.HasBlocksResponse(present=present, prefix_blocks=prefix)
+
+        return await self._unary("HasBlocks", context, body)
+
+    async def PushKv(  # the generated servicer names the RPCs
+        self, request_iterator: AsyncIterator[kv_pb2.KvChunk], context: grpc.aio.ServicerContext
+    ) -> kv_pb2.PushKvResponse:
+        """Receive a KV state chunk by chunk; commit all or nothing after the last."""
+
+        async def body() -> kv_pb2.PushKvResponse:
+            push = _Push(self.store, self.formats, self.max_stream)
+            loop = asyncio.get_running_loop()
+            chunks: list[Any] = []
+            checks: list[asyncio.Future[tuple[int, Any, int, Geometry | None]]] = []
+            failed = 0  # checks before this index are known to have passed
+            async for chunk in request_iterator:
+                index = push.note(chunk)
+                chunks.append(chunk)
+                checks.append(loop.run_in_executor(None, push.check, index, chunk))
+                while failed < len(checks) and checks[failed].done():
+                    checks[failed].result()  # fail fast: raises the first failed check
+                    failed += 1
+            checked = [await c for c in checks]  # in stream order: the first failure wins
+            push.finish(checked, chunks)
+            await _confirm_half_closed(context)
+            return await loop.run_in_executor(None, push.commit)
+
+        return await self._unary("PushKv", context, body)
+
+    async def FetchKv(  # the generated servicer names the RPCs
+        self, request: kv_pb2.FetchKvRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[WireChunk]:
+        """The longest present prefix, one chunk per block (an empty stream for none)."""
+        code = grpc.StatusCode.OK
+        started = time.perf_counter()
+        try:
+            self._authorize(context)
+            async for chunk in self._fetch(request):
+                yield chunk
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED
+            raise
+        except Exception as exc:
+            if isinstance(exc, grpc.aio.AbortError):
+                raise
+            code = _code_of(exc)
+            await self._fail(context, exc)
+        finally:
+            self._observe("FetchKv", code, started)
+
+    async def _fetch(self, request: kv_pb2.FetchKvRequest) -> AsyncIterator[WireChunk]:
+        if len(request.block_hashes) and len(request.tokens):
+            raise InvalidRequestError("FetchKv takes block_hashes or tokens, not both")
+        kv_format = request.kv_format
+        if kv_format and kv_format not in self.formats:
+            raise UnsupportedVersionError(
+                f"kv_format {kv_format} is not a format this server reads "
+                f"(it reads {', '.join(map(str, self.formats))})"
+            )
+        store = self.store
+        geometry = store.geometry
+        if len(request.tokens):
+            if geometry is None:
+                return  # no geometry yet: the store holds no block
+            hashes = chain_hashes(list(request.tokens), geometry.block_tokens)
+        else:
+            hashes = list(request.block_hashes)
+        k = store.longest_prefix(hashes) if hashes else 0
+        if not k:
+            return
+        loop = asyncio.get_running_loop()
+        first = await loop.run_in_executor(None, _get, store, hashes[0], kv_format or None)
+        if first is None:
+            return
+        version = decode(first, verify_crc=False).version
+        if len(first) > MAX_CHUNK_PAYLOAD:
+            raise TooLargeError(
+                f"a block of this store is {len(first)} bytes in format v{version}, over "
+                f"the spec's {MAX_CHUNK_PAYLOAD}-byte chunk limit: fetch it with kv_format=2"
+            )
+        data: bytes | None = first
+        for i in range(k):
+            assert data is not None
+            nxt = (
+                loop.run_in_executor(None, _get, store, hashes[i + 1], version)
+                if i + 1 < k
+                else None
+            )
+            yield WireChunk(
+                block_hash=hashes[i],
+                n_tokens=geometry.block_tokens if geometry else 0,
+                kv_format=version,
+                payload=data,
+                crc32c=envelope_crc_to_chunk_crc(data),
+            )
+            if nxt is None:
+                break
+            data = await nxt
+            if data is None:
+                break  # evicted meanwhile: the prefix ends here
+
+
+async def _confirm_half_closed(context: grpc.aio.ServicerContext) -> None:
+    """Tell a client's end of stream from a cancelled stream before anything is committed.
+
+    grpc.aio ends the request iterator the same way for both (a cancelled read is reported
+    as end of stream), and cancels the handler only a moment later. gRPC's core has already
+    marked the call cancelled when the read ended, so one more operation on the call (the
+    response's initial metadata, sent a little early) completes after the cancellation has
+    reached this task: it raises ``CancelledError`` then, and nothing is stored.
+    """
+    try:
+        await context.send_initial_metadata(())
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # the operation failed on a call that is gone
+        raise asyncio.CancelledError() from exc
+
+
+def _get(store: Store, h: int, version: int | None) -> bytes | None:
+    return store.get(h, version=version)
+
+
+def _code_of(exc: BaseException) -> grpc.StatusCode:
+    if isinstance(exc, TlkvError | ValueError):
+        return grpc_status_of(exc)
+    return grpc.StatusCode.INTERNAL
+
+
+def _add_service(service: KvTransferService, server: grpc.aio.Server) -> None:
+    """Register KvTransfer as the generated ``add_KvTransferServicer_to_server`` does, but
+    with PushKv's requests parsed by ``parse_chunk`` and FetchKv's chunks written by
+    ``serialize_chunk`` (``kvstore._wirechunk``: payloads not copied by protobuf)."""
+    handlers = {
+        "HasBlocks": grpc.unary_unary_rpc_method_handler(
+            service.HasBlocks,
+            request_deserializer=kv_pb2.HasBlocksRequest.FromString,
+            response_serializer=kv_pb2.HasBlocksResponse.SerializeToString,
+        ),
+        "PushKv": grpc.stream_unary_rpc_method_handler(
+            service.PushKv,
+            request_deserializer=parse_chunk,
+            response_serializer=kv_pb2.PushKvResponse.SerializeToString,
+        ),
+        "FetchKv": grpc.unary_stream_rpc_method_handler(
+            service.FetchKv,
+            request_deserializer=kv_pb2.FetchKvRequest.FromString,
+            response_serializer=serialize_chunk,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
+# glibc mallopt parameters (malloc.h) and the values set by _keep_freed_memory.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_TRIM_THRESHOLD = 512 << 20
+_MMAP_THRESHOLD = 32 << 20  # glibc's largest on 64-bit (HEAP_MAX_SIZE / 2)
+
+
+def _keep_freed_memory() -> bool:
+    """Let this process reuse freed memory for the next stream (glibc only).
+
+    A PushKv stream holds all its chunks (gRPC hands each 2 MiB message over in newly
+    allocated memory) until LMDB copies them into its own newly allocated dirty pages. By
+    default glibc serves such blocks with fresh ``mmap``s and returns freed memory to the
+    kernel, so every push page-faults its whole size in twice. With allocations up to
+    32 MiB taken from the heap, and up to 512 MiB of free heap kept, the next push reuses
+    that memory. PushKv of 64 x 2 MiB into a store at capacity, against the bare servicer,
+    in two A/B runs of 8 rounds here: 0.45-0.74x per round (medians 0.51x, 0.58x) without,
+    0.66-1.26x (medians 0.78x, 1.16x) with. The cost: a worker's RSS stays at its peak (plus up to
+    512 MiB of free heap) instead of shrinking after a large push.
+
+    Returns:
+        True when both parameters were set (False elsewhere than glibc).
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    return bool(
+        mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
+    )
+
+
+async def start_server(
+    store: Store,
+    address: str,
+    *,
+    token: str | None = None,
+    formats: Sequence[int] = SUPPORTED_VERSIONS,
+    max_stream: int = DEFAULT_MAX_STREAM,
+    metrics: Metrics | None = None,
+) -> grpc.aio.Server:
+    """Start a grpc.aio server on ``address`` (``host:port``) serving KvTransfer and health.
+
+    Also tunes this process's allocator for whole buffered streams (``_keep_freed_memory``).
+
+    Raises:
+        RuntimeError: the address cannot be bound.
+    """
+    if not _keep_freed_memory():
+        log.info("mallopt unavailable: freed memory goes back to the system after each push")
+    server = grpc.aio.server(
+        options=[
+            ("grpc.so_reuseport", 1),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
+    )
+    service = KvTransferService(
+        store, token=token, formats=formats, max_stream=max_stream, metrics=metrics
+    )
+    _add_service(service, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    server.add_insecure_port(address)
+    await server.start()
+    serving = health_pb2.HealthCheckResponse.SERVING
+    await health_servicer.set("", serving)
+    await health_servicer.set(SERVICE_NAME, serving)
+    return server
