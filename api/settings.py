@@ -15,6 +15,7 @@ from pathlib import Path
 
 from kvstore.codec.geometry import Geometry
 from kvstore.codec.layout import SUPPORTED_VERSIONS
+from kvstore.protocol import read_token_file
 
 ENV_DATA = "TLKV_DATA"
 ENV_GEOMETRY = "TLKV_GEOMETRY"
@@ -58,18 +59,6 @@ def parse_size(text: str) -> int:
     if value != int(value):
         raise ValueError(f"size must be a whole number of bytes, found {text!r}")
     return int(value)
-
-
-def read_token_file(path: str | os.PathLike[str]) -> str:
-    """The bearer token in ``path`` (surrounding whitespace stripped).
-
-    Raises:
-        ValueError: the file holds no token.  OSError: it cannot be read.
-    """
-    token = Path(path).read_text(encoding="utf-8").strip()
-    if not token:
-        raise ValueError(f"token file {os.fspath(path)!r} is empty")
-    return token
 
 
 def parse_formats(text: str) -> tuple[int, ...]:

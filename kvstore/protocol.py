@@ -3,13 +3,16 @@
 Every rule here is spelled once and used by the HTTP service (``api``), the clients and the
 command line, so they cannot disagree: a block hash on the wire is exactly 16 lowercase hex
 digits (``0x12``, ``12`` and upper case are refused everywhere), a sequence name is 1-128
-characters of ``[A-Za-z0-9._-]``, and an error's ``kind`` names its class in
-:mod:`kvstore.errors`.
+characters of ``[A-Za-z0-9._-]``, an error's ``kind`` names its class in
+:mod:`kvstore.errors`, and a token file holds the bearer token (whitespace around it
+ignored).
 """
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -82,6 +85,18 @@ def check_sequence_name(name: Any) -> str:
             f"a sequence name is 1-{SEQUENCE_NAME_MAX} characters of [A-Za-z0-9._-], found {name!r}"
         )
     return str(name)
+
+
+def read_token_file(path: str | os.PathLike[str]) -> str:
+    """The bearer token in ``path`` (surrounding whitespace stripped).
+
+    Raises:
+        ValueError: the file holds no token.  OSError: it cannot be read.
+    """
+    token = Path(path).read_text(encoding="utf-8").strip()
+    if not token:
+        raise ValueError(f"token file {os.fspath(path)!r} is empty")
+    return token
 
 
 # The error classes a server answers with, by the ``kind`` of the JSON error shape.

@@ -110,3 +110,15 @@ def test_console_script_runs_as_module(tmp_path: Path) -> None:
         check=True,
     )
     assert proc.stdout == "a91ab0c1027b9366\n"
+
+
+def test_serve_comes_from_the_service_through_the_entry_point(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """kvstore never imports api: `tlkv serve` is the service's command, found through the
+    `tlkv.commands` entry point of the installed package."""
+    from importlib.metadata import entry_points
+
+    assert {ep.value for ep in entry_points(group="tlkv.commands")} >= {"api.serve:register"}
+    assert main(["serve", "--help"]) == 0
+    assert "--grpc-port" in capsys.readouterr().out

@@ -1,23 +1,42 @@
 """The ``tlkv`` command line: one parser, each command group registered by its module.
 
-Groups: ``codec`` (hash, inspect, verify), ``http`` (the client commands and ``serve``),
-``archive``. Exit codes are the table of :mod:`kvstore.cli.common`; an error is one line
-on stderr naming the rule.
+Groups: ``codec`` (hash, inspect, verify), ``remote`` (put, get, has against a server),
+``archive``, and those installed packages declare under the ``tlkv.commands`` entry point
+(the service's ``serve``). Exit codes are the table of :mod:`kvstore.cli.common`; an error
+is one line on stderr naming the rule.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from importlib.metadata import entry_points
+from typing import Any
 
 from .._version import __version__
 from ..codec.checksum import KERNEL
 from ..errors import TlkvError
-from . import archive, codec, http
+from . import archive, codec, remote
 from .common import EXIT_FAILURE, EXIT_USAGE, exit_code_for
 
-GROUPS = (codec, http, archive)
+GROUPS = (codec, remote, archive)
+# Entry-point group under which installed packages add commands (the service adds `serve`).
+PLUGIN_GROUP = "tlkv.commands"
+
+
+def _plugins() -> list[Callable[[Any], None]]:
+    """The ``register`` functions other installed packages declare for ``tlkv``; one that
+    fails to load is skipped with a warning, so the library's own commands still run."""
+    registers = []
+    for ep in entry_points(group=PLUGIN_GROUP):
+        try:
+            registers.append(ep.load())
+        except Exception as exc:  # a broken plugin must not take the codec commands down
+            print(
+                f"tlkv: command group {ep.name!r} ({ep.value}) not loaded: {exc}", file=sys.stderr
+            )
+    return registers
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for group in GROUPS:
         group.register(sub)
+    for register in _plugins():
+        register(sub)
     return parser
 
 

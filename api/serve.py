@@ -1,0 +1,126 @@
+"""``tlkv serve``: the service's command, registered with the ``tlkv`` command line.
+
+The library's CLI (``kvstore.cli``) never imports the service; it loads the command groups
+that installed packages declare under the ``tlkv.commands`` entry point, and this module is
+the service's (``pyproject.toml``). ``serve`` writes its options into ``TLKV_*`` variables
+and starts uvicorn, whose workers (spawned processes) each build the app from them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from kvstore.cli.common import EXIT_OK, geometry_arg, positive_int
+
+from . import settings as s
+from .settings import parse_size
+
+PROMETHEUS_MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"  # prometheus-client's multiprocess mode
+LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    # Set before anything imports prometheus_client, which chooses between memory and
+    # files at import. One process keeps its metrics in memory (and uvicorn ends it by
+    # re-raising SIGTERM, past any cleanup); several workers write theirs to a fresh
+    # private directory, summed by whichever worker answers a scrape and removed when
+    # the supervisor returns.
+    if args.workers == 1:
+        os.environ.pop(PROMETHEUS_MULTIPROC_DIR, None)
+        return _serve(args, None)
+    metrics_dir = tempfile.mkdtemp(prefix="tlkv-metrics-")
+    os.environ[PROMETHEUS_MULTIPROC_DIR] = metrics_dir
+    try:
+        return _serve(args, metrics_dir)
+    finally:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _serve(args: argparse.Namespace, metrics_dir: str | None) -> int:
+    import uvicorn  # imported by the command only: `tlkv --help` stays fast
+
+    env = {
+        s.ENV_DATA: str(Path(args.data).resolve()),
+        s.ENV_MAX_BODY: str(args.max_body),
+    }
+    if args.geometry is not None:
+        env[s.ENV_GEOMETRY] = ",".join(map(str, args.geometry.as_tuple()))
+    if args.capacity is not None:
+        env[s.ENV_CAPACITY] = str(args.capacity)
+    if args.token_file is not None:
+        env[s.ENV_TOKEN_FILE] = str(Path(args.token_file).resolve())
+    if args.grpc_port is not None:
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        env[s.ENV_GRPC] = f"{host}:{args.grpc_port}"
+        env[s.ENV_GRPC_MAX_STREAM] = str(args.grpc_max_stream)
+    if args.formats is not None:
+        env[s.ENV_FORMATS] = args.formats  # checked by Settings.from_env below
+    os.environ.update(env)  # the workers (spawned processes) inherit these
+    settings = s.Settings.from_env()  # fail here, once, on a bad token file
+
+    # Open and close the store once before any worker starts: a geometry mismatch or an
+    # unusable directory is reported here instead of by every worker in a restart loop.
+    from kvstore.store import Store
+
+    Store(settings.data, geometry=settings.geometry, capacity_bytes=settings.capacity_bytes).close()
+    auth = "on" if settings.token else "off"
+    grpc = f", grpc://{settings.grpc_address}" if settings.grpc_address else ""
+    metrics = "" if metrics_dir is None else f"metrics {metrics_dir}, "
+    print(
+        f"tlkv serve: data {settings.data}, auth {auth}, {args.workers} worker(s), "
+        f"{metrics}http://{args.host}:{args.port}{grpc}",
+        file=sys.stderr,
+    )
+    uvicorn.run(
+        "api.app:create_app",
+        factory=True,
+        host=args.host,
+        port=args.port,
+        workers=args.workers,
+        loop="uvloop",
+        http="httptools",
+        log_level=args.log_level,
+        access_log=args.access_log,
+    )
+    return EXIT_OK
+
+
+def register(sub: Any) -> None:
+    """Add ``serve`` to the ``tlkv`` subcommands."""
+    p = sub.add_parser("serve", help="run the HTTP service (uvicorn) on a store")
+    p.add_argument("--data", default="./tlkv-data", help="store directory (default ./tlkv-data)")
+    p.add_argument("--geometry", type=geometry_arg, default=None, help="B,L,H,D of a new store")
+    p.add_argument("--capacity", type=_size_arg, default=None, help="capacity, e.g. 2GiB")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--workers", type=positive_int, default=1, help="worker processes")
+    p.add_argument("--token-file", default=None, help="bearer token file (else $TLKV_TOKEN)")
+    p.add_argument(
+        "--max-body", type=_size_arg, default=64 * 1024 * 1024, help="body limit (64MiB)"
+    )
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    p.add_argument("--access-log", action="store_true", help="log every request")
+    p.add_argument(
+        "--grpc-port", type=int, default=None, help="also serve tl.kv.v1 gRPC on this port"
+    )
+    p.add_argument(
+        "--grpc-max-stream",
+        type=_size_arg,
+        default=1024 * 1024 * 1024,
+        help="payload bytes one PushKv stream may buffer (1GiB)",
+    )
+    p.add_argument("--formats", default=None, help="envelope versions read, e.g. 1 (1,2)")
+    p.set_defaults(func=_cmd_serve)

@@ -1,0 +1,166 @@
+"""The client commands of ``tlkv``: ``put``, ``get`` and ``has`` against a server, over HTTP
+(``http://``) or tl.kv.v1 gRPC (``grpc://``).
+
+The HTTP client and the gRPC stubs are imported only inside the commands, so the codec
+commands run without them. The token comes from ``--token-file`` or ``TLKV_TOKEN``.
+(``tlkv serve`` belongs to the service: ``api.serve`` registers it.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..protocol import is_hash_hex, read_token_file
+from .common import EXIT_FAILURE, EXIT_OK, positive_int
+
+DEFAULT_URL_HELP = "server: http://127.0.0.1:8000, or grpc://127.0.0.1:50051 for tl.kv.v1"
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    if args.token_file:
+        return read_token_file(args.token_file)
+    return os.environ.get("TLKV_TOKEN") or None
+
+
+def _is_grpc(args: argparse.Namespace) -> bool:
+    return str(args.url).startswith("grpc://")
+
+
+def _client(args: argparse.Namespace) -> Any:
+    if _is_grpc(args):
+        from ..transfer import TransferClient
+
+        return TransferClient(args.url, token=_token(args))
+    from ..client import Client
+
+    return Client(args.url, token=_token(args))
+
+
+def _run_client(args: argparse.Namespace, action: Any) -> int:
+    import httpx
+
+    try:
+        with _client(args) as client:
+            return int(action(client))
+    except httpx.HTTPError as exc:
+        print(f"tlkv {args.command}: {args.url}: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+def _cmd_put(args: argparse.Namespace) -> int:
+    data = Path(args.file).read_bytes()
+
+    def action(client: Any) -> int:
+        if _is_grpc(args):
+            json.dump(client.push(data)._asdict(), sys.stdout)
+            sys.stdout.write("\n")
+            return EXIT_OK
+        result = client.put(data)
+        reply = {
+            "stored": [f"{h:016x}" for h in result.stored],
+            "duplicate": [f"{h:016x}" for h in result.duplicate],
+            "partial": result.partial,
+        }
+        json.dump(reply, sys.stdout)
+        sys.stdout.write("\n")
+        return EXIT_OK
+
+    return _run_client(args, action)
+
+
+def _cmd_get(args: argparse.Namespace) -> int:
+    def action(client: Any) -> int:
+        if _is_grpc(args):
+            data = client.fetch(hashes=[args.hash], kv_format=args.format or 0) or None
+        else:
+            data = client.get(args.hash, format=args.format)
+        if data is None:
+            print(f"tlkv get: block {args.hash} not found", file=sys.stderr)
+            return EXIT_FAILURE
+        if args.output == "-":
+            sys.stdout.buffer.write(data)
+            sys.stdout.buffer.flush()
+        else:
+            Path(args.output).write_bytes(data)
+        return EXIT_OK
+
+    return _run_client(args, action)
+
+
+def _cmd_has(args: argparse.Namespace) -> int:
+    if args.tokens is None and not args.hashes:
+        print("tlkv has: give --tokens ... or one or more hashes", file=sys.stderr)
+        return 2
+    if args.tokens is not None and args.hashes:
+        print("tlkv has: give --tokens or hashes, not both", file=sys.stderr)
+        return 2
+
+    def action(client: Any) -> int:
+        if args.tokens is not None and _is_grpc(args):
+            from ..codec.hashing import chain_hashes
+
+            # HasBlocks takes hashes: they are computed here, with --block-tokens.
+            result = client.has_blocks(chain_hashes(args.tokens, args.block_tokens))
+            names = [f"block {i}" for i in range(len(result.present))]
+        elif args.tokens is not None:
+            result = client.has_blocks(tokens=args.tokens)
+            names = [f"block {i}" for i in range(len(result.present))]
+        else:
+            result = client.has_blocks(hashes=args.hashes)
+            names = list(args.hashes)
+        if args.json:
+            json.dump({"present": result.present, "prefix": result.prefix}, sys.stdout)
+            sys.stdout.write("\n")
+            return EXIT_OK
+        for name, here in zip(names, result.present):
+            print(f"{name} {'present' if here else 'absent'}")
+        print(f"prefix {result.prefix}/{len(result.present)}")
+        return EXIT_OK
+
+    return _run_client(args, action)
+
+
+def _add_token(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--token-file", help="file holding the bearer token (else $TLKV_TOKEN)")
+
+
+def _hash_arg(text: str) -> str:
+    if not is_hash_hex(text):
+        raise argparse.ArgumentTypeError(f"a block hash is 16 lowercase hex digits: {text!r}")
+    return text
+
+
+def register(sub: Any) -> None:
+    """Add ``put``, ``get`` and ``has`` to the ``tlkv`` subcommands."""
+    p = sub.add_parser("put", help="send an envelope's blocks to a server")
+    p.add_argument("url", help=DEFAULT_URL_HELP)
+    p.add_argument("file", help="envelope file")
+    _add_token(p)
+    p.set_defaults(func=_cmd_put)
+
+    p = sub.add_parser("get", help="fetch one block's envelope from a server")
+    p.add_argument("url", help=DEFAULT_URL_HELP)
+    p.add_argument("hash", type=_hash_arg, help="16 lowercase hex digits")
+    p.add_argument("-o", "--output", required=True, help="output file ('-' for stdout)")
+    p.add_argument("--format", type=int, choices=[1, 2], default=None, help="transcode to")
+    _add_token(p)
+    p.set_defaults(func=_cmd_get)
+
+    p = sub.add_parser("has", help="ask a server which blocks it holds")
+    p.add_argument("url", help=DEFAULT_URL_HELP)
+    p.add_argument("hashes", nargs="*", type=_hash_arg, help="block hashes")
+    p.add_argument("--tokens", nargs="+", type=int, default=None, help="token ids instead")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--block-tokens",
+        type=positive_int,
+        default=16,
+        help="B for hashing --tokens on a grpc:// server (default 16)",
+    )
+    _add_token(p)
+    p.set_defaults(func=_cmd_has)
