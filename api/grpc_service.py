@@ -33,6 +33,7 @@ health service (``grpc.health.v1``) answers without it, like ``/healthz``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import ctypes.util
 import hmac
@@ -320,17 +321,15 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
         await context.abort(code, message, trailing_metadata=tuple(trailing))
         return code  # not reached: abort raises
 
-    async def _unary(
-        self,
-        method: str,
-        context: grpc.aio.ServicerContext,
-        body: Callable[[], Awaitable[T]],
-    ) -> T:
+    @contextlib.asynccontextmanager
+    async def _call(self, method: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        """One RPC's frame: authorize, map a failure to its status (aborting the call),
+        and count the call with its code and duration in ``/metrics``."""
         code = grpc.StatusCode.OK
         started = time.perf_counter()
         try:
             self._authorize(context)
-            return await body()
+            yield
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
             raise
@@ -339,9 +338,19 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
                 raise
             code = _code_of(exc)
             await self._fail(context, exc)
-            raise  # not reached
+            raise  # not reached: _fail aborts
         finally:
             self._observe(method, code, started)
+
+    async def _unary(
+        self,
+        method: str,
+        context: grpc.aio.ServicerContext,
+        body: Callable[[], Awaitable[T]],
+    ) -> T:
+        async with self._call(method, context):
+            return await body()
+        raise AssertionError("unreachable: _call re-raises")  # for type checkers
 
     # --- RPCs -------------------------------------------------------------------------
 
@@ -392,22 +401,9 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
         self, request: kv_pb2.FetchKvRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[WireChunk]:
         """The longest present prefix, one chunk per block (an empty stream for none)."""
-        code = grpc.StatusCode.OK
-        started = time.perf_counter()
-        try:
-            self._authorize(context)
+        async with self._call("FetchKv", context):
             async for chunk in self._fetch(request):
                 yield chunk
-        except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
-            raise
-        except Exception as exc:
-            if isinstance(exc, grpc.aio.AbortError):
-                raise
-            code = _code_of(exc)
-            await self._fail(context, exc)
-        finally:
-            self._observe("FetchKv", code, started)
 
     async def _fetch(self, request: kv_pb2.FetchKvRequest) -> AsyncIterator[WireChunk]:
         if len(request.block_hashes) and len(request.tokens):

@@ -1,11 +1,20 @@
-"""Shared timing helpers and the result table of tools/bench.py."""
+"""Shared timing helpers, server-process helpers and the result table of tools/bench.py."""
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+REPO = Path(__file__).resolve().parent.parent
+TOOLS = Path(__file__).resolve().parent
 
 
 @dataclass
@@ -71,3 +80,30 @@ def print_table(rows: list[Row], markdown: bool = False) -> None:
     widths = [max(len(x) for x in col) for col in zip(header, *lines)]
     for line in [header, *lines]:
         print("  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip())
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def server_env() -> dict[str, str]:
+    """The environment for a server subprocess: no inherited TLKV_* settings, the repo and
+    the tools on the path."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TLKV_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(TOOLS)])
+    return env
+
+
+def stop_process(proc: subprocess.Popen[bytes], log: IO[bytes]) -> None:
+    """SIGTERM a server subprocess (SIGKILL after 30 s) and close its log."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    log.close()

@@ -30,8 +30,6 @@ import argparse
 import contextlib
 import os
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,10 +39,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench_common import Row
+from bench_common import REPO, Row, free_port, server_env, stop_process
 
-REPO = Path(__file__).resolve().parent.parent
-TOOLS = Path(__file__).resolve().parent
 GEOMETRY = (16, 32, 8, 128)  # a 2 MiB v1 payload per block
 PUSH_BLOCKS = 64
 PUSH_CAPACITY_ROUNDS = 4  # the PushKv store holds this many rounds of 64 blocks
@@ -125,18 +121,6 @@ def _serve(argv: list[str]) -> int:
 # --- processes ----------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TLKV_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(TOOLS)])
-    return env
-
-
 class _Proc:
     """A server subprocess, ready once its gRPC port accepts a channel."""
 
@@ -145,7 +129,9 @@ class _Proc:
 
         self.grpc_port = grpc_port
         self._log = open(log, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=self._log, stderr=self._log)
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, env=server_env(), stdout=self._log, stderr=self._log
+        )
         deadline = time.monotonic() + 60
         while True:
             if self.proc.poll() is not None:
@@ -159,24 +145,17 @@ class _Proc:
                         raise RuntimeError("server did not start") from None
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+        stop_process(self.proc, self._log)
 
 
 def _start_script(kind: str, path: Path, log: Path) -> _Proc:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", kind, str(port), str(path)]
     return _Proc(cmd, port, log)
 
 
 def _start_tlkv(data: Path, log: Path) -> tuple[_Proc, int]:
-    http_port, grpc_port = _free_port(), _free_port()
+    http_port, grpc_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "kvstore", "serve", "--data", str(data)]
     cmd += ["--port", str(http_port), "--grpc-port", str(grpc_port), "--workers", "1"]
     cmd += ["--geometry", ",".join(map(str, GEOMETRY)), "--log-level", "warning"]

@@ -20,8 +20,6 @@ import os
 import random
 import re
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,10 +30,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench_common import Row
+from bench_common import REPO, Row, free_port, server_env, stop_process
 
-REPO = Path(__file__).resolve().parent.parent
-TOOLS = Path(__file__).resolve().parent
 GEOMETRY = (16, 32, 8, 128)  # Llama-3-8B: a 2 MiB v1 payload per block
 WORKERS = 2
 ENVELOPE = "application/vnd.tlkv"
@@ -74,12 +70,6 @@ async def bare_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
 
 
 # --- processes ---------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class _Server:
@@ -130,38 +120,25 @@ class _Server:
         return total / 1024
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TLKV_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(TOOLS)])
-    return env
+        stop_process(self.proc, self._log)
 
 
 def _start_tlkv(data: Path, log: Path) -> _Server:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "kvstore", "serve", "--data", str(data), "--port", str(port)]
     cmd += ["--workers", str(WORKERS), "--geometry", ",".join(map(str, GEOMETRY))]
     cmd += ["--log-level", "warning", "--max-body", "64MiB"]
-    return _Server(cmd, port, _env(), log)
+    return _Server(cmd, port, server_env(), log)
 
 
 def _start_bare(blob: Path, log: Path) -> _Server:
-    port = _free_port()
+    port = free_port()
     code = (
         "import uvicorn; uvicorn.run('bench_http:bare_app', host='127.0.0.1', "
         f"port={port}, workers={WORKERS}, loop='uvloop', http='httptools', "
         "log_level='warning', access_log=False)"
     )
-    env = _env()
+    env = server_env()
     env[BLOB_ENV] = str(blob)
     return _Server([sys.executable, "-c", code], port, env, log)
 
