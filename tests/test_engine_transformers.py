@@ -184,6 +184,27 @@ def test_over_http_with_a_server_restart(tmp_path: Path) -> None:
     assert torch.equal(_next_logits(model, ids, n, loaded), want)
 
 
+def test_over_tl_kv_v1_grpc(tmp_path: Path) -> None:
+    from http_server import free_port
+
+    from kvstore.transfer import TransferClient
+
+    model, ids = _model(torch.float16), _prompt(seed=4)
+    cache = _prefill(model, ids)
+    port = free_port()
+    with (
+        ServerProcess(tmp_path / "data", "--grpc-port", str(port)),
+        TransferClient(f"127.0.0.1:{port}") as client,
+    ):
+        assert load_prefix(client, ids, config=model) == (0, None)
+        assert save_prefix(client, ids, cache, config=model) == 2
+        assert save_prefix(client, ids, cache, config=model) == 0  # nothing re-sent
+        n, loaded = load_prefix(client, ids, config=model)
+    assert n == 32
+    want = _next_logits(model, ids, n, _cropped(cache, n))
+    assert torch.equal(_next_logits(model, ids, n, loaded), want)
+
+
 def test_only_missing_blocks_are_stored_and_a_longer_prompt_extends_the_prefix(
     tmp_path: Path,
 ) -> None:

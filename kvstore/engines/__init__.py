@@ -2,9 +2,9 @@
 
 One module per engine (``kvstore.engines.transformers``: Hugging Face transformers, the
 ``tlkv[hf]`` extra); each imports its framework lazily. What an engine bridge needs from
-the place that holds blocks is ``BlockTarget``: a ``Store``, an HTTP ``Client``, or any
-object with these four methods (a gRPC transfer client, once tl.kv.v1 lands), which
-``as_target`` passes through as it is.
+the place that holds blocks is ``BlockTarget``: a ``Store``, an HTTP ``Client``, a tl.kv.v1
+``TransferClient``, or any object with these four methods, which ``as_target`` passes
+through as it is.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ..codec.envelope import BlockView, decode
 from ..codec.geometry import Geometry
 from ..store import Store
 
-__all__ = ["BlockTarget", "ClientTarget", "StoreTarget", "as_target"]
+__all__ = ["BlockTarget", "ClientTarget", "StoreTarget", "TransferTarget", "as_target"]
 
 
 @runtime_checkable
@@ -99,9 +99,39 @@ class ClientTarget:
         yield list(decode(self.client.prefix(hashes=hashes)))
 
 
+class TransferTarget:
+    """A ``tlkv serve --grpc-port`` over tl.kv.v1: HasBlocks, one PushKv in which only the
+    blocks the server lacks carry payloads, one FetchKv.
+
+    The protocol carries no geometry, so ``block_geometry`` is None and ``knows_geometry``
+    False: the bridge uses the model's, and a server holding another geometry refuses the
+    push by the reader rules (``ShapeError``).
+    """
+
+    knows_geometry = False  # None from block_geometry means "unknown", not "none held"
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    def block_geometry(self) -> Geometry | None:
+        return None
+
+    def has_blocks(self, hashes: Sequence[int]) -> list[bool]:
+        return list(self.client.has_blocks(hashes).present) if len(hashes) else []
+
+    def put_envelope(self, envelope: bytes) -> int:
+        return int(self.client.push(envelope).stored)
+
+    @contextlib.contextmanager
+    def prefix_views(self, hashes: Sequence[int]) -> Iterator[Sequence[BlockView]]:
+        data = self.client.fetch(hashes=list(hashes)) if len(hashes) else b""
+        yield list(decode(data)) if data else []
+
+
 def as_target(obj: Any) -> BlockTarget:
-    """``obj`` as a ``BlockTarget``: a ``Store``, a ``kvstore.client.Client``, or an
-    object that implements the protocol already (passed through).
+    """``obj`` as a ``BlockTarget``: a ``Store``, a ``kvstore.client.Client``, a
+    ``kvstore.transfer.TransferClient``, or an object that implements the protocol already
+    (passed through).
 
     Raises:
         TypeError: ``obj`` is none of these.
@@ -112,9 +142,13 @@ def as_target(obj: Any) -> BlockTarget:
 
     if isinstance(obj, Client):
         return ClientTarget(obj)
+    from ..transfer import TransferClient
+
+    if isinstance(obj, TransferClient):
+        return TransferTarget(obj)
     if isinstance(obj, BlockTarget):
         return obj
     raise TypeError(
-        f"expected a kvstore Store, a kvstore.client.Client or a BlockTarget, "
+        f"expected a kvstore Store, Client, TransferClient or a BlockTarget, "
         f"found {type(obj).__name__}"
     )

@@ -233,6 +233,7 @@ def load_prefix(
     dtype: Any = None,
     device: Any = "cpu",
     config: Any = None,
+    block_tokens: int | None = None,
 ) -> tuple[int, Any]:
     """The longest stored prefix of the prompt as a transformers cache.
 
@@ -243,6 +244,9 @@ def load_prefix(
             f16 for v1 blocks and f32 for dequantized v2 blocks.
         device: where the cache's tensors go.
         config: the model or its config: the source's geometry is checked against it.
+        block_tokens: B, for a source that cannot tell its geometry (a tl.kv.v1
+            ``TransferClient``: the protocol carries none), which is then read with the
+            model's (``config`` required; default 16).
 
     Returns:
         ``(n_tokens, cache)``: ``n_tokens`` is a multiple of the source's block_tokens
@@ -257,6 +261,8 @@ def load_prefix(
     src = as_target(source)
     ids = _one_sequence(input_ids)
     g = src.block_geometry()
+    if g is None and config is not None and not getattr(src, "knows_geometry", True):
+        g = model_geometry(config, block_tokens or DEFAULT_BLOCK_TOKENS)
     if g is None:
         return 0, None
     if config is not None:
