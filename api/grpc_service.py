@@ -59,7 +59,7 @@ from kvstore.errors import (
     UnauthorizedError,
     UnsupportedVersionError,
 )
-from kvstore.protocol import SEQUENCE_NAME_MAX, is_sequence_name
+from kvstore.protocol import SEQUENCE_NAME_MAX, hash_hex, is_sequence_name
 from kvstore.transfer import (
     ERROR_KIND_KEY,
     MAX_CHUNK_PAYLOAD,
@@ -314,7 +314,7 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
         trailing: list[tuple[str, str]] = [(ERROR_KIND_KEY, kind)]
         missing = getattr(exc, "missing_hash", None)
         if missing is not None:
-            trailing.append((MISSING_BLOCK_KEY, f"{missing:016x}"))
+            trailing.append((MISSING_BLOCK_KEY, hash_hex(missing)))
         message = str(exc) or kind
         if len(message) > _MAX_DETAILS:
             message = message[: _MAX_DETAILS - 3] + "..."

@@ -23,7 +23,7 @@ from ..errors import (
     UnsafeArchiveError,
     UnsupportedVersionError,
 )
-from ..protocol import HASH_HEX_REGEX, SEQUENCE_NAME_REGEX, is_hash_hex
+from ..protocol import HASH_HEX_REGEX, SEQUENCE_NAME_REGEX, hash_hex, is_hash_hex
 
 ARCHIVE_FORMAT = "tlkv-archive"
 ARCHIVE_VERSION = 1
@@ -180,7 +180,7 @@ class SequenceRecord:
         """The canonical bytes of ``sequences/<name>.json``."""
         return canonical_json(
             {
-                "hashes": [f"{h:016x}" for h in self.hashes],
+                "hashes": [hash_hex(h) for h in self.hashes],
                 "name": self.name,
                 "tail": self.tail is not None,
             }

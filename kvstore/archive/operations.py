@@ -39,7 +39,7 @@ from ..errors import (
     UnsafeArchiveError,
 )
 from ..fileio import atomic_file, current_umask, drop_mapped_pages
-from ..protocol import check_sequence_name
+from ..protocol import check_sequence_name, hash_hex
 from .importer import (
     Importer,
     RestoreReport,
@@ -302,9 +302,9 @@ class Listing:
             "manifest": self.manifest.to_dict(),
             "archive_bytes": self.archive_bytes,
             "data_bytes": self.data_bytes,
-            "blocks": [f"{h:016x}" for h in self.hashes.tolist()],
+            "blocks": [hash_hex(h) for h in self.hashes.tolist()],
             "sequences": [
-                {"name": s.name, "hashes": [f"{h:016x}" for h in s.hashes], "tail": s.tail}
+                {"name": s.name, "hashes": [hash_hex(h) for h in s.hashes], "tail": s.tail}
                 for s in self.sequences
             ],
         }

@@ -13,6 +13,7 @@ import numpy as np
 
 from ..codec.envelope import decode
 from ..codec.hashing import chain_hashes_array
+from ..protocol import hash_hex
 from .common import EXIT_OK, geometry_arg, versions_arg
 
 
@@ -45,7 +46,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
         f32 = bv.to_float32()
         blocks.append(
             {
-                "hash": f"{bv.hash:016x}",
+                "hash": hash_hex(bv.hash),
                 "n_tokens": bv.n_tokens,
                 "k_absmax": _absmax(f32[:, 0]),
                 "v_absmax": _absmax(f32[:, 1]),

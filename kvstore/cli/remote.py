@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..protocol import is_hash_hex, read_token_file
+from ..protocol import hash_hex, is_hash_hex, read_token_file
 from .common import EXIT_FAILURE, EXIT_OK, positive_int
 
 DEFAULT_URL_HELP = "server: http://127.0.0.1:8000, or grpc://127.0.0.1:50051 for tl.kv.v1"
@@ -62,8 +62,8 @@ def _cmd_put(args: argparse.Namespace) -> int:
             return EXIT_OK
         result = client.put(data)
         reply = {
-            "stored": [f"{h:016x}" for h in result.stored],
-            "duplicate": [f"{h:016x}" for h in result.duplicate],
+            "stored": [hash_hex(h) for h in result.stored],
+            "duplicate": [hash_hex(h) for h in result.duplicate],
             "partial": result.partial,
         }
         json.dump(reply, sys.stdout)

@@ -83,7 +83,7 @@ class ClientTarget:
         g = self.client.info()["geometry"]
         if g is None:
             return None
-        return Geometry(g["block_tokens"], g["n_layers"], g["n_kv_heads"], g["head_dim"])
+        return Geometry.from_dict(g)
 
     def has_blocks(self, hashes: Sequence[int]) -> list[bool]:
         return list(self.client.has_blocks(hashes).present) if len(hashes) else []
