@@ -4,8 +4,8 @@ Uvicorn calls ``create_app`` (``factory=True``) in every worker process, so each
 reads its :class:`~api.settings.Settings` from the environment and opens the LMDB store
 after the fork, as LMDB requires; its :class:`~api.metrics.Metrics` add up with the other
 workers' when ``PROMETHEUS_MULTIPROC_DIR`` is set (``tlkv serve`` sets it). Middleware,
-outermost first: metrics, the guard (auth, body limit), then the block-read fast path;
-every error leaves in the one JSON shape of ``api.errors``.
+outermost first: metrics, the guard (auth, body limit, in-flight body budget), then the
+block-read fast path; every error leaves in the one JSON shape of ``api.errors``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from fastapi import FastAPI
 import kvstore
 from kvstore.store.store import Store
 
+from .bodies import InflightBudget
 from .errors import install_error_handlers
 from .metrics import Metrics, MetricsMiddleware
 from .middleware import GuardMiddleware
@@ -62,6 +63,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (service, blocks, sequences):
         app.include_router(module.router)
     app.add_middleware(blocks.BlockReadFastPath)
-    app.add_middleware(GuardMiddleware, token=settings.token, max_body=settings.max_body)
+    app.add_middleware(
+        GuardMiddleware,
+        token=settings.token,
+        max_body=settings.max_body,
+        budget=InflightBudget(settings.inflight_bytes),
+    )
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     return app

@@ -2,7 +2,8 @@
 
 Kinds and statuses come from ``kvstore.errors`` (``kind``/``http_status`` of each class):
 ``format`` 422, ``shape`` 422, ``version`` 415, ``not_found`` 404, ``pinned`` 409,
-``too_large`` 413, ``unauthorized`` 401, ``store_full`` 507, ``invalid_request`` 422, plus
+``too_large`` 413, ``unauthorized`` 401, ``store_full`` 507, ``invalid_request`` 422,
+``busy`` 503 (with Retry-After), plus
 ``method_not_allowed`` 405 and ``internal`` 500 (a bug, logged; never the answer to bad
 input). FastAPI's validation errors, unknown routes and methods, malformed bodies and a
 client that disconnects mid-body are all mapped here, so no other shape ever leaves.
@@ -22,6 +23,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from kvstore.errors import (
+    BusyError,
     InvalidRequestError,
     MethodNotAllowedError,
     NotFoundError,
@@ -32,6 +34,8 @@ from kvstore.errors import (
 )
 
 log = logging.getLogger("tlkv.api")
+
+RETRY_AFTER_SECONDS = 1  # the Retry-After of a 503 busy
 
 ERROR_MEDIA_TYPE = "application/json"
 _MAX_MESSAGE = 500
@@ -52,6 +56,8 @@ def _extra_headers(error: type[TlkvError]) -> dict[str, str]:
     if issubclass(error, TooLargeError):
         # The rest of the body is never read: close rather than drain it for keep-alive.
         return {"connection": "close"}
+    if issubclass(error, BusyError):
+        return {"retry-after": str(RETRY_AFTER_SECONDS)}
     return {}
 
 

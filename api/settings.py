@@ -21,9 +21,12 @@ ENV_CAPACITY = "TLKV_CAPACITY"
 ENV_TOKEN = "TLKV_TOKEN"
 ENV_TOKEN_FILE = "TLKV_TOKEN_FILE"
 ENV_MAX_BODY = "TLKV_MAX_BODY"
+ENV_MAX_INFLIGHT = "TLKV_MAX_INFLIGHT"
 
 DEFAULT_DATA = "./tlkv-data"
 DEFAULT_MAX_BODY = 64 * 1024 * 1024
+# --max-inflight by default: this many max-size bodies held by one worker at once.
+DEFAULT_INFLIGHT_BODIES = 2
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*", re.IGNORECASE)
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
@@ -76,6 +79,22 @@ class Settings:
     capacity_bytes: int | None = None
     token: str | None = None
     max_body: int = DEFAULT_MAX_BODY
+    max_inflight: int | None = None  # None: DEFAULT_INFLIGHT_BODIES * max_body
+
+    def __post_init__(self) -> None:
+        if self.max_inflight is None:
+            object.__setattr__(self, "max_inflight", DEFAULT_INFLIGHT_BODIES * self.max_body)
+        elif self.max_inflight < self.max_body:
+            raise ValueError(
+                f"--max-inflight ({self.max_inflight} bytes) must be at least --max-body "
+                f"({self.max_body} bytes)"
+            )
+
+    @property
+    def inflight_bytes(self) -> int:
+        """Bytes of request bodies one worker holds at most (``--max-inflight``)."""
+        assert self.max_inflight is not None
+        return self.max_inflight
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -90,10 +109,12 @@ class Settings:
         token_file = env.get(ENV_TOKEN_FILE)
         token = read_token_file(token_file) if token_file else (env.get(ENV_TOKEN) or None)
         max_body = env.get(ENV_MAX_BODY)
+        max_inflight = env.get(ENV_MAX_INFLIGHT)
         return cls(
             data=Path(env.get(ENV_DATA) or DEFAULT_DATA),
             geometry=Geometry.parse(geometry) if geometry else None,
             capacity_bytes=parse_size(capacity) if capacity else None,
             token=token,
             max_body=parse_size(max_body) if max_body else DEFAULT_MAX_BODY,
+            max_inflight=parse_size(max_inflight) if max_inflight else None,
         )

@@ -127,6 +127,13 @@ class MethodNotAllowedError(InvalidRequestError):
     http_status = 405
 
 
+class BusyError(TlkvError):
+    """The worker holds as many request-body bytes as it may (``--max-inflight``): retry."""
+
+    kind = "busy"
+    http_status = 503
+
+
 class ServiceError(TlkvError):
     """The service failed in a way no other error describes (an unexpected server error)."""
 

@@ -98,6 +98,7 @@ ERROR_KINDS: dict[str, type[errors.TlkvError]] = {
         errors.StoreFullError,
         errors.InvalidRequestError,
         errors.MethodNotAllowedError,
+        errors.BusyError,
         errors.ServiceError,
     )
 }

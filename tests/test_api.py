@@ -17,6 +17,7 @@ from http_server import ServerProcess, assert_error
 
 from kvstore import Block, Geometry, chain_hashes, crc32c, decode, encode, split, transcode
 from kvstore.codec import checksum
+from kvstore.codec.assembly import pack_header
 from kvstore.codec.layout import TRAILER
 
 ENVELOPE = {"content-type": "application/vnd.tlkv"}
@@ -395,21 +396,37 @@ def test_body_over_limit_content_length(server: ServerProcess, http: httpx.Clien
     assert http.get("/healthz").status_code == 200  # a new connection, server fine
 
 
-def test_body_over_limit_chunked(server: ServerProcess, http: httpx.Client) -> None:
+@pytest.mark.parametrize(
+    ("path", "first", "headers"),
+    [
+        # An envelope whose header announces more than the limit: refused by its header.
+        ("/v1/blocks", pack_header(1, SMALL, 100_000), ENVELOPE),
+        # Bytes counted as they stream in, refused once past the limit.
+        ("/v1/has-blocks", b"", {"content-type": "application/octet-stream"}),
+    ],
+    ids=["envelope", "counted"],
+)
+def test_body_over_limit_chunked(
+    server: ServerProcess, http: httpx.Client, path: str, first: bytes, headers: dict
+) -> None:
     sent = 0
 
     def chunks() -> Iterator[bytes]:
         nonlocal sent
+        yield first
         for _ in range(1024):  # up to 64 MiB if never refused
             sent += 65536
             yield b"\0" * 65536
 
     try:
-        r = http.put("/v1/blocks", content=chunks(), headers=ENVELOPE)
+        r = http.request(
+            "PUT" if path == "/v1/blocks" else "POST", path, content=chunks(), headers=headers
+        )
     except httpx.HTTPError:
         pass  # the server may close while we are still sending: also a refusal
     else:
         assert_error(r, 413, "too_large")
+        assert r.headers.get("connection") == "close"
     assert sent < 64 * 1024 * 1024
     assert http.get("/healthz").status_code == 200
     # A chunked body under the limit is fine.

@@ -26,6 +26,9 @@ from kvstore.protocol import (
 )
 from kvstore.store import Store
 
+# Every body is read through api.bodies (the in-flight budget); re-exported for the routes.
+from ..bodies import read_body as read_body
+
 OCTET_STREAM = HASHES_MEDIA_TYPE
 ENVELOPE_TYPES = frozenset({ENVELOPE_MEDIA_TYPE, OCTET_STREAM})
 
@@ -143,6 +146,11 @@ def media_type(request: Request) -> str | None:
     return value.split(";", 1)[0].strip().lower()
 
 
+def max_body_of(request: Request) -> int:
+    """The worker's ``--max-body``."""
+    return int(request.app.state.settings.max_body)
+
+
 def require_envelope_type(request: Request) -> None:
     """Envelope bodies come as application/vnd.tlkv or application/octet-stream (or untyped).
 
@@ -154,28 +162,6 @@ def require_envelope_type(request: Request) -> None:
         raise InvalidRequestError(
             f"an envelope body must be {ENVELOPE_MEDIA_TYPE} or {OCTET_STREAM}, found {kind!r}"
         )
-
-
-async def read_body(request: Request) -> bytes | bytearray:
-    """The whole request body (already bounded by the guard middleware's limit).
-
-    With a Content-Length the body is read into one preallocated buffer (no join copy).
-    """
-    length = request.headers.get("content-length")
-    if length is None or not length.isdigit():
-        return await request.body()
-    buf = bytearray(int(length))
-    view = memoryview(buf)
-    pos = 0
-    async for chunk in request.stream():
-        end = pos + len(chunk)
-        if end > len(buf):  # cannot happen: the server frames the body by Content-Length
-            raise InvalidRequestError("request body longer than its Content-Length")
-        view[pos:end] = chunk
-        pos = end
-    if pos != len(buf):
-        raise InvalidRequestError(f"request body ended after {pos} of {len(buf)} bytes")
-    return buf
 
 
 def _tokens(items: Any) -> list[int]:

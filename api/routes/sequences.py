@@ -11,12 +11,13 @@ from starlette.responses import Response
 from kvstore.errors import InvalidRequestError, NotFoundError
 from kvstore.protocol import check_sequence_name
 
+from ..bodies import read_envelope
 from .common import (
     ENVELOPE_BODY,
     ENVELOPE_MEDIA_TYPE,
     ENVELOPE_RESPONSE,
     json_response,
-    read_body,
+    max_body_of,
     require_envelope_type,
     store_of,
 )
@@ -45,7 +46,7 @@ async def put_sequence(request: Request, name: NamePath) -> Response:
     _check_name(name)
     require_envelope_type(request)
     store = store_of(request)
-    body = await read_body(request)
+    body = await read_envelope(request, store.geometry, max_body_of(request))
     await run_in_threadpool(store.put_sequence, name, body)
     return json_response({"name": name}, status_code=201)
 
