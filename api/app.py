@@ -22,6 +22,7 @@ from .bodies import InflightBudget
 from .errors import install_error_handlers
 from .metrics import Metrics, MetricsMiddleware
 from .middleware import GuardMiddleware
+from .openapi import install_openapi, route_name
 from .routes import blocks, sequences, service
 from .settings import Settings
 
@@ -55,11 +56,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version=kvstore.__version__,
         description=DESCRIPTION,
         lifespan=lifespan,
+        generate_unique_id_function=route_name,
     )
     app.state.settings = settings
     app.state.metrics = Metrics()
     app.state.store = None
     install_error_handlers(app)
+    install_openapi(app, token=settings.token is not None)
     for module in (service, blocks, sequences):
         app.include_router(module.router)
     app.add_middleware(blocks.BlockReadFastPath)

@@ -110,13 +110,23 @@ def test_put_get_roundtrip_verbatim(http: httpx.Client) -> None:
         assert r.headers["etag"]
 
 
-def test_put_accepts_octet_stream_and_untyped(http: httpx.Client) -> None:
+def test_put_accepts_octet_stream_and_refuses_untyped(http: httpx.Client) -> None:
     a = make_envelope(SMALL, 4, seed=2)
     b = make_envelope(SMALL, 4, seed=3)
     r = http.put("/v1/blocks", content=a, headers={"content-type": "application/octet-stream"})
     assert r.status_code == 200 and len(r.json()["stored"]) == 1
-    r = http.put("/v1/blocks", content=b)
+    r = http.put("/v1/blocks", content=b, headers={"content-type": "Application/VND.tlkv"})
     assert r.status_code == 200 and len(r.json()["stored"]) == 1
+    for headers in (
+        {},
+        {"content-type": "application/vnd.tlkv; charset=utf-8"},
+        {"content-type": "application/octet-stream;x=1"},
+        {"content-type": ""},
+    ):
+        for path in ("/v1/blocks", "/v1/sequences/typed"):
+            r = http.put(path, content=b, headers=headers)
+            assert "Content-Type" in assert_error(r, 422, "invalid_request"), headers
+            assert r.headers["connection"] == "close"  # the body was not read
 
 
 def test_put_v2_and_transcode_on_get(http: httpx.Client) -> None:

@@ -54,6 +54,7 @@ HASHES_BODY: dict[str, Any] = {
                         {
                             "type": "object",
                             "required": ["hashes"],
+                            "additionalProperties": False,
                             "properties": {
                                 "hashes": {
                                     "type": "array",
@@ -64,9 +65,12 @@ HASHES_BODY: dict[str, Any] = {
                         {
                             "type": "object",
                             "required": ["tokens"],
+                            "additionalProperties": False,
                             "properties": {
                                 "tokens": {
                                     "type": "array",
+                                    "description": "token ids written as JSON integers "
+                                    "(7, not 7.0 or 7e0)",
                                     "items": {
                                         "type": "integer",
                                         "minimum": 0,
@@ -152,15 +156,20 @@ def max_body_of(request: Request) -> int:
 
 
 def require_envelope_type(request: Request) -> None:
-    """Envelope bodies come as application/vnd.tlkv or application/octet-stream (or untyped).
+    """An envelope body comes as exactly ``application/vnd.tlkv`` or
+    ``application/octet-stream`` (any case), with no parameter: a charset or any other
+    parameter means the sender took the bytes for something else.
 
     Raises:
-        InvalidRequestError: another content type.
+        InvalidRequestError: no content type, another one, or one with parameters.
     """
-    kind = media_type(request)
-    if kind is not None and kind not in ENVELOPE_TYPES:
+    value = request.headers.get("content-type")
+    kind = None if value is None else value.strip().lower()
+    if kind not in ENVELOPE_TYPES:
+        found = "none" if value is None else repr(value[:100])
         raise InvalidRequestError(
-            f"an envelope body must be {ENVELOPE_MEDIA_TYPE} or {OCTET_STREAM}, found {kind!r}"
+            f"an envelope body must be sent as Content-Type {ENVELOPE_MEDIA_TYPE} or "
+            f"{OCTET_STREAM} (no parameters), found {found}"
         )
 
 
@@ -199,8 +208,10 @@ async def request_hashes(request: Request, store: Store) -> np.ndarray:
         obj = json.loads(body)
     except (ValueError, RecursionError) as exc:
         raise InvalidRequestError(f"malformed JSON body: {exc}") from None
-    if not isinstance(obj, dict) or len(obj.keys() & {"hashes", "tokens"}) != 1:
-        raise InvalidRequestError('the JSON body must be {"hashes": [...]} or {"tokens": [...]}')
+    if not isinstance(obj, dict) or obj.keys() not in ({"hashes"}, {"tokens"}):
+        raise InvalidRequestError(
+            'the JSON body must be {"hashes": [...]} or {"tokens": [...]}, nothing else'
+        )
     if "hashes" in obj:
         return parse_hash_list(obj["hashes"])
     tokens = _tokens(obj["tokens"])

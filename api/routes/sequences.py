@@ -9,7 +9,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from kvstore.errors import InvalidRequestError, NotFoundError
-from kvstore.protocol import check_sequence_name
+from kvstore.protocol import SEQUENCE_NAME_PATTERN, check_sequence_name
 
 from ..bodies import read_envelope
 from .common import (
@@ -24,7 +24,9 @@ from .common import (
 
 router = APIRouter(tags=["sequences"])
 
-NamePath = Annotated[str, Path(description="1-128 characters of [A-Za-z0-9._-]")]
+NamePath = Annotated[
+    str, Path(pattern=SEQUENCE_NAME_PATTERN, description="1-128 characters of [A-Za-z0-9._-]")
+]
 
 
 def _check_name(name: str) -> str:
