@@ -65,7 +65,9 @@ def test_info(http: httpx.Client) -> None:
         "blocks",
         "bytes",
         "capacity_bytes",
+        "corrupt",
     }
+    assert info["corrupt"] == 0
     assert info["crc32c_kernel"] == checksum.KERNEL
     assert info["geometry"] == {"block_tokens": 4, "n_layers": 2, "n_kv_heads": 2, "head_dim": 8}
     assert info["formats"] == [1, 2]

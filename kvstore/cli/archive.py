@@ -18,7 +18,7 @@ from typing import Any, TextIO
 
 from ..errors import TlkvError
 from ..protocol import parse_hash_hex
-from .common import EXIT_FAILURE, EXIT_OK, exit_code_for, geometry_arg
+from .common import EXIT_FAILURE, EXIT_INCONSISTENT, EXIT_OK, exit_code_for, geometry_arg
 
 BAR_WIDTH = 24
 REFRESH_SECONDS = 0.1
@@ -181,7 +181,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _cmd_extract(args: argparse.Namespace) -> int:
-    from ..archive.operations import extract, extract_all
+    from ..archive.operations import extract_all, extract_checked
 
     if args.all:
         if args.hashes:
@@ -193,10 +193,22 @@ def _cmd_extract(args: argparse.Namespace) -> int:
     if len(args.hashes) != 1:
         raise ValueError("extract takes one block hash (or --all)")
     block_hash = parse_hash_hex(args.hashes[0])
-    size = extract(args.file, block_hash, args.output)
+    done = extract_checked(args.file, block_hash, args.output)
     if not args.quiet and args.output != "-":
-        print(f"wrote {args.output}: {size} bytes")
-    return EXIT_OK
+        print(f"wrote {args.output}: {done.size} bytes")
+    if not done.findings:
+        return EXIT_OK
+    # The block is valid by every rule; the archive around it is not what it claims.
+    print(
+        f"tlkv archive extract: the block is valid, but the archive is inconsistent where "
+        f"it looked ({len(done.findings)} findings); run `tlkv archive verify`:",
+        file=sys.stderr,
+    )
+    for finding in done.findings[:20]:
+        print(f"  {finding}", file=sys.stderr)
+    if len(done.findings) > 20:
+        print(f"  ... and {len(done.findings) - 20} more", file=sys.stderr)
+    return EXIT_INCONSISTENT
 
 
 def _run(func: Any) -> Any:

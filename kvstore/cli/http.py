@@ -1,4 +1,5 @@
-"""The ``tlkv`` commands of the HTTP service: ``serve``, and the client's ``put``/``get``/``has``.
+"""The ``tlkv`` commands of the HTTP service: ``serve``, the client's ``put``/``get``/``has``,
+and ``stats`` (of a server, or of a store directory).
 
 Imported lazily by ``kvstore.cli``; fastapi, uvicorn and httpx are imported only inside
 the commands, so the codec commands run without them. The client commands take the
@@ -191,6 +192,36 @@ def _cmd_has(args: argparse.Namespace) -> int:
     return _run_client(args, action)
 
 
+def _print_stats(stats: dict[str, Any], as_json: bool) -> int:
+    if as_json:
+        json.dump(stats, sys.stdout)
+        sys.stdout.write("\n")
+        return EXIT_OK
+    for key, value in stats.items():
+        print(f"{key:<16} {'-' if value is None else value}")
+    return EXIT_OK
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    if (args.url is None) == (args.data is None):
+        print("tlkv stats: give a server URL or --data DIR (one of them)", file=sys.stderr)
+        return 2
+    if args.data is not None:
+        from ..store.store import Store
+
+        if not Path(args.data).is_dir():
+            print(f"tlkv stats: {args.data}: no store there", file=sys.stderr)
+            return EXIT_FAILURE
+        with Store(args.data) as store:
+            stats: dict[str, Any] = dict(store.stats())
+            g = store.geometry
+        stats.pop("hits", None)  # this process's reads: none
+        stats.pop("misses", None)
+        stats = {"geometry": None if g is None else g.as_dict(), **stats}
+        return _print_stats(stats, args.json)
+    return _run_client(args, lambda client: _print_stats(client.info(), args.json))
+
+
 def _add_token(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-file", help="file holding the bearer token (else $TLKV_TOKEN)")
 
@@ -225,6 +256,15 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--access-log", action="store_true", help="log every request")
     p.set_defaults(func=_cmd_serve)
+
+    p = sub.add_parser(
+        "stats", help="a store's counts, quarantined (corrupt) blocks included: server or --data"
+    )
+    p.add_argument("url", nargs="?", default=None, help=DEFAULT_URL_HELP)
+    p.add_argument("--data", default=None, help="a store directory instead of a server")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_token(p)
+    p.set_defaults(func=_cmd_stats)
 
     p = sub.add_parser("put", help="send an envelope's blocks to a server")
     p.add_argument("url", help=DEFAULT_URL_HELP)
