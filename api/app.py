@@ -42,6 +42,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             settings.data,
             geometry=settings.geometry,
             capacity_bytes=settings.capacity_bytes,
+            allow_nonfinite=settings.allow_nonfinite,
         )
         app.state.store = store
         try:

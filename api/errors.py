@@ -2,12 +2,12 @@
 
 Kinds and statuses come from ``kvstore.errors`` (``kind``/``http_status`` of each class):
 ``format`` 422, ``shape`` 422, ``version`` 415, ``not_found`` 404, ``pinned`` 409,
-``too_large`` 413, ``unauthorized`` 401, ``store_full`` 507, ``invalid_request`` 422,
-``busy`` 503 (with Retry-After), plus
-``method_not_allowed`` 405 and ``internal`` 500 (a bug, logged; never the answer to bad
-input). FastAPI's validation errors, unknown routes and methods, malformed bodies and a
-client that disconnects mid-body are all mapped here, so no other shape ever leaves. A 405
-lists in ``Allow`` every method of every route at the path; ``OPTIONS`` answers 204 with it.
+``unconvertible`` 409, ``too_large`` 413, ``unauthorized`` 401, ``store_full`` 507,
+``invalid_request`` 422, ``busy`` 503 (with Retry-After), plus ``method_not_allowed`` 405
+and ``internal`` 500 (a bug, logged; never the answer to bad input). FastAPI's validation
+errors, unknown routes and methods, malformed bodies and a client that disconnects
+mid-body are all mapped here, so no other shape ever leaves. A 405 lists in ``Allow``
+every method of every route at the path; ``OPTIONS`` answers 204 with it.
 """
 
 from __future__ import annotations

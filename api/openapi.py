@@ -45,7 +45,8 @@ ERROR_SCHEMA: dict[str, Any] = {
 _ERRORS = {
     401: "unauthorized: missing or wrong bearer token",
     404: "not_found: no such block, sequence or route",
-    409: "pinned: a sequence references the block",
+    409: "pinned: a sequence references the block (DELETE); unconvertible: a block stored "
+    "with --allow-nonfinite cannot be transcoded to the asked format (?format=)",
     413: "too_large: the body exceeds --max-body (the connection is closed)",
     415: "version: the envelope's format version is not one the server accepts",
     422: "format, shape or invalid_request: the envelope breaks a reader rule, its geometry "
@@ -58,10 +59,10 @@ _ERRORS = {
 # Statuses beyond the generic ones (401; 413, 422, 503 with a body; 422 with parameters).
 _EXTRA: dict[tuple[str, str], tuple[int, ...]] = {
     ("put", "/v1/blocks"): (415, 507),
-    ("get", "/v1/blocks/{hash}"): (404,),
-    ("head", "/v1/blocks/{hash}"): (404,),
+    ("get", "/v1/blocks/{hash}"): (404, 409),
+    ("head", "/v1/blocks/{hash}"): (404, 409),
     ("delete", "/v1/blocks/{hash}"): (404, 409),
-    ("post", "/v1/prefix"): (404,),
+    ("post", "/v1/prefix"): (404, 409),
     ("put", "/v1/sequences/{name}"): (415, 507),
     ("get", "/v1/sequences/{name}"): (404,),
     ("delete", "/v1/sequences/{name}"): (404,),

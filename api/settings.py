@@ -22,6 +22,7 @@ ENV_TOKEN = "TLKV_TOKEN"
 ENV_TOKEN_FILE = "TLKV_TOKEN_FILE"
 ENV_MAX_BODY = "TLKV_MAX_BODY"
 ENV_MAX_INFLIGHT = "TLKV_MAX_INFLIGHT"
+ENV_ALLOW_NONFINITE = "TLKV_ALLOW_NONFINITE"
 
 DEFAULT_DATA = "./tlkv-data"
 DEFAULT_MAX_BODY = 64 * 1024 * 1024
@@ -80,6 +81,7 @@ class Settings:
     token: str | None = None
     max_body: int = DEFAULT_MAX_BODY
     max_inflight: int | None = None  # None: DEFAULT_INFLIGHT_BODIES * max_body
+    allow_nonfinite: bool = False  # store NaN/Inf and out-of-range v2 scales verbatim
 
     def __post_init__(self) -> None:
         if self.max_inflight is None:
@@ -117,4 +119,5 @@ class Settings:
             token=token,
             max_body=parse_size(max_body) if max_body else DEFAULT_MAX_BODY,
             max_inflight=parse_size(max_inflight) if max_inflight else None,
+            allow_nonfinite=env.get(ENV_ALLOW_NONFINITE, "") == "1",
         )

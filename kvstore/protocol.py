@@ -93,6 +93,7 @@ ERROR_KINDS: dict[str, type[errors.TlkvError]] = {
         errors.UnsupportedVersionError,
         errors.NotFoundError,
         errors.PinnedError,
+        errors.UnconvertibleError,
         errors.TooLargeError,
         errors.UnauthorizedError,
         errors.StoreFullError,

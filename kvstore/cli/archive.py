@@ -77,12 +77,12 @@ class ProgressBar:
             self.stream.flush()
 
 
-def _open_store(data: str, *, must_exist: bool) -> Any:
+def _open_store(data: str, *, must_exist: bool, allow_nonfinite: bool = False) -> Any:
     from ..store.store import Store
 
     if must_exist and not os.path.isdir(data):
         raise FileNotFoundError(f"no store at {data!r}")
-    return Store(data)
+    return Store(data, allow_nonfinite=allow_nonfinite)
 
 
 def _cmd_create(args: argparse.Namespace) -> int:
@@ -116,7 +116,9 @@ def _cmd_restore(args: argparse.Namespace) -> int:
     bar = ProgressBar("restore", enabled=not args.quiet)
     created = not os.path.exists(args.data)
     try:
-        with _open_store(args.data, must_exist=False) as store:
+        with _open_store(
+            args.data, must_exist=False, allow_nonfinite=args.allow_nonfinite
+        ) as store:
             try:
                 report = restore(
                     args.file, store, partial=args.partial, threads=args.threads, progress=bar
@@ -256,6 +258,11 @@ def register(sub: Any) -> None:
     q.add_argument("--data", required=True, help="the store's directory (created if missing)")
     q.add_argument(
         "--partial", action="store_true", help="restore the valid members, report the rest"
+    )
+    q.add_argument(
+        "--allow-nonfinite",
+        action="store_true",
+        help="store NaN/Inf values and out-of-range v2 scales verbatim (refused by default)",
     )
     common(q)
     q.set_defaults(func=_run(_cmd_restore))

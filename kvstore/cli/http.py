@@ -72,6 +72,8 @@ def _serve(args: argparse.Namespace, metrics_dir: str | None) -> int:
     }
     if args.max_inflight is not None:
         env[s.ENV_MAX_INFLIGHT] = str(args.max_inflight)
+    if args.allow_nonfinite:
+        env[s.ENV_ALLOW_NONFINITE] = "1"
     if args.geometry is not None:
         env[s.ENV_GEOMETRY] = ",".join(map(str, args.geometry.as_tuple()))
     if args.capacity is not None:
@@ -250,6 +252,11 @@ def register(sub: Any) -> None:
         type=_size_arg,
         default=None,
         help="request-body bytes one worker holds at once; more wait, then 503 (2 x max-body)",
+    )
+    p.add_argument(
+        "--allow-nonfinite",
+        action="store_true",
+        help="store NaN/Inf values and out-of-range v2 scales verbatim (refused by default)",
     )
     p.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]

@@ -47,12 +47,20 @@ from .layout import (
     VERSION_V1,
     VERSION_V2,
 )
-from .numerics import dequantize_e4m3, quantize_e4m3, to_f16
+from .numerics import (
+    E4M3_NAN_MASK,
+    SCALE_MAX,
+    dequantize_e4m3,
+    f16_all_finite,
+    quantize_e4m3,
+    to_f16,
+)
 
 __all__ = [
     "Block",
     "BlockView",
     "Envelope",
+    "check_finite",
     "check_header",
     "decode",
     "encode",
@@ -406,6 +414,55 @@ def _check_fills(env: Envelope) -> None:
         i = int(np.argmax(bad))
         offset = HEADER_SIZE + i * env.record_bytes
         _check_fill(f"block {i} at offset {offset}", int(hashes[i]), int(fills[i]), b)
+
+
+def check_finite(env: Envelope) -> None:
+    """Refuse non-finite data, a rule stricter than the spec's reader rules (which allow any
+    bits): v1, every filled f16 finite; v2, no E4M3 NaN code (S.1111.111) among the filled
+    codes and every scale finite, > 0 and at most ``SCALE_MAX`` (so that every value,
+    ``e4m3 * scale``, is finite in f32). Positions past a partial block's fill are not read.
+
+    Raises:
+        FormatError: naming the block, its offset, the layer, K or V, and the head.
+    """
+    if not len(env):
+        return
+    g = env.geometry
+    fills = env.fills.tolist()
+    b = g.block_tokens
+    for i, n in enumerate(fills):
+        payload = env.record(i)[RECORD_SIZE:]
+        if env.version == VERSION_V1:
+            if n == b and f16_all_finite(payload):
+                continue
+            kv = np.frombuffer(payload, dtype=F16_DTYPE, count=g.elements).reshape(g.kv_shape)
+            bad = ~np.isfinite(kv[..., :n, :]).all(axis=(-2, -1))
+            what = "a NaN or infinite f16 value"
+        else:
+            codes = np.frombuffer(payload, dtype=np.uint8, count=g.elements).reshape(g.kv_shape)
+            nan = ((codes[..., :n, :] & E4M3_NAN_MASK) == E4M3_NAN_MASK).any(axis=(-2, -1))
+            scales = np.frombuffer(payload, dtype=SCALE_DTYPE, count=g.n_slabs, offset=g.elements)
+            scales = scales.reshape(g.n_layers, 2, g.n_kv_heads)
+            with np.errstate(invalid="ignore"):
+                bad_scale = ~((scales > 0) & (scales <= SCALE_MAX))  # NaN compares false
+            if not (nan.any() or bad_scale.any()):
+                continue
+            bad = nan | bad_scale
+            layer, kv_, head = (int(x[0]) for x in np.nonzero(bad))
+            what = (
+                f"scale {float(scales[layer, kv_, head])!r} (must be finite, > 0 and "
+                f"<= {float(SCALE_MAX):.4g})"
+                if bad_scale[layer, kv_, head]
+                else "an E4M3 NaN code"
+            )
+        if not bad.any():
+            continue
+        layer, kv_, head = (int(x[0]) for x in np.nonzero(bad))
+        offset = HEADER_SIZE + i * env.record_bytes
+        raise FormatError(
+            f"block {i} at offset {offset}: rule 'values are finite' failed: {what} in layer "
+            f"{layer}, {'KV'[kv_]}, head {head}"
+        )
 
 
 # --- writing -----------------------------------------------------------------------------

@@ -14,6 +14,8 @@ that small do not occur in practice; f16 input never reaches that range.
 
 from __future__ import annotations
 
+from typing import Any
+
 import ml_dtypes
 import numpy as np
 
@@ -46,6 +48,19 @@ def _all_finite_f16(arr: np.ndarray) -> bool:
     if _native is not None and hasattr(_native, "f16_finite") and arr.flags.c_contiguous:
         return bool(_native.f16_finite(arr))
     return bool(np.isfinite(arr).all())
+
+
+def f16_all_finite(data: Any) -> bool:
+    """Whether every f16 of a little-endian buffer (bytes, a view) is finite (no NaN, Inf)."""
+    if _native is not None and hasattr(_native, "f16_finite"):
+        return bool(_native.f16_finite(data))
+    return bool(np.isfinite(np.frombuffer(data, dtype="<f2")).all())
+
+
+# E4M3FN has no infinity; S.1111.111 (0x7F, 0xFF) is its NaN.
+E4M3_NAN_MASK = 0x7F
+# The largest scale whose product with every E4M3 value stays finite in f32 (448 * s).
+SCALE_MAX = np.float32(np.finfo(np.float32).max / 448.0)
 
 
 def to_f16(arr: np.ndarray) -> np.ndarray:
@@ -106,5 +121,6 @@ def quantize_e4m3(slabs: np.ndarray, filled: int) -> tuple[np.ndarray, np.ndarra
 def dequantize_e4m3(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """``e4m3_to_f32(code) * scale`` in f32; ``scales`` broadcasts over the last two axes."""
     out = np.take(E4M3_TO_F32, codes)
-    out *= scales[..., None, None]
+    with np.errstate(over="ignore"):  # a scale past SCALE_MAX gives Inf; callers refuse it
+        out *= scales[..., None, None]
     return out
