@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Any
+from typing import Any, NoReturn
 
 from fastapi import Request
 
@@ -130,10 +130,13 @@ def _content_length(request: Request) -> int | None:
     return int(length) if length is not None and length.isdigit() else None
 
 
-def _refuse_longer(head: Any, received: int, geometry: Geometry | None) -> None:
-    # The header's own rule, with what arrived so far as the length found.
-    check_header(head, received, geometry)
-    raise InvalidRequestError(f"request body longer than its {received - 1} bytes")
+def _refuse_length(
+    head: Any, found: int, geometry: Geometry | None, versions: tuple[int, ...]
+) -> NoReturn:
+    """Raise the format's own length rule (``TruncatedError``) with ``found`` bytes, the
+    body's size so far, which differs from the size the header implies."""
+    check_header(head, found, geometry, versions)
+    raise InvalidRequestError(f"the body's {found} bytes are not what its header announces")
 
 
 async def _fill(buf: bytearray, pos: int, chunks: Any) -> int:
@@ -211,17 +214,15 @@ async def read_envelope(
             f"the envelope's header announces {expected} bytes, over the limit of {max_body} bytes"
         )
     if len(head) > expected:
-        _refuse_longer(memoryview(head)[:HEADER_SIZE], len(head), geometry)
+        _refuse_length(memoryview(head)[:HEADER_SIZE], len(head), geometry, versions)
     await ticket.take(expected - len(head))
     buf = bytearray(expected)
     buf[: len(head)] = head
     first = len(head)
     del head
     pos = await _fill(buf, first, chunks)
-    if pos > expected:
-        _refuse_longer(memoryview(buf)[:HEADER_SIZE], pos, geometry)
-    if pos != expected:
-        if length is None:  # the format's own rule names what was announced and found
-            check_header(memoryview(buf)[:HEADER_SIZE], pos, geometry, versions)
+    if pos > expected or (pos < expected and length is None):
+        _refuse_length(memoryview(buf)[:HEADER_SIZE], pos, geometry, versions)
+    if pos != expected:  # shorter than its Content-Length: the client went away
         raise InvalidRequestError(f"request body ended after {pos} of {expected} bytes")
     return buf
