@@ -5,9 +5,9 @@ reads its :class:`~api.settings.Settings` from the environment and opens the LMD
 after the fork, as LMDB requires; its :class:`~api.metrics.Metrics` add up with the other
 workers' when ``PROMETHEUS_MULTIPROC_DIR`` is set (``tlkv serve`` sets it). With
 ``TLKV_GRPC`` set, the lifespan also starts the tl.kv.v1 gRPC server
-(``api.grpc_service``) on that store and event loop. Middleware,
-outermost first: metrics, the guard (auth, body limit), then the block-read fast path;
-every error leaves in the one JSON shape of ``api.errors``.
+(``api.grpc_service``) on that store and event loop. Middleware, outermost first: metrics,
+the guard (auth, body limit, in-flight body budget), then the block-read fast path; every
+error leaves in the one JSON shape of ``api.errors``.
 """
 
 from __future__ import annotations
@@ -20,9 +20,11 @@ from fastapi import FastAPI
 import kvstore
 from kvstore.store.store import Store
 
+from .bodies import InflightBudget
 from .errors import install_error_handlers
 from .metrics import Metrics, MetricsMiddleware
 from .middleware import GuardMiddleware
+from .openapi import install_openapi, route_name
 from .routes import blocks, sequences, service
 from .settings import Settings
 
@@ -42,6 +44,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             settings.data,
             geometry=settings.geometry,
             capacity_bytes=settings.capacity_bytes,
+            allow_nonfinite=settings.allow_nonfinite,
         )
         app.state.store = store
         grpc_server = None
@@ -70,14 +73,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version=kvstore.__version__,
         description=DESCRIPTION,
         lifespan=lifespan,
+        generate_unique_id_function=route_name,
     )
     app.state.settings = settings
     app.state.metrics = Metrics()
     app.state.store = None
     install_error_handlers(app)
+    install_openapi(app, token=settings.token is not None)
     for module in (service, blocks, sequences):
         app.include_router(module.router)
     app.add_middleware(blocks.BlockReadFastPath)
-    app.add_middleware(GuardMiddleware, token=settings.token, max_body=settings.max_body)
+    app.add_middleware(
+        GuardMiddleware,
+        token=settings.token,
+        max_body=settings.max_body,
+        budget=InflightBudget(settings.inflight_bytes),
+    )
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     return app

@@ -2,10 +2,12 @@
 
 Kinds and statuses come from ``kvstore.errors`` (``kind``/``http_status`` of each class):
 ``format`` 422, ``shape`` 422, ``version`` 415, ``not_found`` 404, ``pinned`` 409,
-``too_large`` 413, ``unauthorized`` 401, ``store_full`` 507, ``invalid_request`` 422, plus
-``method_not_allowed`` 405 and ``internal`` 500 (a bug, logged; never the answer to bad
-input). FastAPI's validation errors, unknown routes and methods, malformed bodies and a
-client that disconnects mid-body are all mapped here, so no other shape ever leaves.
+``unconvertible`` 409, ``too_large`` 413, ``unauthorized`` 401, ``store_full`` 507,
+``invalid_request`` 422, ``busy`` 503 (with Retry-After), plus ``method_not_allowed`` 405
+and ``internal`` 500 (a bug, logged; never the answer to bad input). FastAPI's validation
+errors, unknown routes and methods, malformed bodies and a client that disconnects
+mid-body are all mapped here, so no other shape ever leaves. A 405 lists in ``Allow``
+every method of every route at the path; ``OPTIONS`` answers 204 with it.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
+from starlette.routing import Match
 
 from kvstore.errors import (
+    BusyError,
     InvalidRequestError,
     MethodNotAllowedError,
     NotFoundError,
@@ -32,6 +36,8 @@ from kvstore.errors import (
 )
 
 log = logging.getLogger("tlkv.api")
+
+RETRY_AFTER_SECONDS = 1  # the Retry-After of a 503 busy
 
 ERROR_MEDIA_TYPE = "application/json"
 _MAX_MESSAGE = 500
@@ -52,6 +58,8 @@ def _extra_headers(error: type[TlkvError]) -> dict[str, str]:
     if issubclass(error, TooLargeError):
         # The rest of the body is never read: close rather than drain it for keep-alive.
         return {"connection": "close"}
+    if issubclass(error, BusyError):
+        return {"retry-after": str(RETRY_AFTER_SECONDS)}
     return {}
 
 
@@ -103,6 +111,26 @@ async def _on_validation_error(request: Request, exc: Exception) -> Response:
     return error_response(InvalidRequestError(_validation_message(exc)))
 
 
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """Every method some route takes at the request's path, and OPTIONS (Starlette's own
+    405 names only the methods of the first route that matched the path).
+
+    Asks each route whether it takes the path with each method (``BaseRoute.matches``), so
+    it holds however the routers are nested.
+    """
+    allowed = {"OPTIONS"}
+    for method in _METHODS:
+        scope = {**request.scope, "method": method}
+        for route in request.app.router.routes:
+            if route.matches(scope)[0] == Match.FULL:
+                allowed.add(method)
+                break
+    return sorted(allowed)
+
+
 async def _on_http_exception(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
     what = f"{request.method} {request.url.path}"
@@ -110,8 +138,11 @@ async def _on_http_exception(request: Request, exc: Exception) -> Response:
     if exc.status_code == 404:
         error = NotFoundError(f"no route for {what}")
     elif exc.status_code == 405:
-        allow = (exc.headers or {}).get("Allow", "")
+        allow = ", ".join(allowed_methods(request))
+        if request.method == "OPTIONS":
+            return Response(status_code=204, headers={"allow": allow})
         error = MethodNotAllowedError(f"{what}: method not allowed (allowed: {allow})")
+        return error_response(error, {"allow": allow})
     elif exc.status_code == 401:
         error = UnauthorizedError(str(exc.detail))
     elif exc.status_code == 413:

@@ -1,9 +1,14 @@
-"""Pure-ASGI guard in front of every route: bearer-token auth and the request body limit.
+"""Pure-ASGI guard in front of every route: bearer-token auth, the request body limit, the
+in-flight body budget, and closing connections whose body was refused unread.
 
 Pure ASGI (no ``BaseHTTPMiddleware``) so the hot paths pay one function call, not a task
 and a stream copy. A ``Content-Length`` over the limit is refused with 413 before any of
 the body is read; a chunked body is counted as it streams in and refused as soon as the
-count passes the limit, so an over-limit body is never buffered.
+count passes the limit, so an over-limit body is never buffered. Each request gets a
+:class:`~api.bodies.BodyTicket` on the worker's in-flight budget, given back when the
+request ends. Any answer sent before the request's body was read to its end (a 401, a 413,
+an envelope refused by its header, a 503) carries ``Connection: close``, so the server
+closes the connection instead of draining the rest of the body for keep-alive.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from typing import Any
 
 from kvstore.errors import TooLargeError, UnauthorizedError
 
+from .bodies import SCOPE_KEY, BodyTicket, InflightBudget
 from .errors import send_error
 
 Scope = dict[str, Any]
@@ -31,10 +37,18 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 class GuardMiddleware:
     """Refuse unauthenticated requests (401) and over-limit bodies (413)."""
 
-    def __init__(self, app: Any, *, token: str | None, max_body: int) -> None:
+    def __init__(
+        self,
+        app: Any,
+        *,
+        token: str | None,
+        max_body: int,
+        budget: InflightBudget | None = None,
+    ) -> None:
         self.app = app
         self.token = token.encode() if token is not None else None
         self.max_body = max_body
+        self.budget = budget
 
     def _authorized(self, scope: Scope) -> bool:
         assert self.token is not None
@@ -50,6 +64,13 @@ class GuardMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        length = _header(scope, b"content-length")
+        if length is not None and length.isdigit():
+            unread = int(length) > 0
+        else:
+            unread = _header(scope, b"transfer-encoding") is not None
+        if unread:
+            receive, send = _close_unless_read(receive, send)
         if (
             self.token is not None
             and scope["path"] not in OPEN_PATHS
@@ -57,7 +78,6 @@ class GuardMiddleware:
         ):
             await send_error(send, UnauthorizedError("missing or wrong bearer token"))
             return
-        length = _header(scope, b"content-length")
         if length is not None:
             # The server frames the body by Content-Length: it can never exceed it.
             if length.isdigit() and int(length) > self.max_body:
@@ -69,9 +89,14 @@ class GuardMiddleware:
                     ),
                 )
                 return
+        else:
+            receive = self._limited(receive)
+        ticket = BodyTicket(self.budget)
+        scope[SCOPE_KEY] = ticket
+        try:
             await self.app(scope, receive, send)
-            return
-        await self.app(scope, self._limited(receive), send)
+        finally:
+            ticket.close()
 
     def _limited(self, receive: Any) -> Any:
         limit = self.max_body
@@ -90,3 +115,26 @@ class GuardMiddleware:
             return message
 
         return limited_receive
+
+
+def _close_unless_read(receive: Any, send: Any) -> tuple[Any, Any]:
+    """``receive``/``send`` that add ``Connection: close`` to a response started before the
+    last byte of the request body was received (the server would drain it otherwise)."""
+    done = False
+
+    async def tracking_receive() -> Message:
+        nonlocal done
+        message = await receive()
+        if message["type"] == "http.disconnect" or not message.get("more_body", False):
+            done = True
+        return message
+
+    async def closing_send(message: Message) -> None:
+        if message["type"] == "http.response.start" and not done:
+            headers = list(message.get("headers", []))
+            if not any(k.lower() == b"connection" for k, _ in headers):
+                headers.append((b"connection", b"close"))
+                message = {**message, "headers": headers}
+        await send(message)
+
+    return tracking_receive, closing_send

@@ -56,6 +56,10 @@ def _serve(args: argparse.Namespace, metrics_dir: str | None) -> int:
         s.ENV_DATA: str(Path(args.data).resolve()),
         s.ENV_MAX_BODY: str(args.max_body),
     }
+    if args.max_inflight is not None:
+        env[s.ENV_MAX_INFLIGHT] = str(args.max_inflight)
+    if args.allow_nonfinite:
+        env[s.ENV_ALLOW_NONFINITE] = "1"
     if args.geometry is not None:
         env[s.ENV_GEOMETRY] = ",".join(map(str, args.geometry.as_tuple()))
     if args.capacity is not None:
@@ -110,6 +114,17 @@ def register(sub: Any) -> None:
     p.add_argument("--token-file", default=None, help="bearer token file (else $TLKV_TOKEN)")
     p.add_argument(
         "--max-body", type=_size_arg, default=64 * 1024 * 1024, help="body limit (64MiB)"
+    )
+    p.add_argument(
+        "--max-inflight",
+        type=_size_arg,
+        default=None,
+        help="request-body bytes one worker holds at once; more wait, then 503 (2 x max-body)",
+    )
+    p.add_argument(
+        "--allow-nonfinite",
+        action="store_true",
+        help="store NaN/Inf values and out-of-range v2 scales verbatim (refused by default)",
     )
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     p.add_argument("--access-log", action="store_true", help="log every request")

@@ -25,11 +25,15 @@ ENV_TOKEN_FILE = "TLKV_TOKEN_FILE"
 ENV_MAX_BODY = "TLKV_MAX_BODY"
 ENV_GRPC = "TLKV_GRPC"  # host:port of the tl.kv.v1 gRPC server; absent: no gRPC
 ENV_GRPC_MAX_STREAM = "TLKV_GRPC_MAX_STREAM"
+ENV_MAX_INFLIGHT = "TLKV_MAX_INFLIGHT"
+ENV_ALLOW_NONFINITE = "TLKV_ALLOW_NONFINITE"
 ENV_FORMATS = "TLKV_FORMATS"  # envelope versions this server reads, e.g. "1" or "1,2"
 
 DEFAULT_DATA = "./tlkv-data"
 DEFAULT_MAX_BODY = 64 * 1024 * 1024
 DEFAULT_GRPC_MAX_STREAM = 1024 * 1024 * 1024
+# --max-inflight by default: this many max-size bodies held by one worker at once.
+DEFAULT_INFLIGHT_BODIES = 2
 
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*", re.IGNORECASE)
 _POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
@@ -88,6 +92,23 @@ class Settings:
     grpc_address: str | None = None
     grpc_max_stream: int = DEFAULT_GRPC_MAX_STREAM
     formats: tuple[int, ...] = SUPPORTED_VERSIONS
+    max_inflight: int | None = None  # None: DEFAULT_INFLIGHT_BODIES * max_body
+    allow_nonfinite: bool = False  # store NaN/Inf and out-of-range v2 scales verbatim
+
+    def __post_init__(self) -> None:
+        if self.max_inflight is None:
+            object.__setattr__(self, "max_inflight", DEFAULT_INFLIGHT_BODIES * self.max_body)
+        elif self.max_inflight < self.max_body:
+            raise ValueError(
+                f"--max-inflight ({self.max_inflight} bytes) must be at least --max-body "
+                f"({self.max_body} bytes)"
+            )
+
+    @property
+    def inflight_bytes(self) -> int:
+        """Bytes of request bodies one worker holds at most (``--max-inflight``)."""
+        assert self.max_inflight is not None
+        return self.max_inflight
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
@@ -104,6 +125,7 @@ class Settings:
         max_body = env.get(ENV_MAX_BODY)
         max_stream = env.get(ENV_GRPC_MAX_STREAM)
         formats = env.get(ENV_FORMATS)
+        max_inflight = env.get(ENV_MAX_INFLIGHT)
         return cls(
             data=Path(env.get(ENV_DATA) or DEFAULT_DATA),
             geometry=Geometry.parse(geometry) if geometry else None,
@@ -113,4 +135,6 @@ class Settings:
             grpc_address=env.get(ENV_GRPC) or None,
             grpc_max_stream=parse_size(max_stream) if max_stream else DEFAULT_GRPC_MAX_STREAM,
             formats=parse_formats(formats) if formats else SUPPORTED_VERSIONS,
+            max_inflight=parse_size(max_inflight) if max_inflight else None,
+            allow_nonfinite=env.get(ENV_ALLOW_NONFINITE, "") == "1",
         )

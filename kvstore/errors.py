@@ -72,6 +72,14 @@ class PinnedError(StoreError):
     http_status = 409
 
 
+class UnconvertibleError(StoreError):
+    """A stored block cannot be transcoded to the asked format (non-finite values stored
+    with ``allow_nonfinite``, or values beyond the target's range)."""
+
+    kind = "unconvertible"
+    http_status = 409
+
+
 class ViewClosedError(StoreError):
     """A zero-copy view was used after its reader (LMDB read transaction) closed."""
 
@@ -125,6 +133,13 @@ class MethodNotAllowedError(InvalidRequestError):
 
     kind = "method_not_allowed"
     http_status = 405
+
+
+class BusyError(TlkvError):
+    """The worker holds as many request-body bytes as it may (``--max-inflight``): retry."""
+
+    kind = "busy"
+    http_status = 503
 
 
 class ServiceError(TlkvError):

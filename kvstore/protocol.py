@@ -108,11 +108,13 @@ ERROR_KINDS: dict[str, type[errors.TlkvError]] = {
         errors.UnsupportedVersionError,
         errors.NotFoundError,
         errors.PinnedError,
+        errors.UnconvertibleError,
         errors.TooLargeError,
         errors.UnauthorizedError,
         errors.StoreFullError,
         errors.InvalidRequestError,
         errors.MethodNotAllowedError,
+        errors.BusyError,
         errors.ServiceError,
     )
 }

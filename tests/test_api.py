@@ -17,6 +17,7 @@ from http_server import ServerProcess, assert_error
 
 from kvstore import Block, Geometry, chain_hashes, crc32c, decode, encode, split, transcode
 from kvstore.codec import checksum
+from kvstore.codec.assembly import pack_header
 from kvstore.codec.layout import TRAILER
 
 ENVELOPE = {"content-type": "application/vnd.tlkv"}
@@ -64,7 +65,9 @@ def test_info(http: httpx.Client) -> None:
         "blocks",
         "bytes",
         "capacity_bytes",
+        "corrupt",
     }
+    assert info["corrupt"] == 0
     assert info["crc32c_kernel"] == checksum.KERNEL
     assert info["geometry"] == {"block_tokens": 4, "n_layers": 2, "n_kv_heads": 2, "head_dim": 8}
     assert info["formats"] == [1, 2]
@@ -109,13 +112,23 @@ def test_put_get_roundtrip_verbatim(http: httpx.Client) -> None:
         assert r.headers["etag"]
 
 
-def test_put_accepts_octet_stream_and_untyped(http: httpx.Client) -> None:
+def test_put_accepts_octet_stream_and_refuses_untyped(http: httpx.Client) -> None:
     a = make_envelope(SMALL, 4, seed=2)
     b = make_envelope(SMALL, 4, seed=3)
     r = http.put("/v1/blocks", content=a, headers={"content-type": "application/octet-stream"})
     assert r.status_code == 200 and len(r.json()["stored"]) == 1
-    r = http.put("/v1/blocks", content=b)
+    r = http.put("/v1/blocks", content=b, headers={"content-type": "Application/VND.tlkv"})
     assert r.status_code == 200 and len(r.json()["stored"]) == 1
+    for headers in (
+        {},
+        {"content-type": "application/vnd.tlkv; charset=utf-8"},
+        {"content-type": "application/octet-stream;x=1"},
+        {"content-type": ""},
+    ):
+        for path in ("/v1/blocks", "/v1/sequences/typed"):
+            r = http.put(path, content=b, headers=headers)
+            assert "Content-Type" in assert_error(r, 422, "invalid_request"), headers
+            assert r.headers["connection"] == "close"  # the body was not read
 
 
 def test_put_v2_and_transcode_on_get(http: httpx.Client) -> None:
@@ -395,21 +408,37 @@ def test_body_over_limit_content_length(server: ServerProcess, http: httpx.Clien
     assert http.get("/healthz").status_code == 200  # a new connection, server fine
 
 
-def test_body_over_limit_chunked(server: ServerProcess, http: httpx.Client) -> None:
+@pytest.mark.parametrize(
+    ("path", "first", "headers"),
+    [
+        # An envelope whose header announces more than the limit: refused by its header.
+        ("/v1/blocks", pack_header(1, SMALL, 100_000), ENVELOPE),
+        # Bytes counted as they stream in, refused once past the limit.
+        ("/v1/has-blocks", b"", {"content-type": "application/octet-stream"}),
+    ],
+    ids=["envelope", "counted"],
+)
+def test_body_over_limit_chunked(
+    server: ServerProcess, http: httpx.Client, path: str, first: bytes, headers: dict
+) -> None:
     sent = 0
 
     def chunks() -> Iterator[bytes]:
         nonlocal sent
+        yield first
         for _ in range(1024):  # up to 64 MiB if never refused
             sent += 65536
             yield b"\0" * 65536
 
     try:
-        r = http.put("/v1/blocks", content=chunks(), headers=ENVELOPE)
+        r = http.request(
+            "PUT" if path == "/v1/blocks" else "POST", path, content=chunks(), headers=headers
+        )
     except httpx.HTTPError:
         pass  # the server may close while we are still sending: also a refusal
     else:
         assert_error(r, 413, "too_large")
+        assert r.headers.get("connection") == "close"
     assert sent < 64 * 1024 * 1024
     assert http.get("/healthz").status_code == 200
     # A chunked body under the limit is fine.

@@ -33,9 +33,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     data = tmp_path_factory.mktemp("fuzz") / "store"
     with ServerProcess(data, "--geometry", GEOMETRY_ARG, "--max-body", str(MAX_BODY)) as srv:
         with srv.client() as http:
+            typed = {"content-type": "application/vnd.tlkv"}
             for e in VALID:
-                http.put("/v1/blocks", content=e)
-            http.put("/v1/sequences/seq", content=VALID[2])
+                assert http.put("/v1/blocks", content=e, headers=typed).status_code == 200
+            r = http.put("/v1/sequences/seq", content=VALID[2], headers=typed)
+            assert r.status_code == 201
         yield srv
 
 

@@ -251,3 +251,36 @@ def test_parse_size(text: str, value: int) -> None:
 def test_parse_size_refuses(text: str) -> None:
     with pytest.raises(ValueError):
         parse_size(text)
+
+
+def test_quarantined_count_in_info_and_tlkv_stats(tmp_path: Path) -> None:
+    """A block whose CRC fails on disk is quarantined on read: /v1/info and `tlkv stats`
+    (of the server and of the directory) count it, not only /metrics."""
+    import json
+    import subprocess
+    import sys
+
+    from test_store import flip_on_disk, marked_block, marker_bytes
+
+    from kvstore import Store, encode
+    from kvstore.client import Client
+
+    data = tmp_path / "store"
+    with Store(data, geometry=SMALL) as s:
+        s.put(encode(SMALL, [marked_block(1.0, 11), marked_block(-3.5, 12)]))
+    flip_on_disk(data, marker_bytes(-3.5), 7)
+
+    def stats(*args: str) -> dict:
+        cmd = [sys.executable, "-m", "kvstore", "stats", *args, "--json"]
+        ran = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=True)
+        return dict(json.loads(ran.stdout))
+
+    with ServerProcess(data) as srv, Client(srv.url) as client:
+        assert client.info()["corrupt"] == 0
+        assert client.get(12) is None  # CRC fails: quarantined, a miss
+        assert client.get(11) is not None
+        assert client.info()["corrupt"] == 1
+        assert stats(srv.url)["corrupt"] == 1
+    local = stats("--data", str(data))
+    assert (local["corrupt"], local["blocks"]) == (1, 1)
+    assert local["geometry"] == SMALL.as_dict()

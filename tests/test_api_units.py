@@ -196,7 +196,8 @@ def test_prefix_transcodes_and_joins_off_the_event_loop(
             app.router.lifespan_context(app),
             httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as http,
         ):
-            assert (await http.put("/v1/blocks", content=data)).status_code == 200
+            typed = {"content-type": "application/vnd.tlkv"}
+            assert (await http.put("/v1/blocks", content=data, headers=typed)).status_code == 200
             r = await http.post("/v1/prefix", json={"hashes": hashes}, params={"format": 2})
             assert r.status_code == 200 and r.headers["x-tlkv-prefix-blocks"] == "6"
             env = decode(r.content)

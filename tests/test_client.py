@@ -242,7 +242,9 @@ def test_store_full(tmp_path: Path) -> None:
         client.put_sequence("all", make_envelope(SMALL, 24, seed=9))  # 6 pinned blocks
         more = make_envelope(SMALL, 16, seed=10)  # 4 more blocks: cannot fit
         with srv.client() as http:
-            r = http.put("/v1/blocks", content=more)
+            r = http.put(
+                "/v1/blocks", content=more, headers={"content-type": "application/vnd.tlkv"}
+            )
             assert_error(r, 507, "store_full")
         with pytest.raises(StoreFullError):
             client.put(more)

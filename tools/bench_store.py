@@ -10,6 +10,8 @@ baseline measured in this same run, in temporary directories on the same filesys
   puts of the same single-block envelopes (sync, 64 per transaction), against a
   file-per-block store (write a temp file, fsync, rename), and against the same store
   with write-behind turned off (what it adds).
+- finite: ``check_finite`` (NaN/Inf and v2 scales, run by every put unless
+  ``allow_nonfinite``) against CRC-32C of the same envelope.
 - churn: puts at capacity until 20x the capacity went through; the last window's put
   throughput against the first's.
 """
@@ -28,9 +30,10 @@ from pathlib import Path
 
 import lmdb
 import numpy as np
-from bench_common import Row, gbps, median_seconds
+from bench_common import Row, best_seconds, gbps, median_seconds
 
-from kvstore import Block, Geometry, Store, encode, split
+from kvstore import Block, Geometry, Store, crc32c, decode, encode, split
+from kvstore.codec.envelope import check_finite
 
 GEOMETRY = Geometry(16, 32, 8, 128)
 SMALL_GEOMETRY = Geometry(16, 1, 1, 64)  # 4 KiB payloads: many blocks for has()
@@ -240,6 +243,27 @@ def _bench_churn(root: Path, kv: np.ndarray, capacity: int, turnover: int, per_p
     )
 
 
+def _bench_finite(kv: np.ndarray, repeat: int) -> list[Row]:
+    """The finiteness check every put, sequence and restore runs (``check_finite``)
+    against the CRC-32C of the same bytes, which every put computes anyway."""
+    rows = []
+    for version in (1, 2):
+        blocks = [Block(i + 1, GEOMETRY.block_tokens, kv) for i in range(16)]
+        data = encode(GEOMETRY, blocks, version)
+        env = decode(data, verify_crc=False)
+        t_check = best_seconds(lambda env=env: check_finite(env), repeat)
+        t_crc = best_seconds(lambda data=data: crc32c(data), repeat)
+        rows.append(
+            Row(
+                f"check_finite, 16 blocks v{version} ({len(data) >> 20} MiB)",
+                gbps(len(data), t_check),
+                f"CRC-32C {gbps(len(data), t_crc)}",
+                t_crc / t_check,
+            )
+        )
+    return rows
+
+
 def run(args: argparse.Namespace) -> list[Row]:
     quick = bool(args.quick)
     base = Path(os.environ.get("TLKV_BENCH_DIR", tempfile.gettempdir()))
@@ -248,6 +272,7 @@ def run(args: argparse.Namespace) -> list[Row]:
     kv = rng.standard_normal(GEOMETRY.kv_shape).astype(np.float16)
     try:
         rows = _bench_view(root, kv, 200 if quick else 2000)
+        rows += _bench_finite(kv, 3 if quick else 20)
         rows += _bench_put(root, kv, 2 if quick else 9, 16 if quick else 64)
         rows += _bench_lookup(root, 16_384, 20 if quick else 200)
         capacity = (256 << 20) if quick else (2 << 30)

@@ -32,6 +32,7 @@ from kvstore.errors import NotFoundError, TlkvError
 from kvstore.protocol import PREFIX_HEADER, is_hash_hex, parse_hash_hex
 from kvstore.store import Store
 
+from ..bodies import read_envelope
 from ..errors import send_error
 from ..formats import require_formats
 from .common import (
@@ -42,7 +43,7 @@ from .common import (
     HASHES_BODY,
     hex_list,
     json_response,
-    read_body,
+    max_body_of,
     request_hashes,
     require_envelope_type,
     store_of,
@@ -78,7 +79,7 @@ async def put_blocks(request: Request) -> Response:
     """Store every full block of an envelope under its hash (partial blocks are counted)."""
     require_envelope_type(request)
     store = store_of(request)
-    body = await read_body(request)
+    body = await read_envelope(request, store.geometry, max_body_of(request))
     require_formats(body, request.app.state.settings.formats)
     stored, duplicate, partial = await run_in_threadpool(_put, store, body)
     return json_response(

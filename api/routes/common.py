@@ -26,6 +26,9 @@ from kvstore.protocol import (
 )
 from kvstore.store import Store
 
+# Every body is read through api.bodies (the in-flight budget); re-exported for the routes.
+from ..bodies import read_body as read_body
+
 OCTET_STREAM = HASHES_MEDIA_TYPE
 ENVELOPE_TYPES = frozenset({ENVELOPE_MEDIA_TYPE, OCTET_STREAM})
 
@@ -51,6 +54,7 @@ HASHES_BODY: dict[str, Any] = {
                         {
                             "type": "object",
                             "required": ["hashes"],
+                            "additionalProperties": False,
                             "properties": {
                                 "hashes": {
                                     "type": "array",
@@ -61,9 +65,12 @@ HASHES_BODY: dict[str, Any] = {
                         {
                             "type": "object",
                             "required": ["tokens"],
+                            "additionalProperties": False,
                             "properties": {
                                 "tokens": {
                                     "type": "array",
+                                    "description": "token ids written as JSON integers "
+                                    "(7, not 7.0 or 7e0)",
                                     "items": {
                                         "type": "integer",
                                         "minimum": 0,
@@ -143,39 +150,27 @@ def media_type(request: Request) -> str | None:
     return value.split(";", 1)[0].strip().lower()
 
 
+def max_body_of(request: Request) -> int:
+    """The worker's ``--max-body``."""
+    return int(request.app.state.settings.max_body)
+
+
 def require_envelope_type(request: Request) -> None:
-    """Envelope bodies come as application/vnd.tlkv or application/octet-stream (or untyped).
+    """An envelope body comes as exactly ``application/vnd.tlkv`` or
+    ``application/octet-stream`` (any case), with no parameter: a charset or any other
+    parameter means the sender took the bytes for something else.
 
     Raises:
-        InvalidRequestError: another content type.
+        InvalidRequestError: no content type, another one, or one with parameters.
     """
-    kind = media_type(request)
-    if kind is not None and kind not in ENVELOPE_TYPES:
+    value = request.headers.get("content-type")
+    kind = None if value is None else value.strip().lower()
+    if kind not in ENVELOPE_TYPES:
+        found = "none" if value is None else repr(value[:100])
         raise InvalidRequestError(
-            f"an envelope body must be {ENVELOPE_MEDIA_TYPE} or {OCTET_STREAM}, found {kind!r}"
+            f"an envelope body must be sent as Content-Type {ENVELOPE_MEDIA_TYPE} or "
+            f"{OCTET_STREAM} (no parameters), found {found}"
         )
-
-
-async def read_body(request: Request) -> bytes | bytearray:
-    """The whole request body (already bounded by the guard middleware's limit).
-
-    With a Content-Length the body is read into one preallocated buffer (no join copy).
-    """
-    length = request.headers.get("content-length")
-    if length is None or not length.isdigit():
-        return await request.body()
-    buf = bytearray(int(length))
-    view = memoryview(buf)
-    pos = 0
-    async for chunk in request.stream():
-        end = pos + len(chunk)
-        if end > len(buf):  # cannot happen: the server frames the body by Content-Length
-            raise InvalidRequestError("request body longer than its Content-Length")
-        view[pos:end] = chunk
-        pos = end
-    if pos != len(buf):
-        raise InvalidRequestError(f"request body ended after {pos} of {len(buf)} bytes")
-    return buf
 
 
 def _tokens(items: Any) -> list[int]:
@@ -213,8 +208,10 @@ async def request_hashes(request: Request, store: Store) -> np.ndarray:
         obj = json.loads(body)
     except (ValueError, RecursionError) as exc:
         raise InvalidRequestError(f"malformed JSON body: {exc}") from None
-    if not isinstance(obj, dict) or len(obj.keys() & {"hashes", "tokens"}) != 1:
-        raise InvalidRequestError('the JSON body must be {"hashes": [...]} or {"tokens": [...]}')
+    if not isinstance(obj, dict) or obj.keys() not in ({"hashes"}, {"tokens"}):
+        raise InvalidRequestError(
+            'the JSON body must be {"hashes": [...]} or {"tokens": [...]}, nothing else'
+        )
     if "hashes" in obj:
         return parse_hash_list(obj["hashes"])
     tokens = _tokens(obj["tokens"])

@@ -9,22 +9,25 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from kvstore.errors import InvalidRequestError, NotFoundError
-from kvstore.protocol import check_sequence_name
+from kvstore.protocol import SEQUENCE_NAME_PATTERN, check_sequence_name
 
+from ..bodies import read_envelope
 from ..formats import require_formats
 from .common import (
     ENVELOPE_BODY,
     ENVELOPE_MEDIA_TYPE,
     ENVELOPE_RESPONSE,
     json_response,
-    read_body,
+    max_body_of,
     require_envelope_type,
     store_of,
 )
 
 router = APIRouter(tags=["sequences"])
 
-NamePath = Annotated[str, Path(description="1-128 characters of [A-Za-z0-9._-]")]
+NamePath = Annotated[
+    str, Path(pattern=SEQUENCE_NAME_PATTERN, description="1-128 characters of [A-Za-z0-9._-]")
+]
 
 
 def _check_name(name: str) -> str:
@@ -46,7 +49,7 @@ async def put_sequence(request: Request, name: NamePath) -> Response:
     _check_name(name)
     require_envelope_type(request)
     store = store_of(request)
-    body = await read_body(request)
+    body = await read_envelope(request, store.geometry, max_body_of(request))
     require_formats(body, request.app.state.settings.formats)
     await run_in_threadpool(store.put_sequence, name, body)
     return json_response({"name": name}, status_code=201)

@@ -36,7 +36,8 @@ async def metrics(request: Request) -> Response:
 
 @router.get("/v1/info", tags=["service"])
 async def info(request: Request) -> Response:
-    """Version, geometry (null until the first put or --geometry), formats, size and capacity."""
+    """Version, geometry (null until the first put or --geometry), formats, size, capacity,
+    and ``corrupt``: blocks quarantined because their CRC failed (never served)."""
     store = store_of(request)
     stats = store.stats()
     g = store.geometry
@@ -50,5 +51,6 @@ async def info(request: Request) -> Response:
             "blocks": stats.get("blocks"),
             "bytes": stats.get("bytes"),
             "capacity_bytes": stats.get("capacity_bytes"),
+            "corrupt": stats.get("corrupt"),
         }
     )

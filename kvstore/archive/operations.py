@@ -330,18 +330,35 @@ def extract(path: str | os.PathLike[str], block_hash: int, out: str | os.PathLik
     Raises:
         KeyError: the archive holds no such block.
     """
-    with ArchiveReader(path, threads=1) as ar:
-        data = ar.read_block(block_hash)
+    return extract_checked(path, block_hash, out).size
+
+
+@dataclass(frozen=True)
+class Extracted:
+    """What :func:`extract_checked` wrote, and what it found inconsistent where it looked."""
+
+    size: int
+    findings: list[str]
+
+
+def extract_checked(
+    path: str | os.PathLike[str], block_hash: int, out: str | os.PathLike[str]
+) -> Extracted:
+    """:func:`extract`, also when the block is valid but the archive's index or manifest
+    disagrees with it or with the frame it sits in (``findings``, empty when consistent);
+    only a block that is itself invalid, or cannot be found, raises."""
+    with ArchiveReader(path, threads=1, strict=False) as ar:
+        data, findings = ar.read_block_checked(block_hash)
     target = os.fspath(out)
     if target == "-":
         sys.stdout.buffer.write(data)
         sys.stdout.buffer.flush()
-        return len(data)
+        return Extracted(len(data), findings)
     if os.path.isdir(target):
         target = os.path.join(target, f"{block_hash:016x}.tlkv")
     with atomic_file(target) as f:
         f.write(data)
-    return len(data)
+    return Extracted(len(data), findings)
 
 
 def _inside(root: str, name: str) -> str:

@@ -84,9 +84,15 @@ class ArchiveReader:
     through every check; ``read_block()`` reads just the frame holding one block.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, threads: int = 0) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], *, threads: int = 0, strict: bool = True
+    ) -> None:
+        """``strict=False`` records the index/manifest disagreements that do not stop a
+        single block from being read (the block counts) in ``findings`` instead of raising."""
         self.path = os.fspath(path)
         self.threads = threads
+        self.strict = strict
+        self.findings: list[str] = []
         # Frame 0 holds only the manifest; the real frame limit needs its geometry.
         self._frames = FrameReader(path, TAR_BLOCK + padded(MAX_MANIFEST_BYTES))
         try:
@@ -115,9 +121,10 @@ class ArchiveReader:
         biggest = max(padded(env_max), padded(MAX_SEQUENCE_BYTES), FRAME_TARGET)
         self._frames.max_frame_bytes = biggest + 4 * TAR_BLOCK
         if len(index.blocks) != manifest.blocks:
-            raise ArchiveError(
-                f"index lists {len(index.blocks)} blocks, the manifest {manifest.blocks}"
-            )
+            found = f"index lists {len(index.blocks)} blocks, the manifest {manifest.blocks}"
+            if self.strict:
+                raise ArchiveError(found)
+            self.findings.append(found)
         bound = (
             member_size(MANIFEST_NAME, MAX_MANIFEST_BYTES)
             + manifest.blocks * member_size(block_member(1), env_max)
@@ -198,6 +205,15 @@ class ArchiveReader:
         Raises:
             KeyError: the archive holds no such block.
         """
+        return self.read_block_checked(block_hash)[0]
+
+    def read_block_checked(self, block_hash: int) -> tuple[bytes, list[str]]:
+        """:meth:`read_block`, and what is inconsistent where it looked: the archive's
+        findings so far (``strict=False``) and every disagreement between the index and the
+        members of the frame it read (a block the index places elsewhere or not at all, an
+        index entry with no member, a member that does not parse). The block itself is
+        valid by every rule, or this raises as :meth:`read_block` does.
+        """
         where = self.index.find(block_hash)
         if where is None:
             raise KeyError(f"block {block_hash:016x} is not in the archive")
@@ -212,7 +228,40 @@ class ArchiveReader:
             )
         assert self.geometry is not None
         check_member_envelope(member.data, self.geometry, member.name, block_hash)
-        return bytes(member.data)
+        return bytes(member.data), [*self.findings, *self._frame_findings(frame_no, frame)]
+
+    def _frame_findings(self, frame_no: int, frame: memoryview) -> list[str]:
+        """Where the index and frame ``frame_no``'s block members disagree."""
+        blocks = self.index.blocks
+        mine = blocks[blocks["frame"] == frame_no]
+        listed = dict(zip(mine["hash"].tolist(), mine["offset"].tolist()))
+        held: dict[int, int] = {}
+        findings = []
+        try:
+            for m in iter_members(frame, frame_no, self._limit):
+                name = BLOCK_NAME.fullmatch(m.name)
+                if name is not None:
+                    held[int(name.group(1), 16)] = m.offset
+        except (ArchiveError, EnvelopeError) as exc:
+            findings.append(f"frame {frame_no}: {exc}")
+        for h, off in listed.items():
+            if h not in held:
+                findings.append(
+                    f"index: block {h:016x} at frame {frame_no} offset {off}: no such member"
+                )
+            elif held[h] != off:
+                findings.append(
+                    f"index: block {h:016x} at frame {frame_no} offset {off}, "
+                    f"but the member is at offset {held[h]}"
+                )
+        for h, off in held.items():
+            if h not in listed:
+                other = self.index.find(h)
+                said = "does not list it" if other is None else f"says frame {other[0]}"
+                findings.append(
+                    f"frame {frame_no} offset {off} holds block {h:016x}: the index {said}"
+                )
+        return findings
 
     def scan(self, *, partial: bool = False, verify_crc: bool = True) -> Iterator[Item]:
         """Every block and sequence, validated, in archive order.

@@ -18,7 +18,7 @@ from typing import Any, TextIO
 
 from ..errors import TlkvError
 from ..protocol import parse_hash_hex
-from .common import EXIT_FAILURE, EXIT_OK, exit_code_for, geometry_arg
+from .common import EXIT_FAILURE, EXIT_INCONSISTENT, EXIT_OK, exit_code_for, geometry_arg
 
 BAR_WIDTH = 24
 REFRESH_SECONDS = 0.1
@@ -77,12 +77,12 @@ class ProgressBar:
             self.stream.flush()
 
 
-def _open_store(data: str, *, must_exist: bool) -> Any:
+def _open_store(data: str, *, must_exist: bool, allow_nonfinite: bool = False) -> Any:
     from ..store.store import Store
 
     if must_exist and not os.path.isdir(data):
         raise FileNotFoundError(f"no store at {data!r}")
-    return Store(data)
+    return Store(data, allow_nonfinite=allow_nonfinite)
 
 
 def _cmd_create(args: argparse.Namespace) -> int:
@@ -116,7 +116,9 @@ def _cmd_restore(args: argparse.Namespace) -> int:
     bar = ProgressBar("restore", enabled=not args.quiet)
     created = not os.path.exists(args.data)
     try:
-        with _open_store(args.data, must_exist=False) as store:
+        with _open_store(
+            args.data, must_exist=False, allow_nonfinite=args.allow_nonfinite
+        ) as store:
             try:
                 report = restore(
                     args.file, store, partial=args.partial, threads=args.threads, progress=bar
@@ -181,7 +183,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _cmd_extract(args: argparse.Namespace) -> int:
-    from ..archive.operations import extract, extract_all
+    from ..archive.operations import extract_all, extract_checked
 
     if args.all:
         if args.hashes:
@@ -193,10 +195,22 @@ def _cmd_extract(args: argparse.Namespace) -> int:
     if len(args.hashes) != 1:
         raise ValueError("extract takes one block hash (or --all)")
     block_hash = parse_hash_hex(args.hashes[0])
-    size = extract(args.file, block_hash, args.output)
+    done = extract_checked(args.file, block_hash, args.output)
     if not args.quiet and args.output != "-":
-        print(f"wrote {args.output}: {size} bytes")
-    return EXIT_OK
+        print(f"wrote {args.output}: {done.size} bytes")
+    if not done.findings:
+        return EXIT_OK
+    # The block is valid by every rule; the archive around it is not what it claims.
+    print(
+        f"tlkv archive extract: the block is valid, but the archive is inconsistent where "
+        f"it looked ({len(done.findings)} findings); run `tlkv archive verify`:",
+        file=sys.stderr,
+    )
+    for finding in done.findings[:20]:
+        print(f"  {finding}", file=sys.stderr)
+    if len(done.findings) > 20:
+        print(f"  ... and {len(done.findings) - 20} more", file=sys.stderr)
+    return EXIT_INCONSISTENT
 
 
 def _run(func: Any) -> Any:
@@ -244,6 +258,11 @@ def register(sub: Any) -> None:
     q.add_argument("--data", required=True, help="the store's directory (created if missing)")
     q.add_argument(
         "--partial", action="store_true", help="restore the valid members, report the rest"
+    )
+    q.add_argument(
+        "--allow-nonfinite",
+        action="store_true",
+        help="store NaN/Inf values and out-of-range v2 scales verbatim (refused by default)",
     )
     common(q)
     q.set_defaults(func=_run(_cmd_restore))

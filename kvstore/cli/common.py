@@ -1,7 +1,9 @@
 """What every ``tlkv`` command shares: the exit-code table and argument types.
 
 Exit codes: 0 success; 1 any other failure (e.g. a block not found); 2 usage; 3 a format
-error (of an envelope or an archive); 4 shape mismatch; 5 unsupported version.
+error (of an envelope or an archive); 4 shape mismatch; 5 unsupported version; 6 done, but
+the input is inconsistent where the command looked (``archive extract`` wrote a valid block
+from an archive whose index or manifest disagrees with it).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ EXIT_USAGE = 2
 EXIT_FORMAT = 3
 EXIT_SHAPE = 4
 EXIT_VERSION = 5
+EXIT_INCONSISTENT = 6
 
 
 def exit_code_for(error: BaseException) -> int:

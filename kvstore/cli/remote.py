@@ -1,5 +1,6 @@
 """The client commands of ``tlkv``: ``put``, ``get`` and ``has`` against a server, over HTTP
-(``http://``) or tl.kv.v1 gRPC (``grpc://``).
+(``http://``) or tl.kv.v1 gRPC (``grpc://``), and ``stats`` (of a server, or of a store
+directory).
 
 The HTTP client and the gRPC stubs are imported only inside the commands, so the codec
 commands run without them. The token comes from ``--token-file`` or ``TLKV_TOKEN``.
@@ -125,6 +126,36 @@ def _cmd_has(args: argparse.Namespace) -> int:
     return _run_client(args, action)
 
 
+def _print_stats(stats: dict[str, Any], as_json: bool) -> int:
+    if as_json:
+        json.dump(stats, sys.stdout)
+        sys.stdout.write("\n")
+        return EXIT_OK
+    for key, value in stats.items():
+        print(f"{key:<16} {'-' if value is None else value}")
+    return EXIT_OK
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    if (args.url is None) == (args.data is None):
+        print("tlkv stats: give a server URL or --data DIR (one of them)", file=sys.stderr)
+        return 2
+    if args.data is not None:
+        from ..store.store import Store
+
+        if not Path(args.data).is_dir():
+            print(f"tlkv stats: {args.data}: no store there", file=sys.stderr)
+            return EXIT_FAILURE
+        with Store(args.data) as store:
+            stats: dict[str, Any] = dict(store.stats())
+            g = store.geometry
+        stats.pop("hits", None)  # this process's reads: none
+        stats.pop("misses", None)
+        stats = {"geometry": None if g is None else g.as_dict(), **stats}
+        return _print_stats(stats, args.json)
+    return _run_client(args, lambda client: _print_stats(client.info(), args.json))
+
+
 def _add_token(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-file", help="file holding the bearer token (else $TLKV_TOKEN)")
 
@@ -136,7 +167,16 @@ def _hash_arg(text: str) -> str:
 
 
 def register(sub: Any) -> None:
-    """Add ``put``, ``get`` and ``has`` to the ``tlkv`` subcommands."""
+    """Add ``stats``, ``put``, ``get`` and ``has`` to the ``tlkv`` subcommands."""
+    p = sub.add_parser(
+        "stats", help="a store's counts, quarantined (corrupt) blocks included: server or --data"
+    )
+    p.add_argument("url", nargs="?", default=None, help=DEFAULT_URL_HELP)
+    p.add_argument("--data", default=None, help="a store directory instead of a server")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_token(p)
+    p.set_defaults(func=_cmd_stats)
+
     p = sub.add_parser("put", help="send an envelope's blocks to a server")
     p.add_argument("url", help=DEFAULT_URL_HELP)
     p.add_argument("file", help="envelope file")

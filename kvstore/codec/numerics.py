@@ -71,6 +71,12 @@ def all_finite_f16(arr: Any) -> bool:
     return bool(np.isfinite(arr).all())
 
 
+# E4M3FN has no infinity; S.1111.111 (0x7F, 0xFF) is its NaN.
+E4M3_NAN_MASK = 0x7F
+# The largest scale whose product with every E4M3 value stays finite in f32 (448 * s).
+SCALE_MAX = np.float32(np.finfo(np.float32).max / 448.0)
+
+
 def to_f16(arr: np.ndarray) -> np.ndarray:
     """``arr`` as a C-contiguous f16 array by round-to-nearest-even, whatever its strides;
     no copy when it already is contiguous f16, one copy otherwise. bf16, f32 and f64 follow
@@ -134,5 +140,6 @@ def quantize_e4m3(slabs: np.ndarray, filled: int) -> tuple[np.ndarray, np.ndarra
 def dequantize_e4m3(codes: np.ndarray, scales: np.ndarray) -> np.ndarray:
     """``e4m3_to_f32(code) * scale`` in f32; ``scales`` broadcasts over the last two axes."""
     out = np.take(E4M3_TO_F32, codes)
-    out *= scales[..., None, None]
+    with np.errstate(over="ignore"):  # a scale past SCALE_MAX gives Inf; callers refuse it
+        out *= scales[..., None, None]
     return out

@@ -37,7 +37,7 @@ from typing import Any, NamedTuple, TypeVar
 import numpy as np
 
 from ..codec.assembly import crc_matches, envelope_version
-from ..codec.envelope import Envelope, decode, transcode
+from ..codec.envelope import Envelope, check_finite, decode, transcode
 from ..codec.geometry import Geometry
 from ..codec.layout import (
     HEADER_SIZE,
@@ -52,6 +52,7 @@ from ..errors import (
     PinnedError,
     ShapeError,
     StoreError,
+    UnconvertibleError,
     UnsupportedVersionError,
 )
 from ..protocol import check_sequence_name
@@ -188,6 +189,11 @@ class Store:
             ``close`` syncs. Use it only for a cache that can be rebuilt.
         map_bytes: the initial size of LMDB's memory map (default 64 MiB, or twice the
             capacity); it grows on demand by at least doubling, invisibly to the user.
+        allow_nonfinite: False (default): a put, sequence or restore holding a NaN or an
+            infinity (v1 f16, v2 E4M3 NaN codes) or a v2 scale that is not finite, > 0 and
+            at most ``numerics.SCALE_MAX`` is refused (``FormatError``); True stores such
+            envelopes verbatim, as the spec's reader rules allow, and a transcoding ``get``
+            of one raises ``UnconvertibleError``.
 
     Raises:
         ShapeError: the store exists with another geometry.
@@ -206,6 +212,7 @@ class Store:
         capacity_bytes: int | None = None,
         sync: bool = True,
         map_bytes: int | None = None,
+        allow_nonfinite: bool = False,
     ) -> None:
         if map_bytes is not None and (
             isinstance(map_bytes, bool) or not isinstance(map_bytes, int)
@@ -224,6 +231,7 @@ class Store:
         self._path = os.fspath(path)
         self._capacity = capacity_bytes
         self._sync = bool(sync)
+        self._allow_nonfinite = bool(allow_nonfinite)
         self._closed = True
         self._forked = False
         self._geometry: Geometry | None = None
@@ -473,7 +481,10 @@ class Store:
         """Every reader rule but the CRC (checked while writing); errors in the codec's order."""
         geometry = geometry or self._geometry
         try:
-            return decode(data, geometry, verify_crc=False)
+            env = decode(data, geometry, verify_crc=False)
+            if not self._allow_nonfinite:
+                check_finite(env)
+            return env
         except EnvelopeError:
             decode(data, geometry)  # raises the codec's own error, the CRC checked first
             raise
@@ -659,7 +670,7 @@ class Store:
                 self.hits += 1
                 self._recency.touch(h)
                 if version is not None and envelope_version(data) != version:
-                    data = transcode(data, version)
+                    data = _transcode_stored(h, data, version)
             out.append(data)
         if corrupt:
             self._quarantine(corrupt)
@@ -768,3 +779,18 @@ class Store:
             }
         finally:
             self._end_read(txn)
+
+
+def _transcode_stored(block_hash: int, data: bytes, version: int) -> bytes:
+    """A stored block in format ``version``; what cannot be converted is the stored data's
+    fault, not the request's.
+
+    Raises:
+        UnconvertibleError: a value is not finite, or does not fit the target format.
+    """
+    try:
+        return transcode(data, version)
+    except ValueError as exc:
+        raise UnconvertibleError(
+            f"block {block_hash:016x} cannot be converted to format {version}: {exc}"
+        ) from None

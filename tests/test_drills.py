@@ -1,0 +1,210 @@
+"""Drills as tests: a truly full filesystem under the server, a streamed /v1/prefix over
+64 MiB while a writer evicts, and SIGKILL during ``archive restore``.
+
+The full-filesystem drill mounts a small tmpfs (root only: CI runs as root); elsewhere it
+is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from conftest import make_envelope
+from http_server import ServerProcess, assert_error
+
+from kvstore import Block, Geometry, decode, encode
+from kvstore.store.store import Store
+
+ENVELOPE = {"content-type": "application/vnd.tlkv"}
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``path`` (skips the test where mounting is refused)."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a small tmpfs needs root (CI runs as root)")
+    path.mkdir(parents=True, exist_ok=True)
+    ran = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    if ran.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {ran.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+FULL_GEOMETRY = Geometry(16, 4, 2, 64)  # 16 KiB blocks
+
+
+@pytest.mark.slow
+def test_full_filesystem(tmp_path: Path) -> None:
+    """Puts fail with 507 store_full, nothing of a refused put is stored, reads go on, and
+    writes work again once space is freed."""
+    with tmpfs(tmp_path / "mnt", "16m") as mnt:
+        ballast = mnt / "ballast"
+        ballast.write_bytes(b"\0" * (6 << 20))
+        geometry = ",".join(map(str, FULL_GEOMETRY.as_tuple()))
+        with ServerProcess(mnt / "store", "--geometry", geometry) as srv, srv.client() as http:
+            stored: list[bytes] = []
+            refused = None
+            for seed in range(200):
+                data = make_envelope(FULL_GEOMETRY, 16 * 8, seed=seed)
+                r = http.put("/v1/blocks", content=data, headers=ENVELOPE)
+                if r.status_code != 200:
+                    assert "full" in assert_error(r, 507, "store_full")
+                    refused = data
+                    break
+                stored.append(data)
+            assert refused is not None and len(stored) > 10, len(stored)
+            hashes = [f"{int(h):016x}" for h in decode(refused).hashes]
+            r = http.post("/v1/has-blocks", json={"hashes": hashes})
+            assert r.json()["present"] == [False] * len(hashes)  # nothing committed half
+            for data in stored[:: max(1, len(stored) // 8)]:  # the server keeps serving reads
+                h = f"{int(decode(data).hashes[0]):016x}"
+                assert http.get(f"/v1/blocks/{h}").content == decode(data).single(0)
+            assert http.get("/healthz").status_code == 200
+            ballast.unlink()  # space freed: the same put now works
+            r = http.put("/v1/blocks", content=refused, headers=ENVELOPE)
+            assert r.status_code == 200, r.text
+            assert len(r.json()["stored"]) == len(hashes)
+            assert srv.alive()
+        assert "Traceback" not in srv.log(), srv.log()[-3000:]
+        with Store(mnt / "store") as s:  # a consistent store after all that
+            assert s.stats()["blocks"] == 8 * (len(stored) + 1)
+
+
+PREFIX_GEOMETRY = Geometry(16, 32, 8, 128)  # 2 MiB blocks: 40 blocks = 80 MiB
+
+
+@pytest.mark.slow
+def test_streamed_prefix_over_64_mib_under_an_evicting_writer(tmp_path: Path) -> None:
+    """A /v1/prefix answer of 80 MiB streams (block by block) while another client keeps
+    putting blocks into a store at capacity, evicting. The answer is either whole and
+    valid, byte for byte the stored blocks, or cut short (a block was evicted mid-stream:
+    the client sees a short body) -- never wrong bytes, never a 5xx after the header."""
+    g = PREFIX_GEOMETRY
+    rng = np.random.default_rng(1)
+    kv = rng.standard_normal(g.kv_shape).astype(np.float16)
+    n = 40
+    prompt = encode(g, [Block(1000 + i, g.block_tokens, kv) for i in range(n)])
+    blocks = {1000 + i: decode(prompt).single(i) for i in range(n)}
+    capacity = str(int(g.envelope_bytes(1) * 48))  # the prompt and 2 writer puts
+    geometry = ",".join(map(str, g.as_tuple()))
+    args = ("--geometry", geometry, "--capacity", capacity, "--max-body", "96MiB")
+    with ServerProcess(tmp_path / "store", *args) as srv, srv.client() as http:
+        assert http.put("/v1/blocks", content=prompt, headers=ENVELOPE).status_code == 200
+        stop = threading.Event()
+        puts: list[int] = []
+
+        def writer() -> None:
+            i = 0
+            with srv.client() as w:
+                while not stop.is_set():
+                    env = encode(
+                        g, [Block(10**6 + i * 4 + j, g.block_tokens, kv) for j in range(4)]
+                    )
+                    puts.append(w.put("/v1/blocks", content=env, headers=ENVELOPE).status_code)
+                    i += 1
+
+        thread = threading.Thread(target=writer)
+        thread.start()
+        outcomes = []
+        try:
+            for _ in range(3):
+                hashes = [f"{h:016x}" for h in blocks]
+                try:
+                    r = http.post("/v1/prefix", json={"hashes": hashes})
+                except httpx.HTTPError as exc:  # cut short mid-stream
+                    outcomes.append(f"cut: {type(exc).__name__}")
+                    continue
+                assert r.status_code == 200, r.text[:300]
+                k = int(r.headers["x-tlkv-prefix-blocks"])
+                env = decode(r.content)  # whole and valid: header, records, CRC
+                assert len(env) == k
+                for i in range(k):
+                    assert env.single(i) == blocks[1000 + i]
+                outcomes.append(f"whole: {k} blocks, {len(r.content)} bytes")
+                http.put("/v1/blocks", content=prompt, headers=ENVELOPE)  # back for the next
+        finally:
+            stop.set()
+            thread.join(timeout=60)
+        assert puts and set(puts) <= {200}, set(puts)
+        streamed = [o for o in outcomes if o.startswith("cut") or int(o.split()[1]) > 32]
+        assert streamed, outcomes  # over 64 MiB: the streamed path, not the gathered one
+        r = http.get("/metrics")
+        assert 'status="5' not in r.text
+        evictions = re.search(r"^tlkv_store_evictions_total (\S+)", r.text, re.M)
+        assert evictions and float(evictions.group(1)) > 0
+        assert srv.alive()
+    # A stream cut short is aborted by raising (ASGI has no other way): uvicorn logs that
+    # one traceback per cut, naming the vanished block. Nothing else may be in the log.
+    aborts = srv.log().split("Exception in ASGI application")[1:]
+    assert len(aborts) == sum(o.startswith("cut") for o in outcomes), srv.log()[-3000:]
+    for abort in aborts:
+        assert "vanished while streaming the prefix" in abort, abort[-2000:]
+    assert "Traceback" not in srv.log().split("Exception in ASGI application")[0]
+
+
+RESTORE_GEOMETRY = Geometry(16, 32, 8, 128)  # 2 MiB blocks: 48 blocks, 6 commit batches
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    reason="restore commits ~16 MiB batches and undoes them only on errors it sees: a "
+    "SIGKILL between two commits leaves the batches so far (the restore rework, validate "
+    "and commit in one pass, is to close this)",
+    strict=False,
+)
+def test_sigkill_during_restore_is_all_or_nothing(tmp_path: Path) -> None:
+    """SIGKILL ``tlkv archive restore`` while it commits: on reopening, the store holds
+    nothing of the archive or all of it, and takes puts and reads."""
+    import signal
+    import sys
+    import time
+
+    from kvstore import archive as ar
+
+    g = RESTORE_GEOMETRY
+    rng = np.random.default_rng(2)
+    kv = rng.standard_normal(g.kv_shape).astype(np.float16)
+    archive = tmp_path / "a.tar.zst"
+    with Store(tmp_path / "src", geometry=g) as src:
+        for i in range(6):
+            src.put(encode(g, [Block(7000 + 8 * i + j, g.block_tokens, kv) for j in range(8)]))
+        ar.create(src, archive)
+        total = src.stats()["blocks"]
+    target = tmp_path / "dst"
+    with Store(target, geometry=g) as dst:
+        dst.put(encode(g, [Block(1, g.block_tokens, kv)]))  # the store had one block before
+    cmd = [sys.executable, "-m", "kvstore", "archive", "restore", str(archive), "--data"]
+    proc = subprocess.Popen([*cmd, str(target), "--quiet"], cwd=Path(__file__).parent.parent)
+    seen = 1
+    with Store(target) as watch:
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            seen = watch.stats()["blocks"]
+            if seen > 1:  # a first batch committed: kill while the rest is on its way
+                proc.send_signal(signal.SIGKILL)
+                break
+            time.sleep(0.002)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL, "restore finished before it could be killed"
+    with Store(target) as after:
+        blocks = after.stats()["blocks"]
+        assert blocks in (1, 1 + total), f"{blocks - 1} of {total} archive blocks after SIGKILL"
+        after.put(encode(g, [Block(2, g.block_tokens, kv)]))  # usable
+        assert after.get(2) is not None and after.get(1) is not None
