@@ -10,6 +10,7 @@ every error leaves in the one JSON shape of ``api.errors``.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -42,6 +43,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             capacity_bytes=settings.capacity_bytes,
         )
         app.state.store = store
+        # The loop releases zero-copy bodies: a remap there must not wait for them.
+        store.set_loop_thread(threading.get_ident())
         try:
             yield
         finally:
