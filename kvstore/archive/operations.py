@@ -44,7 +44,7 @@ from ..errors import (
     ShapeError,
     UnsafeArchiveError,
 )
-from ..fileio import atomic_file, current_umask, drop_mapped_pages
+from ..fileio import atomic_file, current_umask, drop_mapped_pages, populate_mapped_pages
 from ..protocol import check_sequence_name
 from .importer import (
     Importer,
@@ -183,6 +183,7 @@ def _create_once(
             else:
                 source = ((h, r.envelope(h)) for h in block_hashes)
             for h, env in source:
+                populate_mapped_pages([env])  # one call, not a fault per 4 KiB page
                 try:
                     decode(env, geometry)
                 except ChecksumError:
