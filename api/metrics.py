@@ -30,9 +30,9 @@ Every scrape reports:
 - ``tlkv_store_open_snapshots`` (gauge, summed over live workers) and
   ``tlkv_store_oldest_snapshot_seconds`` (the oldest of any worker): read snapshots held
   open for zero-copy response bodies the transports have not yet released, as of each
-  worker's last request or scrape; ``tlkv_http_stalled_bodies_total``: connections
-  aborted because the client left such a body unread too long (see
-  ``api.routes.blocks.BODY_HOLD_SECONDS``).
+  worker's last scrape or request (requests refresh them at most every 0.1 s);
+  ``tlkv_http_stalled_bodies_total``: connections aborted because the client left such
+  a body unread too long (see ``api.routes.blocks.BODY_HOLD_SECONDS``).
 - ``tlkv_worker_start_time_seconds``: one series per live worker, labelled ``pid`` in
   multiprocess mode (a worker drops its series when it shuts down; one that died
   without shutting down loses it when the next worker starts).
@@ -54,6 +54,7 @@ from prometheus_client.registry import Collector
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 TRANSPORT_KEY = "tlkv.transport"  # the scope key under which the middleware leaves it
+SNAPSHOT_REFRESH = 0.1  # seconds: requests refresh the open-snapshot gauges this often
 
 UNMATCHED = "<unmatched>"  # every path that matched no route: keeps label cardinality bounded
 
@@ -200,6 +201,7 @@ class Metrics:
             registry=registry,
         )
         self._seen_snapshots = (0, 0.0)
+        self._snapshots_at = 0.0
         self._stalled = Counter(
             "tlkv_http_stalled_bodies",
             "Connections aborted because the client left a zero-copy body unread too long.",
@@ -246,6 +248,14 @@ class Metrics:
             self._open_snapshots.set(held[0])
             self._oldest_snapshot.set(held[1])
             self._seen_snapshots = held
+
+    def observe_snapshots_of(self, store: Any) -> None:
+        """``observe_snapshots`` of ``store``, at most every ``SNAPSHOT_REFRESH`` seconds
+        (requests call it; a scrape calls ``observe_snapshots`` itself)."""
+        now = time.monotonic()
+        if now - self._snapshots_at >= SNAPSHOT_REFRESH:
+            self._snapshots_at = now
+            self.observe_snapshots(store.held_snapshots())
 
     def observe_stalled_body(self) -> None:
         """Count one connection aborted over a body its client did not read."""
@@ -306,4 +316,4 @@ class MetricsMiddleware:
             store = getattr(scope["app"].state, "store", None)
             if store is not None:
                 self.metrics.observe_store_reads(store.hits, store.misses)
-                self.metrics.observe_snapshots(store.held_snapshots())
+                self.metrics.observe_snapshots_of(store)

@@ -109,7 +109,7 @@ def _churn(store: Any, gone: list[int], n: int) -> None:
 
 
 def _pipelined_gets_with_writer(
-    server: _Server,
+    server: _Server, sent: Callable[[], bool] | None = None
 ) -> tuple[list[tuple[int, bytes]], list[bytes], int]:
     """Two pipelined GETs from a starved client while a writer frees and reuses pages:
     the answers, the blocks as put, and how many snapshots were held during the churn."""
@@ -124,7 +124,7 @@ def _pipelined_gets_with_writer(
             b"GET /v1/blocks/00000000000000b2 HTTP/1.1\r\nHost: t\r\n\r\n"
         )
         # The first answer has been sent (send returned) but sits in the transport.
-        _wait(lambda: store.held_snapshots()[0] >= 1, "no body held by the transport")
+        _wait(sent or (lambda: store.held_snapshots()[0] >= 1), "no body held by the transport")
         _churn(store, [0xA1, 0xB2], 8)
         held = store.held_snapshots()[0]
         answers = [_read_response(f), _read_response(f)]
@@ -155,8 +155,15 @@ def test_the_scenario_catches_a_snapshot_ended_at_send_return(
         return out
 
     monkeypatch.setattr(lmdbenv.LmdbEnv, "hold", ended_at_once)
-    monkeypatch.setattr(lmdbenv.LmdbEnv, "held_snapshots", lambda self: (1, 0.0))
-    answers, expected, _ = _pipelined_gets_with_writer(server)
+    store = server.store
+
+    def sent() -> bool:  # the first body was read and handed to the transport
+        if store.hits < 1:
+            return False
+        time.sleep(0.3)
+        return True
+
+    answers, expected, _ = _pipelined_gets_with_writer(server, sent)
     assert [status for status, _ in answers] == [200, 200]
     assert any(body != original for (_, body), original in zip(answers, expected))
 

@@ -41,7 +41,7 @@ WORKERS = 2
 ENVELOPE = "application/vnd.tlkv"
 OCTET = "application/octet-stream"
 BLOB_ENV = "TLKV_BENCH_BLOB"
-GET_ROUNDS = 3
+GET_ROUNDS = 5
 PUT_ROUNDS = 3
 
 
@@ -544,7 +544,7 @@ def run(args: argparse.Namespace) -> list[Row]:
     root = Path(tempfile.mkdtemp(prefix="tlkv-bench-http-", dir=base))
     rows: list[Row] = []
     n_batches = 4 if quick else 8  # per PUT client; 8 blocks (16 MiB) per PUT
-    get_seconds = 3.0 if quick else 8.0
+    get_seconds = 3.0 if quick else 5.0
     load_seconds = 10.0 if quick else 60.0
     clients = 4
     servers: list[_Server] = []

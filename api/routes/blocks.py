@@ -138,18 +138,52 @@ def _expire(owner: weakref.ref[Any], transport: Any, what: str, metrics: Any) ->
         transport.abort()
 
 
+class _BodyWatch:
+    """Bodies sent whose buffers their transport still held at ``send``'s return, checked
+    a few times per ``BODY_HOLD_SECONDS`` by one timer of the loop (not one per request)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.pending: list[tuple[float, weakref.ref[Any], Any, str, Any]] = []
+        self.timer: asyncio.TimerHandle | None = None
+
+    def add(self, owner: weakref.ref[Any], transport: Any, what: str, metrics: Any) -> None:
+        self.pending.append((self.loop.time() + BODY_HOLD_SECONDS, owner, transport, what, metrics))
+        if self.timer is None:
+            self.timer = self.loop.call_later(BODY_HOLD_SECONDS / 4, self.sweep)
+
+    def sweep(self) -> None:
+        self.timer = None
+        now = self.loop.time()
+        keep = []
+        for entry in self.pending:
+            deadline, owner, transport, what, metrics = entry
+            if owner() is None:
+                continue  # written out: its snapshot has ended
+            if now >= deadline:
+                _expire(owner, transport, what, metrics)
+                continue
+            keep.append(entry)
+        self.pending = keep
+        if keep:
+            self.timer = self.loop.call_later(BODY_HOLD_SECONDS / 4, self.sweep)
+
+
 def watch_body(scope: dict[str, Any], owners: list[weakref.ref[Any]]) -> None:
     """Abort the connection if the transport still holds one of the sent buffers whose
     exporting arrays ``owners`` refers to (``owner_refs``) after ``BODY_HOLD_SECONDS``."""
     for owner in owners:
         if owner() is not None:
-            asyncio.get_running_loop().call_later(
-                BODY_HOLD_SECONDS,
-                _expire,
+            state = scope["app"].state
+            loop = asyncio.get_running_loop()
+            watch = getattr(state, "body_watch", None)
+            if watch is None or watch.loop is not loop:
+                watch = state.body_watch = _BodyWatch(loop)
+            watch.add(
                 owner,
                 scope.get(TRANSPORT_KEY),
                 scope.get("path", ""),
-                getattr(scope["app"].state, "metrics", None),
+                getattr(state, "metrics", None),
             )
             return  # they end together: the snapshot is one
 

@@ -231,6 +231,8 @@ class LmdbEnv:
                 self._held.discard(held)
                 try:
                     held.txn.abort()
+                except lmdb.Error:  # the environment was closed under it: ended already
+                    pass
                 finally:
                     cond.notify_all()
 
