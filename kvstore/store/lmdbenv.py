@@ -97,7 +97,9 @@ class LmdbEnv:
         self._linger_lock = threading.Lock()
         # Read transactions held for zero-copy bodies (``hold``), and pending remaps.
         self._held: set[_Held] = set()
-        self._held_cond = threading.Condition(threading.Lock())
+        # Reentrant: an array's last reference may die in a garbage collection that runs
+        # while this thread holds the lock, and its callback takes the lock too.
+        self._held_cond = threading.Condition(threading.RLock())
         self._refusing_holds = 0
         # The thread that must never wait for held transactions (the one whose event loop
         # releases them): a remap it needs while some are held fails instead.
@@ -201,11 +203,6 @@ class LmdbEnv:
             self._lingering.append((txn, refs))
         self.guard.release()
 
-    @property
-    def holding(self) -> bool:
-        """Whether a new zero-copy hold may start now (no remap is pending)."""
-        return not self._refusing_holds
-
     def hold(self, txn: Any, values: list[Any]) -> list[memoryview]:
         """End a read like ``end_read``, but keep ``txn`` open while its data is referenced.
 
@@ -252,8 +249,8 @@ class LmdbEnv:
         with self._held_cond:
             if not self._held:
                 return 0, 0.0
-            oldest = min(h.since for h in self._held)
-            return len(self._held), time.monotonic() - oldest
+            held = list(self._held)
+            return len(held), time.monotonic() - min(h.since for h in held)
 
     def _drain_holds(self, deadline: float) -> None:
         """Wait (until ``deadline``) for the held transactions to end."""
