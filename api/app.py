@@ -12,6 +12,7 @@ error leaves in the one JSON shape of ``api.errors``.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -47,6 +48,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             allow_nonfinite=settings.allow_nonfinite,
         )
         app.state.store = store
+        # The loop releases zero-copy bodies: a remap there must not wait for them.
+        store.set_loop_thread(threading.get_ident())
         grpc_server = None
         try:
             if settings.grpc_address is not None:

@@ -46,7 +46,7 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvstore import Geometry, Store, chain_hashes, decode, transcode
+from kvstore import Geometry, Store, chain_hashes, decode
 from kvstore._tlkv_v1 import kv_pb2, kv_pb2_grpc
 from kvstore.codec.layout import NO_HASH, SUPPORTED_VERSIONS
 from kvstore.errors import (
@@ -60,6 +60,7 @@ from kvstore.errors import (
     UnsupportedVersionError,
 )
 from kvstore.protocol import SEQUENCE_NAME_MAX, hash_hex, is_sequence_name
+from kvstore.store import transcode_stored
 from kvstore.transfer import (
     ERROR_KIND_KEY,
     MAX_CHUNK_PAYLOAD,
@@ -234,7 +235,7 @@ class _Push:
                 if version is None:
                     version = decode(data, verify_crc=False).version
                 if decode(data, verify_crc=False).version != version:
-                    data = transcode(data, version)
+                    data = transcode_stored(h, data, version)
                 held[h] = data
         parts = [p if p is not None else held.get(h) or sent[h] for h, p, _ in self.entries]
         # every part's CRC was checked: on arrival, by Store.get_many, or made by transcode

@@ -27,6 +27,12 @@ Every scrape reports:
 - ``tlkv_store_blocks``, ``_bytes``, ``_capacity_bytes`` (absent when unbounded),
   ``_pinned_blocks``, ``_sequences`` (gauges) and ``tlkv_store_evictions_total``,
   ``tlkv_store_corrupt_total``: read from the shared store when the scrape is answered.
+- ``tlkv_store_open_snapshots`` (gauge, summed over live workers) and
+  ``tlkv_store_oldest_snapshot_seconds`` (the oldest of any worker): read snapshots held
+  open for zero-copy response bodies the transports have not yet released, as of each
+  worker's last scrape or request (requests refresh them at most every 0.1 s);
+  ``tlkv_http_stalled_bodies_total``: connections aborted because the client left such
+  a body unread too long (see ``api.routes.blocks.BODY_HOLD_SECONDS``).
 - ``tlkv_worker_start_time_seconds``: one series per live worker, labelled ``pid`` in
   multiprocess mode (a worker drops its series when it shuts down; one that died
   without shutting down loses it when the next worker starts).
@@ -47,6 +53,8 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 from prometheus_client.registry import Collector
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+TRANSPORT_KEY = "tlkv.transport"  # the scope key under which the middleware leaves it
+SNAPSHOT_REFRESH = 0.1  # seconds: requests refresh the open-snapshot gauges this often
 
 UNMATCHED = "<unmatched>"  # every path that matched no route: keeps label cardinality bounded
 
@@ -180,6 +188,25 @@ class Metrics:
             "tlkv_store_misses", "Block reads that did not find the block.", registry=registry
         )
         self._seen_reads = (0, 0)
+        self._open_snapshots = Gauge(
+            "tlkv_store_open_snapshots",
+            "Read snapshots held open for zero-copy response bodies not yet written out.",
+            multiprocess_mode="livesum",
+            registry=registry,
+        )
+        self._oldest_snapshot = Gauge(
+            "tlkv_store_oldest_snapshot_seconds",
+            "Age of the oldest read snapshot held for a zero-copy response body.",
+            multiprocess_mode="livemax",
+            registry=registry,
+        )
+        self._seen_snapshots = (0, 0.0)
+        self._snapshots_at = 0.0
+        self._stalled = Counter(
+            "tlkv_http_stalled_bodies",
+            "Connections aborted because the client left a zero-copy body unread too long.",
+            registry=registry,
+        )
         started = Gauge(
             "tlkv_worker_start_time_seconds",
             "Start time of the worker (Unix seconds).",
@@ -214,6 +241,25 @@ class Metrics:
         if misses != seen_misses:
             self._misses.inc(misses - seen_misses if misses > seen_misses else misses)
         self._seen_reads = (hits, misses)
+
+    def observe_snapshots(self, held: tuple[int, float]) -> None:
+        """Record ``Store.held_snapshots()``: how many, and the oldest's age."""
+        if held != self._seen_snapshots:
+            self._open_snapshots.set(held[0])
+            self._oldest_snapshot.set(held[1])
+            self._seen_snapshots = held
+
+    def observe_snapshots_of(self, store: Any) -> None:
+        """``observe_snapshots`` of ``store``, at most every ``SNAPSHOT_REFRESH`` seconds
+        (requests call it; a scrape calls ``observe_snapshots`` itself)."""
+        now = time.monotonic()
+        if now - self._snapshots_at >= SNAPSHOT_REFRESH:
+            self._snapshots_at = now
+            self.observe_snapshots(store.held_snapshots())
+
+    def observe_stalled_body(self) -> None:
+        """Count one connection aborted over a body its client did not read."""
+        self._stalled.inc()
 
     def render(self, store_stats: Mapping[str, Any] | None) -> str:
         """The exposition text (format 0.0.4): every worker's metrics, then the store's.
@@ -250,6 +296,10 @@ class MetricsMiddleware:
             return
         t0 = time.perf_counter()
         status = 500
+        # The server's transport, from uvicorn's request cycle (whose ``receive`` reaches
+        # here unwrapped; Starlette wraps ``send``): a stalled zero-copy body is released
+        # by aborting it (api.routes.blocks.watch_body).
+        scope[TRANSPORT_KEY] = getattr(getattr(receive, "__self__", None), "transport", None)
 
         async def send_status(message: dict[str, Any]) -> None:
             nonlocal status
@@ -266,3 +316,4 @@ class MetricsMiddleware:
             store = getattr(scope["app"].state, "store", None)
             if store is not None:
                 self.metrics.observe_store_reads(store.hits, store.misses)
+                self.metrics.observe_snapshots_of(store)

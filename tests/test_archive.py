@@ -403,14 +403,13 @@ def test_failed_commit_phase_is_undone(
         assert snapshot(dst) == before
         monkeypatch.setattr(dst, "import_batch", real)
 
-        # The file changes between the validation pass and the import pass.
+        # A block's bytes change after the reader checked them (the file changed between
+        # two passes, or under the one pass): the store's own CRC check refuses it.
         scan = ar.ArchiveReader.scan
-        passes = [0]
 
         def tampered(self: ar.ArchiveReader, **kw: object) -> Iterator[object]:
-            passes[0] += 1
             for i, item in enumerate(scan(self, **kw)):  # type: ignore[arg-type]
-                if passes[0] == 2 and i == 7 and isinstance(item, ar.ArchiveBlock):
+                if i == 7 and isinstance(item, ar.ArchiveBlock):
                     bad = bytearray(item.envelope)
                     bad[60] ^= 1
                     item = ar.ArchiveBlock(item.hash, memoryview(bytes(bad)))
@@ -420,3 +419,85 @@ def test_failed_commit_phase_is_undone(
         with pytest.raises(ChecksumError):
             ar.restore(archive_file, dst)
         assert snapshot(dst) == before
+
+
+def _flip_in_frame(path: Path, frame: int, out: Path) -> Path:
+    raw = bytearray(path.read_bytes())
+    offset, size = frame_bounds(path)[frame]
+    raw[offset + size // 2] ^= 0x01
+    out.write_bytes(bytes(raw))
+    return out
+
+
+def test_one_pass_restore_undoes_blocks_committed_before_a_late_refusal(
+    archive_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Restore reads the archive once, committing blocks as they pass; a member refused
+    near the end leaves the store exactly as it was (sequences untouched, blocks undone)."""
+    from kvstore.archive import importer as archive_importer
+
+    monkeypatch.setattr(archive_importer, "COMMIT_BATCH_BYTES", 2000)  # many batches
+    with ar.ArchiveReader(archive_file) as reader:
+        last_block_frame = int(reader.index.blocks["frame"].max())
+    bad = _flip_in_frame(archive_file, last_block_frame, tmp_path / "late.tar.zst")
+    scans = [0]
+    scan = ar.ArchiveReader.scan
+
+    def counted(self: ar.ArchiveReader, **kw: object) -> Iterator[object]:
+        scans[0] += 1
+        yield from scan(self, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ar.ArchiveReader, "scan", counted)
+    with Store(tmp_path / "dst") as dst:
+        populate(dst, seed=9)
+        # a sequence the archive replaces on success
+        dst.put_sequence("chat-1", make_envelope(SMALL, 4 * 2, seed=4242))
+        before = snapshot(dst)
+        real = dst.import_batch
+        committed = [0]
+
+        def counting(*args: object, **kw: object) -> object:
+            committed[0] += 1
+            return real(*args, **kw)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(dst, "import_batch", counting)
+        with pytest.raises(ArchiveError):
+            ar.restore(bad, dst)
+        assert scans[0] == 1  # one pass over the archive
+        assert committed[0] >= 2  # blocks were committed before the refusal...
+        assert snapshot(dst) == before  # ...and removed again
+        scans[0] = 0
+        report = ar.restore(archive_file, dst)  # the good archive, in one pass too
+        assert scans[0] == 1
+        assert report.sequences == 4
+        with Store(tmp_path / "src2") as fresh:
+            ar.restore(archive_file, fresh)
+            assert dst.get_sequence("chat-1") == fresh.get_sequence("chat-1")
+
+
+def test_restore_validates_first_when_it_could_evict(
+    archive_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Into a store whose capacity the archive might exceed, a refused archive must not
+    have evicted anything: restore validates everything before it writes."""
+    with ar.ArchiveReader(archive_file) as reader:
+        data_bytes = reader.index.data_bytes
+    with Store(tmp_path / "dst") as dst:
+        populate(dst, seed=9)
+        used = int(dst.stats()["bytes"])  # type: ignore[arg-type]
+    bad = _flip_in_frame(archive_file, 2, tmp_path / "early.tar.zst")
+    with Store(tmp_path / "dst", capacity_bytes=used + data_bytes // 2) as dst:
+        before = snapshot(dst)
+        calls = [0]
+        real = dst.import_batch
+
+        def counting(*args: object, **kw: object) -> object:
+            calls[0] += 1
+            return real(*args, **kw)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(dst, "import_batch", counting)
+        with pytest.raises(ArchiveError):
+            ar.restore(bad, dst)
+        assert calls[0] == 0  # refused by the validation pass: nothing written
+        assert snapshot(dst) == before
+        assert ar.restore(archive_file, dst).blocks == ar.verify(archive_file).blocks

@@ -216,7 +216,7 @@ def test_progress_bar_of_the_real_commands_ends_full(
     with Store(data) as s:
         n = s.stats()["blocks"]
     lines = [line for line in tty.getvalue().split("\n") if line.startswith("\r")]
-    phases = {"restore": ["restore (validating)", "restore (importing)"]}.get(command, [command])
+    phases = {"restore": ["restore (validating and importing)"]}.get(command, [command])
     assert len(lines) == len(phases)
     for line, label in zip(lines, phases):
         last = _last_draw([line])

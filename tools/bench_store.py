@@ -38,6 +38,7 @@ from kvstore.codec.envelope import check_finite
 GEOMETRY = Geometry(16, 32, 8, 128)
 SMALL_GEOMETRY = Geometry(16, 1, 1, 64)  # 4 KiB payloads: many blocks for has()
 KEY = struct.Struct(">Q")
+VIEW_ROUNDS = 7
 
 
 def _envelope(geometry: Geometry, kv: np.ndarray, first_hash: int, n: int) -> bytes:
@@ -55,19 +56,28 @@ def _bench_view(root: Path, kv: np.ndarray, repeat: int) -> list[Row]:
         store.put(_envelope(GEOMETRY, kv, 1, 8))
         env, db = store._env, store._dbs.blocks  # the same environment, raw py-lmdb
         keys = [KEY.pack(h) for h in range(1, 9)]
-        with env.begin(buffers=True) as txn:
-            get = txn.get
-            t_raw = _median_us(
-                lambda: [np.frombuffer(get(k, None, db), dtype=np.uint8) for k in keys], repeat
-            ) / len(keys)
-        with store.reader() as r:
-            view = r.view
-            t_view = _median_us(lambda: [view(h).kv for h in range(1, 9)], repeat) / len(keys)
+        hashes = list(range(1, 9))
+        # Interleaved rounds (the machine is shared): each round times both; the ratio
+        # reported is the median of the per-round ratios, the times their medians.
+        raws, views = [], []
+        with env.begin(buffers=True) as txn, store.reader() as r:
+            get, view = txn.get, r.view
+            for _ in range(VIEW_ROUNDS):
+                raws.append(
+                    _median_us(
+                        lambda: [np.frombuffer(get(k, None, db), dtype=np.uint8) for k in keys],
+                        repeat,
+                    )
+                    / len(keys)
+                )
+                views.append(_median_us(lambda: [view(h).kv for h in hashes], repeat) / len(keys))
         with store.reader() as r:
             t_enter = _median_us(
                 lambda: store.reader().__enter__().__exit__(None, None, None), repeat
             )
-    ratio = t_view / t_raw
+    ratios = sorted(v / r_ for v, r_ in zip(views, raws))
+    ratio = statistics.median(ratios)
+    t_view, t_raw = statistics.median(views), statistics.median(raws)
     rows.append(
         Row(
             "reader().view(h).kv, 2 MiB block",
@@ -76,6 +86,12 @@ def _bench_view(root: Path, kv: np.ndarray, repeat: int) -> list[Row]:
             ratio,
             "<= 1.5x and < 15 us",
             ratio <= 1.5 and t_view < 15,
+        )
+    )
+    rows.append(
+        Row(
+            f"  (per-round ratios, {VIEW_ROUNDS} rounds)",
+            f"{ratios[0]:.2f}-{ratios[-1]:.2f}x",
         )
     )
     rows.append(Row("  (opening + closing a reader)", f"{t_enter:.2f} us"))

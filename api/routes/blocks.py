@@ -4,15 +4,26 @@ Envelopes go out verbatim as ``application/vnd.tlkv`` bytes (no serialization la
 Plain single-block reads run on the event loop (an LMDB read plus a CRC check, well under
 a millisecond for 2 MiB). Everything that takes milliseconds runs in the thread pool:
 writes and deletes (they wait for a durable commit), every read with ``?format=`` (it may
-transcode 2 MiB), and the multi-block reads and join of ``/v1/prefix`` -- gathered in one
-call, or, when streamed, one call per block that reads it (transcoding it if needed) and
-folds it into the running CRC of the envelope (``kvstore.codec.assembly.EnvelopeStream``).
+transcode 2 MiB), and the multi-block reads of ``/v1/prefix`` -- gathered in one call,
+or, when streamed, one call per block that reads it (transcoding it if needed) and folds
+it into the running CRC of the envelope (``kvstore.codec.assembly.EnvelopeStream``).
+
+Zero copy: ``GET /v1/blocks/{hash}`` and a ``/v1/prefix`` answer up to
+``PREFIX_BUFFER_BYTES`` are sent straight from LMDB's map (``Store.get_buffers``: every
+block CRC-checked first). The transport may keep a body after ``send`` returns (uvloop
+queues what the socket did not take), so the read snapshot is not ended there: it ends
+when the transport releases the last buffer (the store watches the arrays exporting
+them). A client that stops reading would hold its snapshot open: a body still held
+``BODY_HOLD_SECONDS`` after it was sent has its connection aborted, which releases it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
+import logging
+import weakref
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Annotated, Any
@@ -22,19 +33,20 @@ from fastapi import APIRouter, Path, Query, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response, StreamingResponse
 
-from kvstore.codec.assembly import EnvelopeStream, stored_crc
+from kvstore.codec.assembly import EnvelopeStream, envelope_version, stored_crc
 from kvstore.codec.envelope import decode, encode, join
 from kvstore.codec.geometry import Geometry
 from kvstore.codec.layout import (
     VERSION_V1,
 )
-from kvstore.errors import NotFoundError, TlkvError
+from kvstore.errors import NotFoundError, StoreError, TlkvError
 from kvstore.protocol import PREFIX_HEADER, is_hash_hex, parse_hash_hex
-from kvstore.store import Store
+from kvstore.store import Store, transcode_stored
 
 from ..bodies import read_envelope
 from ..errors import send_error
 from ..formats import require_formats
+from ..metrics import TRANSPORT_KEY
 from .common import (
     ENVELOPE_BODY,
     ENVELOPE_MEDIA_TYPE,
@@ -49,7 +61,13 @@ from .common import (
     store_of,
 )
 
+log = logging.getLogger("tlkv.api")
+
 router = APIRouter(tags=["blocks"])
+
+# A zero-copy body its transport still holds this long after it was sent (a client that
+# stopped reading) has its connection aborted: the read snapshot it pins ends.
+BODY_HOLD_SECONDS = 30.0
 
 # A prefix answer up to this size is gathered first (and cut at a block that vanished);
 # a larger one streams block by block, so memory stays flat whatever the prefix length.
@@ -108,6 +126,101 @@ async def get_block(request: Request, hash: HashPath, format: FormatQuery = None
     return Response(data, media_type=ENVELOPE_MEDIA_TYPE, headers={"etag": etag})
 
 
+def _expire(owner: weakref.ref[Any], transport: Any, what: str, metrics: Any) -> None:
+    if owner() is None:
+        return
+    log.warning(
+        "%s: the client has not read the body for %.0f s; its connection is aborted to end "
+        "the read snapshot the body pins",
+        what,
+        BODY_HOLD_SECONDS,
+    )
+    if metrics is not None:
+        metrics.observe_stalled_body()
+    if transport is not None:
+        transport.abort()
+
+
+class _BodyWatch:
+    """Bodies sent whose buffers their transport still held at ``send``'s return, checked
+    a few times per ``BODY_HOLD_SECONDS`` by one timer of the loop (not one per request)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.pending: list[tuple[float, weakref.ref[Any], Any, str, Any]] = []
+        self.timer: asyncio.TimerHandle | None = None
+
+    def add(self, owner: weakref.ref[Any], transport: Any, what: str, metrics: Any) -> None:
+        self.pending.append((self.loop.time() + BODY_HOLD_SECONDS, owner, transport, what, metrics))
+        if self.timer is None:
+            self.timer = self.loop.call_later(BODY_HOLD_SECONDS / 4, self.sweep)
+
+    def sweep(self) -> None:
+        self.timer = None
+        now = self.loop.time()
+        keep = []
+        for entry in self.pending:
+            deadline, owner, transport, what, metrics = entry
+            if owner() is None:
+                continue  # written out: its snapshot has ended
+            if now >= deadline:
+                _expire(owner, transport, what, metrics)
+                continue
+            keep.append(entry)
+        self.pending = keep
+        if keep:
+            self.timer = self.loop.call_later(BODY_HOLD_SECONDS / 4, self.sweep)
+
+
+def watch_body(scope: dict[str, Any], owners: list[weakref.ref[Any]]) -> None:
+    """Abort the connection if the transport still holds one of the sent buffers whose
+    exporting arrays ``owners`` refers to (``owner_refs``) after ``BODY_HOLD_SECONDS``."""
+    for owner in owners:
+        if owner() is not None:
+            state = scope["app"].state
+            loop = asyncio.get_running_loop()
+            watch = getattr(state, "body_watch", None)
+            if watch is None or watch.loop is not loop:
+                watch = state.body_watch = _BodyWatch(loop)
+            watch.add(
+                owner,
+                scope.get(TRANSPORT_KEY),
+                scope.get("path", ""),
+                getattr(state, "metrics", None),
+            )
+            return  # they end together: the snapshot is one
+
+
+def owner_refs(parts: list[Any]) -> list[weakref.ref[Any]]:
+    """Weak references to the arrays exporting the zero-copy buffers among ``parts``."""
+    return [weakref.ref(p.obj) for p in parts if isinstance(getattr(p, "obj", None), np.ndarray)]
+
+
+class _Parts(Response):
+    """An envelope sent as several buffers, in order (header, records, trailer), each
+    handed to the transport as it is (zero-copy buffers of ``Store.get_buffers``)."""
+
+    media_type = ENVELOPE_MEDIA_TYPE
+
+    def __init__(self, parts: list[Any], headers: dict[str, str]) -> None:
+        size = sum(len(p) for p in parts)
+        super().__init__(None, headers={**headers, "content-length": str(size)})
+        self.parts = parts
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        parts, self.parts = self.parts, []
+        owners = owner_refs(parts)
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        last = len(parts) - 1
+        for i in range(len(parts)):
+            part, parts[i] = parts[i], b""
+            await send({"type": "http.response.body", "body": part, "more_body": i < last})
+        del part
+        watch_body(scope, owners)
+
+
 _BLOCK_PREFIX = "/v1/blocks/"
 _BLOCK_PATH_LEN = len(_BLOCK_PREFIX) + 16
 
@@ -141,14 +254,19 @@ class BlockReadFastPath:
             await self.app(scope, receive, send)
             return
         scope["route"] = self.route
+        h = parse_hash_hex(path[len(_BLOCK_PREFIX) :])
         try:
-            data = store.get(parse_hash_hex(path[len(_BLOCK_PREFIX) :]))
+            try:
+                found = store.get_buffers([h])
+            except StoreError:  # a remap this thread may not wait for: read in the pool
+                found = [memoryview(b) for b in [await run_in_threadpool(store.get, h)] if b]
         except TlkvError as exc:
             await send_error(send, exc)
             return
-        if data is None:
+        if not found:
             await send_error(send, NotFoundError(f"block {path[len(_BLOCK_PREFIX) :]} not found"))
             return
+        data = found.pop()
         etag = _etag(data).encode()
         for name, value in scope["headers"]:
             if name == b"if-none-match" and value == etag:
@@ -163,7 +281,13 @@ class BlockReadFastPath:
             (b"etag", etag),
         ]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
+        if scope["method"] == "HEAD":
+            await send({"type": "http.response.body", "body": b""})
+            return
+        owners = owner_refs([data])
         await send({"type": "http.response.body", "body": data})
+        del data
+        watch_body(scope, owners)
 
 
 @router.delete("/v1/blocks/{hash}", status_code=204)
@@ -217,6 +341,27 @@ def _gather(store: Store, hashes: np.ndarray, version: int) -> bytes | None:
     return join(blocks) if len(blocks) > 1 else None
 
 
+def _held_prefix(
+    store: Store, hashes: np.ndarray, version: int | None, geometry: Geometry
+) -> list[Any]:
+    """Header, records and trailer of the envelope of the blocks of ``hashes`` still
+    stored (cut at the first gone), in ``version`` (default: the first block's); records
+    are zero-copy views over LMDB's map (``Store.get_buffers``) unless transcoded."""
+    blocks: list[Any] = store.get_buffers(hashes)
+    if not blocks:
+        return []
+    version = version or envelope_version(blocks[0])
+    out = EnvelopeStream(version, geometry, len(blocks))
+    parts: list[Any] = [out.header]
+    for i in range(len(blocks)):
+        data, blocks[i] = blocks[i], b""  # the record keeps what it needs alive
+        if envelope_version(data) != version:  # a new envelope: its CRC is right
+            data = transcode_stored(int(hashes[i]), data, version)
+        parts.append(out.add_checked_single(data))
+    parts.append(out.trailer())
+    return parts
+
+
 def _stream_record(
     store: Store, out: EnvelopeStream, h: int, version: int, data: bytes | None = None
 ) -> memoryview:
@@ -250,6 +395,12 @@ async def prefix(request: Request, format: FormatQuery = None) -> Response:
     hashes = await request_hashes(request, store)
     k = store.longest_prefix(hashes) if len(hashes) else 0
     geometry = store.geometry
+    if k and geometry is not None and geometry.envelope_bytes(k, VERSION_V1) <= PREFIX_BUFFER_BYTES:
+        # Off the event loop: up to 64 MiB of reads and CRC checks; sent from LMDB's map.
+        parts = await run_in_threadpool(_held_prefix, store, hashes[:k], format, geometry)
+        if parts:
+            return _Parts(parts, {PREFIX_HEADER: str(len(parts) - 2)})
+        k = 0  # the first block went away meanwhile
     first = await _read(store, int(hashes[0]), format) if k else None
     if first is None or geometry is None:
         data = _empty(geometry, format or VERSION_V1)

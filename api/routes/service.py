@@ -29,7 +29,9 @@ async def healthz() -> Response:
 )
 async def metrics(request: Request) -> Response:
     """Prometheus text: request counts and latency (all workers summed); the store's."""
-    stats = store_of(request).stats()
+    store = store_of(request)
+    stats = store.stats()
+    request.app.state.metrics.observe_snapshots(store.held_snapshots())
     text = request.app.state.metrics.render(stats)
     return Response(text, media_type=PROMETHEUS_MEDIA_TYPE)
 

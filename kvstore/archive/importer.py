@@ -5,11 +5,19 @@ dirty pages in memory until it commits), one batch committing on a thread of its
 the next is validated and filled; sequences follow once every block is in, assembled from
 the store's copies (or the archive's). On a failure, :meth:`Importer.undo` removes what
 this restore added.
+
+With ``defer_sequences`` (restore's single pass, which validates and commits blocks as it
+reads), sequences are only noted while the archive streams by; they are imported by
+:meth:`Importer.finish`, after the scan has checked every rule of the whole archive, with
+their tails read again from the frames after the last block's (a few MiB). Blocks are the
+only thing such a restore commits before the archive is known to be valid, and
+:meth:`Importer.undo` removes them if it is not.
 """
 
 from __future__ import annotations
 
 import contextlib
+from array import array
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +30,7 @@ from ..codec.assembly import (
     record_of,
 )
 from ..codec.envelope import decode
-from ..errors import PinnedError, TlkvError
+from ..errors import ArchiveError, PinnedError, TlkvError
 from ..pipeline import OrderedPipeline
 from .reader import ArchiveBlock, ArchiveReader, ArchiveSequence, Problem
 
@@ -51,8 +59,18 @@ class Importer:
     every block is in.
     """
 
-    def __init__(self, store: Any, archive: ArchiveReader, report: RestoreReport) -> None:
+    def __init__(
+        self,
+        store: Any,
+        archive: ArchiveReader,
+        report: RestoreReport,
+        *,
+        defer_sequences: bool = False,
+    ) -> None:
         self.store = store
+        self.defer_sequences = defer_sequences
+        # (name, hashes, has a tail, version) of each sequence, in archive order
+        self.deferred: list[tuple[str, array[int], bool, int]] = []
         self.archive = archive
         self.report = report
         self.blocks: list[ArchiveBlock] = []
@@ -111,6 +129,27 @@ class Importer:
         self._join()
 
     def add_sequence(self, item: ArchiveSequence) -> None:
+        if self.defer_sequences:
+            entry = (item.name, array("Q", item.hashes), item.tail is not None, item.version)
+            self.deferred.append(entry)
+            return
+        self._import_sequence(item)
+
+    def _import_deferred(self) -> None:
+        """Import the noted sequences, their tails read again (and checked again)."""
+        tails = self.archive.sequence_tails()
+        for name, hashes, has_tail, version in self.deferred:
+            tail = None
+            if has_tail:
+                found, tail = next(tails, ("", None))
+                if found != name or tail is None or envelope_version(tail) != version:
+                    raise ArchiveError(
+                        f"sequence {name!r}: its tail member changed while restoring"
+                    )
+            self._import_sequence(ArchiveSequence(name, hashes.tolist(), tail, version))
+        self.deferred = []
+
+    def _import_sequence(self, item: ArchiveSequence) -> None:
         self.flush_blocks()
         envelope = self._assemble(item)
         self.sequences.append((item.name, envelope))
@@ -154,6 +193,8 @@ class Importer:
 
     def finish(self) -> None:
         self.flush_blocks()
+        if self.deferred:
+            self._import_deferred()
         self.flush_sequences()
 
     def abort(self) -> None:

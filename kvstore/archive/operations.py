@@ -11,9 +11,15 @@ which ties them to the store:
 
 - ``create`` reads one consistent snapshot (one LMDB read transaction) and writes a
   sibling temp file that is fsynced and renamed into place.
-- ``restore`` validates the whole archive first (nothing is written), then imports it in
-  batches of bounded size, blocks first, sequences last; on a failure of that commit
-  phase it removes what it added. Memory stays bounded whatever the archive's size.
+- ``restore`` validates and imports in one pass: each block is checked by every reader
+  rule and committed in durable batches of bounded size as the archive streams by (one
+  batch committing while the next is decompressed and checked); sequences, which replace
+  and pin, are imported only once the whole archive has passed every rule. If anything
+  fails -- a member, a count, the disk -- the blocks and sequences it added are removed
+  before the error propagates. When committing could evict (a store with a capacity the
+  archive might exceed), a refused archive could not give evicted blocks back: restore
+  then validates the whole archive first, writing nothing, and imports in a second pass.
+  Memory stays bounded whatever the archive's size.
 - ``verify``, ``iter_blocks``, ``list_archive``, ``extract``, ``extract_all`` read only.
 """
 
@@ -38,7 +44,7 @@ from ..errors import (
     ShapeError,
     UnsafeArchiveError,
 )
-from ..fileio import atomic_file, current_umask, drop_mapped_pages
+from ..fileio import atomic_file, current_umask, drop_mapped_pages, populate_mapped_pages
 from ..protocol import check_sequence_name, hash_hex
 from .importer import (
     Importer,
@@ -177,6 +183,7 @@ def _create_once(
             else:
                 source = ((h, r.envelope(h)) for h in block_hashes)
             for h, env in source:
+                populate_mapped_pages([env])  # one call, not a fault per 4 KiB page
                 try:
                     decode(env, geometry)
                 except ChecksumError:
@@ -410,6 +417,15 @@ def extract_all(path: str | os.PathLike[str], directory: str | os.PathLike[str])
 # --- restore --------------------------------------------------------------------------------
 
 
+def _fits_without_eviction(store: Any, ar: ArchiveReader) -> bool:
+    """Whether importing all of ``ar`` cannot make ``store`` evict (its tar stream's size
+    bounds the envelope bytes it adds)."""
+    capacity = store.capacity_bytes
+    if capacity is None:
+        return True
+    return int(store.stats()["bytes"]) + int(ar.index.data_bytes) <= capacity
+
+
 def restore(
     path: str | os.PathLike[str],
     store: Any,
@@ -420,12 +436,18 @@ def restore(
 ) -> RestoreReport:
     """Import an archive into ``store``: blocks (deduplicated) and sequences (pinned).
 
-    All or nothing by default: the whole archive is validated (every envelope by every
-    reader rule against the store's geometry) before anything is written, then imported
-    in bounded batches; if that commit phase fails, the blocks and sequences it added are
-    removed again before the error propagates. A sequence that already exists under the
-    same name is replaced. With ``partial=True`` the valid members are imported in one
-    pass and the refused ones are listed in ``RestoreReport.problems``.
+    All or nothing by default: every envelope is checked by every reader rule against
+    the store's geometry, and blocks are committed in bounded durable batches as they
+    pass (the archive is read and decompressed once); sequences are imported only after
+    the whole archive has passed. If anything fails, the blocks and sequences this
+    restore added are removed again before the error propagates, so the store ends as it
+    was. (Blocks of an archive later refused are visible to concurrent readers until
+    then; a crash in between can leave some: valid by every reader rule, unpinned,
+    evictable.) If the archive might not fit the store's capacity without evicting,
+    the whole archive is validated first, writing nothing, then imported in a second
+    pass. A sequence that already exists under the same name is replaced. With
+    ``partial=True`` the valid members are imported in one pass and the refused ones are
+    listed in ``RestoreReport.problems``.
 
     Raises:
         ShapeError: the archive's geometry differs from the store's.
@@ -447,15 +469,16 @@ def restore(
             if progress is not None:
                 progress.start(ar.manifest.blocks, name)
 
-        if not partial:
+        one_pass = not partial and _fits_without_eviction(store, ar)
+        if not partial and not one_pass:
             phase("validating")
             for item in ar.scan():  # pass 1: validate everything, write nothing
                 tick(item)
-        phase("importing")
-        importer = Importer(store, ar, report)
+        phase("validating and importing" if one_pass else "importing")
+        importer = Importer(store, ar, report, defer_sequences=one_pass)
         try:
-            # The store checks every CRC again while it writes: pass 2 need not.
-            for item in ar.scan(partial=partial, verify_crc=partial):
+            # The store checks every CRC again while it writes: a second pass need not.
+            for item in ar.scan(partial=partial, verify_crc=partial or one_pass):
                 tick(item)
                 if isinstance(item, ArchiveBlock):
                     importer.add_block(item)

@@ -199,6 +199,21 @@ class ArchiveReader:
                     hashes, tail = parse_sequence_json(m.data, found.group(1))
                     yield found.group(1), hashes, tail
 
+    def sequence_tails(self) -> Iterator[tuple[str, memoryview]]:
+        """``(name, tail envelope)`` of every sequence tail member, in archive (name) order,
+        each checked by every reader rule, the CRC included; reads only the frames after
+        the last block's (the order and reference rules are ``scan``'s)."""
+        index = self.index
+        assert self.geometry is not None
+        first = int(index.blocks["frame"].max()) if len(index.blocks) else 1
+        for i in range(max(first, 1), index.n_frames - 1):
+            frame = memoryview(self._frames.read_frame(i))
+            for m in iter_members(frame, i, self._limit):
+                found = SEQUENCE_TAIL_NAME.fullmatch(m.name)
+                if found:
+                    check_member_envelope(m.data, self.geometry, m.name, None)
+                    yield found.group(1), m.data
+
     def read_block(self, block_hash: int) -> bytes:
         """The verbatim envelope of one block, validated; reads only its frame.
 

@@ -6,6 +6,6 @@ views), ``writetxn`` (validated writes), ``lmdbenv`` (environment, map size, tra
 (LRU policy), ``mapguard`` (remap safety) and ``writebehind`` (overlapping commit and disk).
 """
 
-from .store import PutReport, PutResult, Store
+from .store import PutReport, PutResult, Store, transcode_stored
 
-__all__ = ["PutReport", "PutResult", "Store"]
+__all__ = ["PutReport", "PutResult", "Store", "transcode_stored"]

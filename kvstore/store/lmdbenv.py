@@ -5,6 +5,13 @@ against remaps (``MapGuard``), growing the map on ``MapFullError`` (and ahead of
 writes), adopting another process's map size on ``MapResizedError``, and telling a full
 disk (``StoreFullError``) from other LMDB failures (``StoreError``). A user of the store
 never sees an ``lmdb`` exception.
+
+Zero-copy bodies (``hold``): a read transaction whose memory a consumer outside the
+store (an HTTP transport) keeps referencing after the call that read it has returned.
+The transaction stays open until the last buffer exported from it is released, then
+ends at once, in whichever thread releases it (a weak reference on the exporting array).
+Such a transaction does not hold the map guard, so a remap first waits (bounded) for the
+held ones to end, refusing new holds meanwhile; it never remaps under them.
 """
 
 from __future__ import annotations
@@ -14,11 +21,13 @@ import logging
 import os
 import shutil
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import lmdb
+import numpy as np
 
 from ..errors import StoreError, StoreFullError
 from .diskformat import DB_ATIME, DB_BLOCKS, DB_INDEX, DB_LRU, DB_META, DB_REFS, DB_SEQS, Dbs
@@ -39,6 +48,26 @@ _MAX_DBS = 8
 _MAX_READERS = 512
 _SPARE_TXNS = 8
 _SPACE_SLACK = 16 << 20  # a failed write with less free disk than need + this: disk full
+
+
+# How long a remap waits for zero-copy bodies held by transports to be released.
+HOLD_DRAIN_SECONDS = 30.0
+
+
+class _Held:
+    """A read transaction kept open for the buffers exported from it (``LmdbEnv.hold``)."""
+
+    __slots__ = ("live", "refs", "since", "txn")
+
+    def __init__(self, txn: Any, live: int) -> None:
+        self.txn = txn
+        self.live = live
+        self.since = time.monotonic()
+        self.refs: list[weakref.ref[Any]] = []
+
+
+class _HoldRefused(Exception):
+    """A hold started between a remap's drain and its exclusive lock: drain again."""
 
 
 # Environments whose close was skipped because zero-copy arrays still point into their
@@ -66,6 +95,15 @@ class LmdbEnv:
         # Read transactions kept open for zero-copy arrays that outlived their reader.
         self._lingering: list[tuple[Any, list[weakref.ref[Any]]]] = []
         self._linger_lock = threading.Lock()
+        # Read transactions held for zero-copy bodies (``hold``), and pending remaps.
+        self._held: set[_Held] = set()
+        # Reentrant: an array's last reference may die in a garbage collection that runs
+        # while this thread holds the lock, and its callback takes the lock too.
+        self._held_cond = threading.Condition(threading.RLock())
+        self._refusing_holds = 0
+        # The thread that must never wait for held transactions (the one whose event loop
+        # releases them): a remap it needs while some are held fails instead.
+        self.loop_thread: int | None = None
         try:
             os.makedirs(path, exist_ok=True)
         except OSError as exc:  # a file in the way, no permission
@@ -165,6 +203,64 @@ class LmdbEnv:
             self._lingering.append((txn, refs))
         self.guard.release()
 
+    def hold(self, txn: Any, values: list[Any]) -> list[memoryview]:
+        """End a read like ``end_read``, but keep ``txn`` open while its data is referenced.
+
+        Returns one read-only memoryview per buffer of ``values`` (the same memory, no
+        copy), each exported through an array of its own; once every one of them, and
+        everything made from them, is released, the transaction ends at once (in the
+        thread that released the last). Call it in the thread that began ``txn``. While
+        a remap is pending the values are copied instead and ``txn`` ends now.
+        """
+        if self._refusing_holds or not values:
+            try:
+                return [memoryview(bytes(value)) for value in values]
+            finally:
+                self.end_read(txn)
+        held = _Held(txn, len(values))
+        cond = self._held_cond
+
+        def released(_ref: Any) -> None:
+            with cond:
+                held.live -= 1
+                if held.live:
+                    return
+                self._held.discard(held)
+                try:
+                    held.txn.abort()
+                except lmdb.Error:  # the environment was closed under it: ended already
+                    pass
+                finally:
+                    cond.notify_all()
+
+        out = []
+        for value in values:
+            owner = np.frombuffer(value, np.uint8)
+            held.refs.append(weakref.ref(owner, released))
+            out.append(owner.data)
+        with cond:
+            self._held.add(held)
+        self.guard.release()
+        return out
+
+    def held_snapshots(self) -> tuple[int, float]:
+        """How many read transactions are held for zero-copy bodies, and the age in
+        seconds of the oldest (0 when none)."""
+        with self._held_cond:
+            if not self._held:
+                return 0, 0.0
+            held = list(self._held)
+            return len(held), time.monotonic() - min(h.since for h in held)
+
+    def _drain_holds(self, deadline: float) -> None:
+        """Wait (until ``deadline``) for the held transactions to end."""
+        with self._held_cond:
+            while self._held:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._held_cond.wait(left)
+
     def reap(self) -> int:
         """End the lingering transactions whose arrays are gone; how many remain."""
         with self._linger_lock:
@@ -178,11 +274,11 @@ class LmdbEnv:
             return len(keep)
 
     def _pinned_arrays(self) -> int:
-        """Lingering transactions left after reaping (and collecting cycles)."""
-        if not self._lingering or not self.reap():
+        """Lingering and held transactions left after reaping (and collecting cycles)."""
+        if (not self._lingering or not self.reap()) and not self._held:
             return 0
         gc.collect()
-        return self.reap()
+        return self.reap() + len(self._held)
 
     def write(self, body: Callable[[Any], T], need: int = 0) -> T:
         """Run ``body(txn)`` in one write transaction (``buffers=True``) and commit it.
@@ -228,8 +324,36 @@ class LmdbEnv:
         return int(info["map_size"]) - (int(info["last_pgno"]) + 1) * self.psize
 
     def resize(self, *, grow: bool, need: int) -> None:
-        """Grow the map (at least doubling), or adopt the size another process set."""
+        """Grow the map (at least doubling), or adopt the size another process set.
+
+        First waits, up to ``HOLD_DRAIN_SECONDS``, for read transactions held for
+        zero-copy bodies to end (no new one is held meanwhile).
+        """
+        deadline = time.monotonic() + HOLD_DRAIN_SECONDS
+        if threading.get_ident() == self.loop_thread:
+            deadline = 0.0  # waiting here would keep the holds from ever ending
+        with self._held_cond:
+            self._refusing_holds += 1
+        try:
+            while True:
+                self._drain_holds(deadline)
+                try:
+                    self._resize(grow, need)
+                    return
+                except _HoldRefused:
+                    if time.monotonic() >= deadline:
+                        raise StoreError(
+                            f"{self.path}: cannot remap LMDB's map now: zero-copy response "
+                            "bodies are still held by their transports; retry"
+                        ) from None
+        finally:
+            with self._held_cond:
+                self._refusing_holds -= 1
+
+    def _resize(self, grow: bool, need: int) -> None:
         with self.guard.exclusive():
+            if self._held:  # still held (or held again before the exclusive lock)
+                raise _HoldRefused(self.path)
             pinned = self._pinned_arrays()
             if pinned:
                 raise StoreError(

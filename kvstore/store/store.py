@@ -670,12 +670,60 @@ class Store:
                 self.hits += 1
                 self._recency.touch(h)
                 if version is not None and envelope_version(data) != version:
-                    data = _transcode_stored(h, data, version)
+                    data = transcode_stored(h, data, version)
             out.append(data)
         if corrupt:
             self._quarantine(corrupt)
         self._flush_soon()
         return out
+
+    def get_buffers(self, hashes: Iterable[int]) -> list[memoryview]:
+        """Zero-copy ``get_many`` of a chain's prefix: the stored envelopes of the leading
+        hashes, each CRC-verified, up to the first one absent or corrupt, from one read
+        snapshot, as read-only memoryviews straight over LMDB's map.
+
+        For handing to something that releases them later (an HTTP transport): the
+        snapshot stays open until every returned memoryview, and everything made from
+        them, is released, and ends at once then. Keep them only as long as needed: an
+        open snapshot keeps its pages from being reused, and a remap of the map waits
+        for it (``LmdbEnv.hold``). While a remap is pending they are copies.
+        """
+        items = hashes.tolist() if isinstance(hashes, np.ndarray) else hashes
+        hs = [_check_hash(h) for h in items]
+        corrupt: list[int] = []
+        values = []
+        txn = self._begin_read(True)
+        try:
+            get, db, touch = txn.get, self._dbs.blocks, self._recency.touch
+            for h in hs:
+                data = get(BLOCK_KEY.pack(h), None, db) if h else None
+                if data is not None and not crc_matches(data):
+                    corrupt.append(h)
+                    data = None
+                if data is None:
+                    self.misses += 1
+                    break
+                self.hits += 1
+                touch(h)
+                values.append(data)
+        except BaseException:
+            self._end_read(txn)
+            raise
+        out = self._lmdb.hold(txn, values)  # ends or hands over the transaction
+        if corrupt:
+            self._quarantine(corrupt)
+        self._flush_soon()
+        return out
+
+    def held_snapshots(self) -> tuple[int, float]:
+        """Read snapshots held open for buffers of ``get_buffers`` in this process, and
+        the age in seconds of the oldest (0 when none)."""
+        return self._lmdb.held_snapshots()
+
+    def set_loop_thread(self, ident: int | None) -> None:
+        """Name the thread whose event loop releases ``get_buffers``' buffers: a remap it
+        needs while some are held raises ``StoreError`` instead of waiting for them."""
+        self._lmdb.loop_thread = ident
 
     def has(self, hashes: Iterable[int]) -> list[bool]:
         """Whether each hash is stored; ``hashes`` are ints or a numpy integer array.
@@ -781,7 +829,7 @@ class Store:
             self._end_read(txn)
 
 
-def _transcode_stored(block_hash: int, data: bytes, version: int) -> bytes:
+def transcode_stored(block_hash: int, data: bytes, version: int) -> bytes:
     """A stored block in format ``version``; what cannot be converted is the stored data's
     fault, not the request's.
 
