@@ -89,6 +89,7 @@ def test_token_from_environment(tmp_path: Path) -> None:
         assert ok.json()["geometry"] is None  # a new store without --geometry
 
 
+@pytest.mark.slow
 def test_two_workers_one_store(tmp_path: Path) -> None:
     with ServerProcess(tmp_path / "store", "--workers", "2", "--geometry", GEOMETRY_ARG) as srv:
         envelopes = [make_envelope(SMALL, 12, seed=100 + i) for i in range(24)]
@@ -122,6 +123,7 @@ def _sample(text: str, series: str) -> float:
     return 0.0
 
 
+@pytest.mark.slow
 def test_metrics_sum_every_worker(tmp_path: Path) -> None:
     n = 30
     info = 'tlkv_http_requests_total{method="GET",route="/v1/info",status="200"}'
@@ -181,6 +183,7 @@ def test_metrics_sum_every_worker(tmp_path: Path) -> None:
     assert "Traceback" not in srv.log()
 
 
+@pytest.mark.slow
 def test_restart_finds_every_block(tmp_path: Path) -> None:
     data_dir = tmp_path / "store"
     envelopes = [make_envelope(SMALL, 10, seed=200 + i, version=1 + i % 2) for i in range(10)]
@@ -211,6 +214,7 @@ def test_restart_finds_every_block(tmp_path: Path) -> None:
         assert http.get("/v1/sequences").json()["sequences"] == ["kept"]
 
 
+@pytest.mark.slow
 def test_geometry_mismatch_refused_at_start(tmp_path: Path) -> None:
     data_dir = tmp_path / "store"
     with ServerProcess(data_dir, "--geometry", GEOMETRY_ARG):
@@ -253,6 +257,7 @@ def test_parse_size_refuses(text: str) -> None:
         parse_size(text)
 
 
+@pytest.mark.slow
 def test_quarantined_count_in_info_and_tlkv_stats(tmp_path: Path) -> None:
     """A block whose CRC fails on disk is quarantined on read: /v1/info and `tlkv stats`
     (of the server and of the directory) count it, not only /metrics."""

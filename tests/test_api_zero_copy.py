@@ -131,6 +131,7 @@ def _pipelined_gets_with_writer(
     return answers, originals, held
 
 
+@pytest.mark.slow
 def test_pipelined_gets_against_a_concurrent_writer_stay_intact(server: _Server) -> None:
     answers, expected, held_during = _pipelined_gets_with_writer(server)
     assert held_during >= 1  # the snapshot was still open while the client did not read
@@ -143,6 +144,7 @@ def test_pipelined_gets_against_a_concurrent_writer_stay_intact(server: _Server)
     _wait(lambda: server.store.held_snapshots() == (0, 0.0), "snapshot left open")
 
 
+@pytest.mark.slow
 def test_the_scenario_catches_a_snapshot_ended_at_send_return(
     server: _Server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -168,6 +170,7 @@ def test_the_scenario_catches_a_snapshot_ended_at_send_return(
     assert any(body != original for (_, body), original in zip(answers, expected))
 
 
+@pytest.mark.slow
 def test_prefix_body_is_zero_copy_and_released(server: _Server) -> None:
     store = server.store
     blocks = [_block(10 + i, 0xC0 + i) for i in range(4)]

@@ -49,6 +49,7 @@ def tlkv(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
     return code, out, err
 
 
+@pytest.mark.slow
 def test_subprocess_round_trip(data: Path, tmp_path: Path) -> None:
     out = tmp_path / "sub.tar.zst"
     ran = subprocess.run(

@@ -233,6 +233,7 @@ def test_sequences(client: Client) -> None:
             client.put_sequence(bad, data)
 
 
+@pytest.mark.slow
 def test_store_full(tmp_path: Path) -> None:
     one = SMALL.envelope_bytes(1, 1)
     with (

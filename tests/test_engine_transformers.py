@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from http_server import ServerProcess
 
-pytestmark = pytest.mark.hf
+pytestmark = [pytest.mark.hf, pytest.mark.slow]  # real model runs: the hf step of .ci/run
 torch = pytest.importorskip("torch", reason="the hf extra (torch, transformers) is not installed")
 transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
 

@@ -117,6 +117,7 @@ def test_store_refuses_unless_allowed(tmp_path: Path) -> None:
             s.get(h, version=1)
 
 
+@pytest.mark.slow
 def test_http_refuses_or_answers_unconvertible(tmp_path: Path) -> None:
     bad = v1_with(0x7C00, 2, (0, 0, 1))
     h = f"{int(decode(bad).hashes[2]):016x}"

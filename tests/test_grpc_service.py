@@ -518,6 +518,7 @@ def test_cli_put_get_has_over_grpc(
 # --- two workers: concurrent pushes, restart ---------------------------------------------
 
 
+@pytest.mark.slow
 def test_two_workers_concurrent_pushes_and_restart(v1_server: GrpcServer) -> None:
     """Last in the module: it restarts the (two-worker, v1-only) server."""
     shared, shared_kv = prompt(4 * G.block_tokens)  # the same prefix, the same KV
