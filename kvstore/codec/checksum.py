@@ -3,7 +3,7 @@
 The kernel is chosen once, at import, from the CPU's features; ``KERNEL`` names it
 (``tlkv --version`` and ``GET /v1/info`` report it):
 
-- the compiled kernels of ``kvstore._native``, best first: ``vpclmulqdq-avx512``
+- the compiled kernels of ``kvstore.codec._native``, best first: ``vpclmulqdq-avx512``
   (512-bit VPCLMULQDQ folding), ``vpclmulqdq-avx2`` (256-bit VPCLMULQDQ folding beside
   three CRC32-instruction streams), ``sse4.2-pclmul`` (the same with 128-bit PCLMULQDQ),
   all x86-64;

@@ -2,7 +2,7 @@
 
 ``hash(block i) = H(hash(block i-1), tokens[i*B:(i+1)*B])`` with
 ``H(parent, toks) = fnv1a64(le_u64(parent) || le_u32(toks[0]) || ...)``, a 0 result
-replaced by 1. The compiled kernel in ``kvstore._native`` does the work when it was
+replaced by 1. The compiled kernel in ``kvstore.codec._native`` does the work when it was
 built; the pure-Python functions here are the fallback and the test oracle.
 """
 
