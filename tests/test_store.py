@@ -428,7 +428,7 @@ def test_a_view_kept_past_its_reader_pins_nothing(store: Store) -> None:
         bv = r.view(h)
         checked = r.view(h, verify=True)
         assert bv.kv.sum() == checked.kv.sum() and len(bv.raw) and bv.scales is None
-    assert store._lmdb._lingering == []  # the views themselves hold no stored memory
+    assert store.lingering_snapshots() == 0  # the views themselves hold no stored memory
     with pytest.raises(ViewClosedError):
         bv.kv  # noqa: B018
 
@@ -445,7 +445,7 @@ def test_arrays_kept_past_the_reader_never_see_reused_pages(store: Store) -> Non
         raw = bv.raw[4:20]  # a slice of a memoryview
         whole = np.frombuffer(r.envelope(h), np.uint8)
         expected = (kv.copy(), k.copy(), bytes(raw), whole.tobytes())
-    assert len(store._lmdb._lingering) == 1
+    assert store.lingering_snapshots() == 1
     assert store.delete(h)
     for seed in range(5):  # churn: freed pages would be reused by these writes
         store.put(encode(SMALL, full_blocks(SMALL, 64, seed=100 + seed)))
@@ -453,7 +453,7 @@ def test_arrays_kept_past_the_reader_never_see_reused_pages(store: Store) -> Non
     assert bytes(raw) == expected[2] and whole.tobytes() == expected[3]
     del bv, kv, k, raw, whole
     store.put(encode(SMALL, full_blocks(SMALL, 1, seed=200)))  # a write reaps
-    assert store._lmdb._lingering == []
+    assert store.lingering_snapshots() == 0
 
 
 def _run_isolated(script: str) -> subprocess.CompletedProcess[str]:

@@ -70,7 +70,7 @@ def test_small_and_disabled_commits_do_not_start_the_helper(tmp_path: Path) -> N
         with small.during(MIN_BYTES - 1), disabled.during(1 << 30):
             time.sleep(10 * INTERVAL)
         assert small.requests == 0 and disabled.requests == 0
-        assert small._thread is None and disabled._thread is None
+        assert small.thread is None and disabled.thread is None
     finally:
         small.close()
         disabled.close()
@@ -82,7 +82,7 @@ def test_close_stops_the_helper_and_later_commits_skip_it(tmp_path: Path) -> Non
     wb = WriteBehind(str(path))
     with wb.during(MIN_BYTES):
         time.sleep(5 * INTERVAL)
-    thread = wb._thread
+    thread = wb.thread
     assert thread is not None and thread.is_alive()
     wb.close()
     assert not thread.is_alive()
@@ -99,7 +99,7 @@ def test_an_unclosed_write_behind_is_collected_and_its_thread_ends(tmp_path: Pat
     wb = WriteBehind(str(path))
     with wb.during(MIN_BYTES):
         pass
-    thread = wb._thread
+    thread = wb.thread
     assert thread is not None and thread.is_alive()
     ref = weakref.ref(wb)
     del wb
@@ -113,7 +113,7 @@ def test_a_missing_file_disables_it_quietly(tmp_path: Path) -> None:
     wb = WriteBehind(str(tmp_path / "absent"))
     with wb.during(MIN_BYTES):
         pass
-    assert wb.requests == 0 and wb._thread is None
+    assert wb.requests == 0 and wb.thread is None
     wb.close()
 
 
@@ -127,8 +127,8 @@ def test_store_writes_behind_only_durable_large_puts(tmp_path: Path, sync: bool)
     with Store(tmp_path / "s", sync=sync) as store:
         wb = store._lmdb._write_behind
         store.put(small)
-        assert wb._thread is None
+        assert wb.thread is None
         store.put(large)
-        assert (wb._thread is not None) is sync
+        assert (wb.thread is not None) is sync
         assert store.get(2) == encode(g, [Block(2, 16, kv)])
-    assert wb._thread is None or not wb._thread.is_alive()  # stopped with the store
+    assert wb.thread is None or not wb.thread.is_alive()  # stopped with the store

@@ -243,6 +243,11 @@ class LmdbEnv:
         self.guard.release()
         return out
 
+    def lingering_snapshots(self) -> int:
+        """Read transactions of closed readers kept open for arrays that outlived them."""
+        with self._linger_lock:
+            return len(self._lingering)
+
     def held_snapshots(self) -> tuple[int, float]:
         """How many read transactions are held for zero-copy bodies, and the age in
         seconds of the oldest (0 when none)."""

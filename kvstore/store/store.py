@@ -715,6 +715,11 @@ class Store:
         self._flush_soon()
         return out
 
+    def lingering_snapshots(self) -> int:
+        """Snapshots of closed readers this process keeps open because zero-copy arrays
+        taken from them are still referenced (their pages are not reused meanwhile)."""
+        return self._lmdb.lingering_snapshots()
+
     def held_snapshots(self) -> tuple[int, float]:
         """Read snapshots held open for buffers of ``get_buffers`` in this process, and
         the age in seconds of the oldest (0 when none)."""

@@ -76,6 +76,11 @@ class WriteBehind:
         self._lock = threading.Lock()
 
     @property
+    def thread(self) -> threading.Thread | None:
+        """The helper thread (None until the first large commit; for tests and diagnostics)."""
+        return self._thread
+
+    @property
     def requests(self) -> int:
         """Writeback requests made so far (for tests and diagnostics)."""
         return 0 if self._requester is None else self._requester.requests
