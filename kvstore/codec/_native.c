@@ -664,6 +664,23 @@ static uint32_t copy_crc_strided(crc_kernel_fn fn, crc_copy_fn copy, uint32_t cr
     }
 }
 
+/* Ask for transparent huge pages on the untouched interior of a large fresh output buffer
+ * before it is first written: with THP in "madvise" mode (the common default) a bytes
+ * object gets 4 KiB pages, and faulting in 65,536 of them for 256 MiB costs more than the
+ * copy (numpy advises its own large arrays the same way). Advice only: errors are ignored. */
+#define KV_HUGE_PAGE ((uintptr_t)2 * 1024 * 1024)
+static void advise_huge_pages(void *buf, size_t n) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    uintptr_t lo = ((uintptr_t)buf + KV_HUGE_PAGE - 1) & ~(KV_HUGE_PAGE - 1);
+    uintptr_t hi = ((uintptr_t)buf + n) & ~(KV_HUGE_PAGE - 1);
+    if (hi > lo)
+        (void)madvise((void *)lo, hi - lo, MADV_HUGEPAGE);
+#else
+    (void)buf;
+    (void)n;
+#endif
+}
+
 PyDoc_STRVAR(join_crc_doc,
 "join_crc(parts, kernel=None, /) -> bytes\n\n"
 "The concatenation of a sequence of buffers (C-contiguous, or strided: read in C order)\n"
@@ -715,6 +732,7 @@ static PyObject *py_join_crc(PyObject *self, PyObject *const *args, Py_ssize_t n
     if (result == NULL)
         goto done;
     uint8_t *out = (uint8_t *)PyBytes_AS_STRING(result);
+    advise_huge_pages(out, (size_t)total + 4);
     uint32_t crc = 0xFFFFFFFFu;
     /* The fresh bytes object is private until returned: filling it without the GIL is safe. */
     Py_BEGIN_ALLOW_THREADS
