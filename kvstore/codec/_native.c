@@ -18,7 +18,8 @@
  * CPU, best first); crc32c_with(name, data, crc=0) -> int runs one of them (for tests).
  * join_crc(parts, kernel=None) -> bytes   the parts (contiguous or strided buffers)
  *   concatenated + their CRC-32C (LE u32), copied and checksummed in one pass (the envelope
- *   writer's last step)
+ *   writer's last step); a large output is advised onto transparent huge pages, as numpy
+ *   does for its arrays (TLKV_MADVISE_HUGEPAGE=0 in the environment turns that off)
  * fnv1a64(data, h=0xCBF29CE484222325) -> int
  * fnv_chain(tokens, block_tokens, parent=0) -> bytes    (spec section "Block hash")
  * fnv_chain_list(tokens, block_tokens, parent=0) -> bytes | None   the same from a list
@@ -33,6 +34,7 @@
 #include <Python.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -667,10 +669,16 @@ static uint32_t copy_crc_strided(crc_kernel_fn fn, crc_copy_fn copy, uint32_t cr
 /* Ask for transparent huge pages on the untouched interior of a large fresh output buffer
  * before it is first written: with THP in "madvise" mode (the common default) a bytes
  * object gets 4 KiB pages, and faulting in 65,536 of them for 256 MiB costs more than the
- * copy (numpy advises its own large arrays the same way). Advice only: errors are ignored. */
+ * copy (numpy advises its own large arrays the same way, and NUMPY_MADVISE_HUGEPAGE=0
+ * turns that off; TLKV_MADVISE_HUGEPAGE=0 does the same here: with THP defrag "madvise",
+ * a fault may wait for the kernel to compact memory, a rare stall of up to ~1 s measured
+ * for 256 MiB). Advice only: errors are ignored. */
 #define KV_HUGE_PAGE ((uintptr_t)2 * 1024 * 1024)
+static int advise_huge = 1; /* set at import from TLKV_MADVISE_HUGEPAGE */
 static void advise_huge_pages(void *buf, size_t n) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
+    if (!advise_huge || n < 2 * KV_HUGE_PAGE)
+        return;
     uintptr_t lo = ((uintptr_t)buf + KV_HUGE_PAGE - 1) & ~(KV_HUGE_PAGE - 1);
     uintptr_t hi = ((uintptr_t)buf + n) & ~(KV_HUGE_PAGE - 1);
     if (hi > lo)
@@ -1161,6 +1169,8 @@ PyMODINIT_FUNC PyInit__native(void) {
         f16_avx2_ok = __builtin_cpu_supports("avx2");
 #endif
         crc_select();
+        const char *huge = getenv("TLKV_MADVISE_HUGEPAGE");
+        advise_huge = !(huge != NULL && strcmp(huge, "0") == 0);
         ready = 1;
     }
     return PyModule_Create(&native_module);
