@@ -55,6 +55,7 @@ from prometheus_client.registry import Collector
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 TRANSPORT_KEY = "tlkv.transport"  # the scope key under which the middleware leaves it
 SNAPSHOT_REFRESH = 0.1  # seconds: requests refresh the open-snapshot gauges this often
+SERIES_CACHE = 256  # label sets whose prometheus children a worker keeps at hand
 
 UNMATCHED = "<unmatched>"  # every path that matched no route: keeps label cardinality bounded
 
@@ -188,6 +189,7 @@ class Metrics:
             "tlkv_store_misses", "Block reads that did not find the block.", registry=registry
         )
         self._seen_reads = (0, 0)
+        self._series: dict[tuple[str, str, int], tuple[Any, Any]] = {}
         self._open_snapshots = Gauge(
             "tlkv_store_open_snapshots",
             "Read snapshots held open for zero-copy response bodies not yet written out.",
@@ -217,8 +219,20 @@ class Metrics:
 
     def observe(self, method: str, route: str, status: int, seconds: float) -> None:
         """Count one finished HTTP request and its latency."""
-        self._requests.labels(method, route, str(status)).inc()
-        self._latency.labels(route).observe(seconds)
+        key = (method, route, status)
+        series = self._series.get(key)
+        if series is None:
+            # prometheus-client's labels() costs a lock and a tuple hash per call: keep
+            # the children of the label sets seen (a bounded number: clients choose the
+            # method, so past SERIES_CACHE sets they are looked up each time).
+            series = (
+                self._requests.labels(method, route, str(status)),
+                self._latency.labels(route),
+            )
+            if len(self._series) < SERIES_CACHE:
+                self._series[key] = series
+        series[0].inc()
+        series[1].observe(seconds)
 
     def observe_grpc(self, method: str, code: str, seconds: float) -> None:
         """Count one finished gRPC call and its latency.
