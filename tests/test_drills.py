@@ -163,15 +163,9 @@ RESTORE_GEOMETRY = Geometry(16, 32, 8, 128)  # 2 MiB blocks: 48 blocks, 6 commit
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    reason="restore commits ~16 MiB batches and undoes them only on errors it sees: a "
-    "SIGKILL between two commits leaves the batches so far (the restore rework, validate "
-    "and commit in one pass, is to close this)",
-    strict=False,
-)
 def test_sigkill_during_restore_is_all_or_nothing(tmp_path: Path) -> None:
     """SIGKILL ``tlkv archive restore`` while it commits: on reopening, the store holds
-    nothing of the archive or all of it, and takes puts and reads."""
+    nothing of the archive or all of it (the restore journal), and takes puts and reads."""
     import signal
     import sys
     import time
@@ -208,3 +202,4 @@ def test_sigkill_during_restore_is_all_or_nothing(tmp_path: Path) -> None:
         assert blocks in (1, 1 + total), f"{blocks - 1} of {total} archive blocks after SIGKILL"
         after.put(encode(g, [Block(2, g.block_tokens, kv)]))  # usable
         assert after.get(2) is not None and after.get(1) is not None
+    assert not list(target.glob("restore-*.lock"))  # the killed restore's lock is gone too
