@@ -240,16 +240,19 @@ def verify(
     path: str | os.PathLike[str],
     *,
     geometry: Geometry | None = None,
+    allow_nonfinite: bool = False,
     threads: int = 0,
     progress: Progress | None = None,
 ) -> VerifyReport:
     """Check every byte of an archive by every rule of ARCHIVE.md (and, when given, that
-    its geometry is ``geometry``).
+    its geometry is ``geometry``), and the finite-values rule a store applies on restore
+    (NaN/Inf values, out-of-range v2 scales) unless ``allow_nonfinite``.
 
     Raises:
         ArchiveError: the container, a name, a record or a count is wrong (unsafe
             archives raise ``UnsafeArchiveError``).
-        EnvelopeError: an envelope fails a reader rule (``ShapeError`` for geometry).
+        EnvelopeError: an envelope fails a reader rule (``ShapeError`` for geometry), or
+            the finite-values rule (``FormatError``, naming the member).
     """
     with ArchiveReader(path, threads=threads) as ar:
         _check_geometry(ar.geometry, geometry, "the reader")
@@ -257,7 +260,7 @@ def verify(
         done = 0
         if progress is not None:
             progress.start(ar.manifest.blocks)
-        for item in ar.scan():
+        for item in ar.scan(finite=not allow_nonfinite):
             if isinstance(item, ArchiveBlock):
                 blocks += 1
                 done += len(item.envelope)
