@@ -1,8 +1,11 @@
-"""The envelope versions a server reads (``tlkv serve --formats``), enforced on HTTP puts.
+"""The envelope versions a server reads (``tlkv serve --formats``), enforced on HTTP and gRPC.
 
 A v1-only server (drill ops.04, ``--formats 1``) refuses a v2 envelope with 415 ``version``
 on ``PUT /v1/blocks`` and ``PUT /v1/sequences/{name}``, as its gRPC side answers
-FAILED_PRECONDITION. The codec's reader order holds: a damaged v2 envelope is still a
+FAILED_PRECONDITION; it refuses a read asking for v2 (``?format=2``, ``kv_format=2``) the
+same way, and answers a block read without a format in its own format (a v2 block another
+server stored is sent transcoded): it never sends an envelope version it does not read.
+The codec's reader order holds: a damaged v2 envelope is still a
 ``format`` error (its CRC is checked before its version is refused).
 """
 
@@ -32,3 +35,22 @@ def require_formats(body: Any, formats: Sequence[int]) -> None:
         raise
     except EnvelopeError:
         pass  # any other rule: the store's validation reports it
+
+
+def read_version(asked: int | None, formats: Sequence[int]) -> int | None:
+    """The version a block read answers in: ``asked`` when given, else as stored (None) on
+    a server reading every version, else the newest version the server reads.
+
+    Raises:
+        UnsupportedVersionError: ``asked`` is not a version this server reads (HTTP 415,
+            gRPC FAILED_PRECONDITION).
+    """
+    formats = tuple(formats)
+    if asked is not None and asked not in formats:
+        raise UnsupportedVersionError(
+            f"format {asked} is not a format this server reads "
+            f"(it reads {', '.join(map(str, formats))})"
+        )
+    if asked is not None or formats == SUPPORTED_VERSIONS:
+        return asked
+    return formats[-1]
