@@ -18,7 +18,6 @@ unless another sequence pins them. Blocks the restore made the store evict stay 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import secrets
@@ -42,6 +41,11 @@ from .diskformat import (
 )
 from .writetxn import WriteTxn
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not on Windows: a killed restore stays until undone
+    fcntl = None  # type: ignore[assignment]
+
 log = logging.getLogger("tlkv.store")
 
 
@@ -61,12 +65,16 @@ class RestoreJournal:
         self._fd: int | None = None
         if token is None:
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            if fcntl is not None:
+                fcntl.flock(self._fd, fcntl.LOCK_EX)
 
     @classmethod
     def claim(cls, store_path: str, token: bytes) -> RestoreJournal | None:
         """The journal ``token`` if its restore is gone (its lock taken, to keep until it is
-        rolled back), or None while the restore still runs (its process holds the lock)."""
+        rolled back), or None while the restore still runs (its process holds the lock;
+        without ``flock``, always None)."""
+        if fcntl is None:
+            return None
         journal = cls(store_path, token)
         try:
             journal._fd = os.open(journal.path, os.O_RDWR)
