@@ -507,12 +507,13 @@ def test_ops04_v1_only_server_refuses_v2(v1_server: GrpcServer, pb: SimpleNamesp
 
 def test_ops04_v1_only_server_never_sends_v2(v1_server: GrpcServer, pb: SimpleNamespace) -> None:
     """Reads asking for v2 are refused (HTTP 415 ``version``, gRPC FAILED_PRECONDITION);
-    a block stored as v2 (by another server on the same store) is sent as v1."""
+    a block or sequence stored as v2 (by another writer of the same store) is sent as v1."""
     from kvstore.store.store import Store
 
     tokens, v2 = prompt(2 * G.block_tokens, version=2)
     with Store(v1_server.data) as other:  # another writer of the same store
         other.put(v2)
+        other.put_sequence("v2-state", v2)
     hashes = [f"{h:016x}" for h in chain_hashes(tokens, G.block_tokens)]
     with v1_server.client() as http:
         assert_error(http.get(f"/v1/blocks/{hashes[0]}?format=2"), 415, "version")
@@ -526,6 +527,7 @@ def test_ops04_v1_only_server_never_sends_v2(v1_server: GrpcServer, pb: SimpleNa
         assert r.status_code == 200 and r.headers["x-tlkv-prefix-blocks"] == "2"
         as_v1 = decode(r.content)
         assert as_v1.version == 1 and len(as_v1) == 2
+        assert http.get("/v1/sequences/v2-state").content == r.content
     with grpc.insecure_channel(v1_server.target) as channel:
         stub = pb.kv_pb2_grpc.KvTransferStub(channel)
         for kv_format in (2, 7):
