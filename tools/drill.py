@@ -5,9 +5,10 @@
 Starts ``tlkv serve`` with ``--workers`` workers on a temporary store, on a free loopback
 port (nothing else is touched), and drives mixed load from ``--clients`` processes: puts
 of 1-4 block envelopes, block reads, has-blocks and prefix reads of what each client put
-before, every answer checked byte for byte. A third of the way in, one worker is
-SIGKILLed (uvicorn starts another); at two thirds the whole server (supervisor and
-workers, its process group) is SIGKILLed and started again on the same store and port.
+before, every answer checked byte for byte. A third of the way in (once puts are being
+acknowledged), one worker is SIGKILLed (uvicorn starts another); at two thirds (once more
+puts were acknowledged since) the whole server (supervisor and workers, its process
+group) is SIGKILLed and started again on the same store and port.
 The clients keep going through both (a refused or cut connection is counted, never
 acknowledged). When time is up every acknowledged put is read back from the restarted
 server and compared byte for byte. Prints the table (operations, acknowledged, intact,
@@ -164,6 +165,7 @@ class ClientResult:
     statuses: Counter[str] = field(default_factory=Counter)  # "op status" or "op error"
     acked: list[int] = field(default_factory=list)
     wrong: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # the first cut connections, for the log
 
 
 def _request(
@@ -203,23 +205,32 @@ def _one(conn: http.client.HTTPConnection, op: str, rng: Any, seed: int, r: Clie
     return status
 
 
-def client(index: int, port: int, deadline: float, out: Any) -> None:
-    """Run mixed operations until ``deadline`` (``time.time()``); put a ClientResult."""
+def client(index: int, port: int, seconds: float, go: Any, acks: Any, out: Any) -> None:
+    """Once every client is ready (``go``, a barrier), run mixed operations for ``seconds``,
+    counting acknowledged puts in ``acks`` (a shared value); put a ClientResult."""
     rng = np.random.default_rng(index)
     r = ClientResult()
     seed = (index + 1) << 40
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    while time.time() < deadline:
+    go.wait()
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
         op = "put" if not r.acked else OPS[int(rng.choice(len(OPS), p=MIX))]
         r.ops[op] += 1
+        acked = len(r.acked)
         try:
             status = _one(conn, op, rng, seed, r)
             r.statuses[f"{op} {status}"] += 1
-        except (OSError, http.client.HTTPException):
+        except (OSError, http.client.HTTPException) as exc:
             r.statuses[f"{op} error"] += 1  # killed under it: not acknowledged, try again
+            if len(r.errors) < 5:
+                r.errors.append(f"{op}: {exc!r}")
             conn.close()
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
             time.sleep(0.05)
+        if len(r.acked) > acked:
+            with acks.get_lock():
+                acks.value += 1
         if op == "put":
             seed += 1
     conn.close()
@@ -247,6 +258,14 @@ def check_acked(port: int, seeds: list[int]) -> tuple[int, int, list[str]]:
     return blocks, intact, problems
 
 
+def _wait(until: float, acks: Any, more_than: int, deadline: float) -> int:
+    """Sleep until ``until`` and until more than ``more_than`` puts are acknowledged (so a
+    kill lands under load), but not past ``deadline``; the acknowledged puts so far."""
+    while time.monotonic() < deadline and (time.monotonic() < until or acks.value <= more_than):
+        time.sleep(0.01)
+    return int(acks.value)
+
+
 def drill(seconds: float, clients: int, workers: int, data: Path) -> dict[str, Any]:
     """Run the drill on ``data`` (a fresh directory); the summary as a dict."""
     port = free_port()
@@ -255,22 +274,29 @@ def drill(seconds: float, clients: int, workers: int, data: Path) -> dict[str, A
     server.start()
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    start = time.time()
-    deadline = start + seconds
-    procs = [ctx.Process(target=client, args=(i, port, deadline, queue)) for i in range(clients)]
+    go = ctx.Barrier(clients + 1)
+    acks = ctx.Value("q", 0)
+    args = (port, seconds, go, acks, queue)
+    procs = [ctx.Process(target=client, args=(i, *args)) for i in range(clients)]
     try:
         for p in procs:
             p.start()
-        time.sleep(max(0.0, start + seconds / 3 - time.time()))
+        go.wait(timeout=START_TIMEOUT)  # every client started: the clock starts
+        start = time.monotonic()
+        seen = _wait(start + seconds / 3, acks, 0, start + seconds)
+        at = time.monotonic() - start
         pid, took = server.kill_worker()
         events.append(
-            f"worker {pid} SIGKILLed at {time.time() - start:.1f} s, replaced in {took:.1f} s"
+            f"worker {pid} SIGKILLed at {at:.1f} s ({seen} puts acknowledged), replaced in "
+            f"{took:.1f} s"
         )
-        time.sleep(max(0.0, start + 2 * seconds / 3 - time.time()))
-        at = time.time() - start
+        seen = _wait(start + 2 * seconds / 3, acks, seen, start + seconds)
+        at = time.monotonic() - start
         server.kill()
         took = server.start()
-        events.append(f"server SIGKILLed at {at:.1f} s, restarted in {took:.1f} s")
+        events.append(
+            f"server SIGKILLed at {at:.1f} s ({seen} puts acknowledged), restarted in {took:.1f} s"
+        )
         results: list[ClientResult] = [queue.get(timeout=seconds + 120) for _ in procs]
         for p in procs:
             p.join(timeout=30)
@@ -284,10 +310,12 @@ def drill(seconds: float, clients: int, workers: int, data: Path) -> dict[str, A
     ops: Counter[str] = Counter()
     statuses: Counter[str] = Counter()
     wrong: list[str] = []
+    errors: list[str] = []
     for r in results:
         ops.update(r.ops)
         statuses.update(r.statuses)
         wrong += r.wrong
+        errors += r.errors
     server_errors = sum(n for k, n in statuses.items() if k.split()[1].startswith("5"))
     return {
         "seconds": seconds,
@@ -301,6 +329,7 @@ def drill(seconds: float, clients: int, workers: int, data: Path) -> dict[str, A
         "intact_blocks": intact,
         "lost": problems[:20],
         "wrong_answers": wrong[:20],
+        "cut_sample": errors[:10],
         "5xx": server_errors,
         "ok": intact == blocks and not wrong and not server_errors and len(seeds) > 0,
     }
@@ -329,6 +358,9 @@ def print_report(s: dict[str, Any]) -> None:
     )
     for line in s["lost"] + s["wrong_answers"]:
         print(f"  LOST/WRONG {line}")
+    if not s["ok"]:
+        for line in s["cut_sample"]:
+            print(f"  cut: {line}")
     print("PASS" if s["ok"] else "FAIL")
 
 
