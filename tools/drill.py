@@ -94,6 +94,7 @@ class Server:
             if len(self.worker_pids()) == self.workers and _get(self.port, "/healthz") == 200:
                 return time.monotonic() - t0
             time.sleep(0.05)
+        self.kill()  # nothing is left running
         raise RuntimeError(f"tlkv serve did not start:\n{self.log.read_text()[-3000:]}")
 
     def worker_pids(self) -> list[int]:
@@ -271,7 +272,7 @@ def drill(seconds: float, clients: int, workers: int, data: Path) -> dict[str, A
     port = free_port()
     server = Server(data / "store", port, workers, data / "server.log")
     events: list[str] = []
-    server.start()
+    server.start()  # stops what it started if it fails
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     go = ctx.Barrier(clients + 1)
