@@ -75,6 +75,7 @@ from kvstore.transfer import (
     serialize_chunk,
 )
 
+from .formats import read_version
 from .metrics import Metrics
 
 log = logging.getLogger("tlkv.grpc")
@@ -409,12 +410,7 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
     async def _fetch(self, request: kv_pb2.FetchKvRequest) -> AsyncIterator[WireChunk]:
         if len(request.block_hashes) and len(request.tokens):
             raise InvalidRequestError("FetchKv takes block_hashes or tokens, not both")
-        kv_format = request.kv_format
-        if kv_format and kv_format not in self.formats:
-            raise UnsupportedVersionError(
-                f"kv_format {kv_format} is not a format this server reads "
-                f"(it reads {', '.join(map(str, self.formats))})"
-            )
+        kv_format = read_version(request.kv_format or None, self.formats)
         store = self.store
         geometry = store.geometry
         if len(request.tokens):
@@ -427,7 +423,7 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
         if not k:
             return
         loop = asyncio.get_running_loop()
-        first = await loop.run_in_executor(None, _get, store, hashes[0], kv_format or None)
+        first = await loop.run_in_executor(None, _get, store, hashes[0], kv_format)
         if first is None:
             return
         version = decode(first, verify_crc=False).version
@@ -544,6 +540,24 @@ def _keep_freed_memory() -> bool:
     )
 
 
+class TransferServer:
+    """One worker's running gRPC server (KvTransfer and health)."""
+
+    def __init__(self, server: grpc.aio.Server, health_servicer: Any) -> None:
+        self.server = server
+        self.health = health_servicer
+
+    async def stop(self, grace: float) -> None:
+        """Report NOT_SERVING on the health service (to its watchers too), then stop:
+        calls in flight get ``grace`` seconds to finish."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace)
+
+    async def wait_for_termination(self) -> None:
+        """Wait until the server stops."""
+        await self.server.wait_for_termination()
+
+
 async def start_server(
     store: Store,
     address: str,
@@ -552,7 +566,7 @@ async def start_server(
     formats: Sequence[int] = SUPPORTED_VERSIONS,
     max_stream: int = DEFAULT_MAX_STREAM,
     metrics: Metrics | None = None,
-) -> grpc.aio.Server:
+) -> TransferServer:
     """Start a grpc.aio server on ``address`` (``host:port``) serving KvTransfer and health.
 
     Also tunes this process's allocator for whole buffered streams (``_keep_freed_memory``).
@@ -580,4 +594,4 @@ async def start_server(
     serving = health_pb2.HealthCheckResponse.SERVING
     await health_servicer.set("", serving)
     await health_servicer.set(SERVICE_NAME, serving)
-    return server
+    return TransferServer(server, health_servicer)

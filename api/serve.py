@@ -67,7 +67,8 @@ def _serve(args: argparse.Namespace, metrics_dir: str | None) -> int:
     if args.token_file is not None:
         env[s.ENV_TOKEN_FILE] = str(Path(args.token_file).resolve())
     if args.grpc_port is not None:
-        host = f"[{args.host}]" if ":" in args.host else args.host
+        grpc_host = args.host if args.grpc_host is None else args.grpc_host
+        host = f"[{grpc_host}]" if ":" in grpc_host else grpc_host
         env[s.ENV_GRPC] = f"{host}:{args.grpc_port}"
         env[s.ENV_GRPC_MAX_STREAM] = str(args.grpc_max_stream)
     if args.formats is not None:
@@ -130,6 +131,9 @@ def register(sub: Any) -> None:
     p.add_argument("--access-log", action="store_true", help="log every request")
     p.add_argument(
         "--grpc-port", type=int, default=None, help="also serve tl.kv.v1 gRPC on this port"
+    )
+    p.add_argument(
+        "--grpc-host", default=None, help="bind address of the gRPC server (default: --host)"
     )
     p.add_argument(
         "--grpc-max-stream",

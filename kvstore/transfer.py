@@ -22,8 +22,9 @@ import numpy as np
 
 from ._tlkv_v1 import kv_pb2, kv_pb2_grpc
 from ._wirechunk import WireChunk, parse_chunk, serialize_chunk
-from .codec.assembly import EnvelopeStream, pack_header, record_of
+from .codec.assembly import EnvelopeStream, SingleBlock, pack_header, record_of, single_block
 from .codec.checksum import crc32c
+from .codec.crcmath import crc_combine
 from .codec.envelope import Envelope, decode
 from .codec.geometry import Geometry
 from .codec.layout import (
@@ -382,10 +383,12 @@ class TransferClient:
         # The envelope is written as the chunks arrive (each record copied once, while the
         # next chunk is on its way) into a BytesIO, whose getvalue() hands over its own
         # bytes object: no join at the end. The header's block count and the trailer's CRC
-        # (one pass over the result) are written once the stream has ended.
+        # are written once the stream has ended; the trailer's CRC is combined from the
+        # records' (check_chunk verified each chunk's), not computed by another pass.
         out = io.BytesIO()
         geometry: Geometry | None = None
-        version = count = 0
+        single: SingleBlock | None = None
+        version = count = records_crc = 0
         try:
             for chunk in self._fetch(request, timeout=self._timeout, metadata=self._metadata):
                 env = check_chunk(
@@ -398,6 +401,7 @@ class TransferClient:
                 )
                 if geometry is None:
                     geometry, version = env.geometry, env.version
+                    single = single_block(geometry, version)
                     out.write(bytes(HEADER_SIZE))
                 elif env.version != version:
                     raise FormatError(
@@ -408,16 +412,19 @@ class TransferClient:
                     raise FormatError(
                         f"FetchKv asked for format v{kv_format}, chunk {count} is v{env.version}"
                     )
+                assert single is not None
+                records_crc = single.shift(records_crc) ^ single.record_crc(chunk.payload)
                 out.write(record_of(chunk.payload))
                 count += 1
         except grpc.RpcError as exc:
             raise error_from_status(exc) from None
         if geometry is None:
             return b""
+        header = pack_header(version, geometry, count)
         out.seek(0)
-        out.write(pack_header(version, geometry, count))
+        out.write(header)
         out.seek(0, io.SEEK_END)
-        with out.getbuffer() as view:
-            crc = crc32c(view)
+        assert single is not None
+        crc = crc_combine(crc32c(header), records_crc, count * single.record_bytes)
         out.write(TRAILER.pack(crc))
         return out.getvalue()

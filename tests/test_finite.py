@@ -161,3 +161,39 @@ def test_restore_refuses_nonfinite_unless_allowed(tmp_path: Path) -> None:
     with Store(tmp_path / "ok", allow_nonfinite=True) as ok:
         ar.restore(archive, ok)
         assert ok.stats()["blocks"] == len(decode(bad))
+
+
+def test_verify_applies_the_rule_restore_applies(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``archive verify`` refuses what ``restore`` would (naming the member), and
+    ``--allow-nonfinite`` accepts it, as on restore; a sequence's tail is checked too."""
+    from conftest import make_blocks
+
+    from kvstore import archive as ar
+    from kvstore import encode
+    from kvstore.cli import main
+    from kvstore.cli.common import EXIT_FORMAT, EXIT_OK
+
+    seq = encode(G, make_blocks(G, 4 * 2 + 3, seed=8), 1)  # a partial tail (fill 3)
+    tail = HEADER_SIZE + 2 * G.record_bytes(1) + RECORD_SIZE
+    seq = _patched(seq, tail + 2 * _index(1, 0, 1), struct.pack("<H", 0x7C00))  # +Inf
+    with Store(tmp_path / "src", allow_nonfinite=True) as src:
+        src.put(v2_scale(float("inf")))
+        src.put_sequence("s", seq)
+        archive = tmp_path / "a.tar.zst"
+        ar.create(src, archive, sequences=["s"])
+        ar.create(src, tmp_path / "all.tar.zst")
+    with pytest.raises(FormatError, match=r"sequences/s\.tail.*layer 1, K, head 1"):
+        ar.verify(archive)
+    with pytest.raises(FormatError, match=r"blocks/[0-9a-f]{16}.*scale inf"):
+        ar.verify(tmp_path / "all.tar.zst")
+    for path in (archive, tmp_path / "all.tar.zst"):
+        assert ar.verify(path, allow_nonfinite=True).blocks >= 2
+        assert main(["archive", "verify", str(path), "--quiet"]) == EXIT_FORMAT
+        assert "finite" in capsys.readouterr().err
+        assert main(["archive", "verify", str(path), "--quiet", "--allow-nonfinite"]) == EXIT_OK
+    with Store(tmp_path / "good") as src:  # finite data passes by default
+        src.put(make_envelope(G, 8, seed=3))
+        ar.create(src, tmp_path / "good.tar.zst")
+    assert ar.verify(tmp_path / "good.tar.zst").blocks == 2

@@ -177,6 +177,36 @@ def test_health_serving(server: GrpcServer) -> None:
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+@pytest.mark.slow
+def test_grpc_host_and_not_serving_on_graceful_stop(tmp_path: Path) -> None:
+    """``--grpc-host`` binds gRPC apart from HTTP; on SIGTERM the health service reports
+    NOT_SERVING to its watchers before the server goes away."""
+    import signal
+
+    with GrpcServer(tmp_path / "s", "--grpc-host", "127.0.0.2") as srv:
+        assert srv.url.startswith("http://127.0.0.1:")  # HTTP stays on --host
+        with grpc.insecure_channel(f"127.0.0.1:{srv.grpc_port}") as channel:
+            with pytest.raises(grpc.RpcError) as exc:
+                health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=2
+                )
+            assert_status(exc, grpc.StatusCode.UNAVAILABLE)
+        with grpc.insecure_channel(f"127.0.0.2:{srv.grpc_port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            watches = [
+                health.Watch(health_pb2.HealthCheckRequest(service=name), timeout=30)
+                for name in ("", "tl.kv.v1.KvTransfer")
+            ]
+            for watch in watches:
+                assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+            assert srv.proc is not None
+            srv.proc.send_signal(signal.SIGTERM)
+            for watch in watches:
+                assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert srv.stop() in (0, -signal.SIGTERM)  # one worker: uvicorn re-raises SIGTERM
+        assert "Traceback" not in srv.log(), srv.log()[-3000:]
+
+
 def test_has_blocks_and_prefix(stub: Any, pb: SimpleNamespace, client: TransferClient) -> None:
     tokens, data = prompt(5 * G.block_tokens)
     hashes = chain_hashes(tokens, G.block_tokens)
@@ -473,6 +503,44 @@ def test_ops04_v1_only_server_refuses_v2(v1_server: GrpcServer, pb: SimpleNamesp
         )
         assert_error(response, 415, "version")
         assert http.get("/v1/info").json()["formats"] == [1]
+
+
+def test_ops04_v1_only_server_never_sends_v2(v1_server: GrpcServer, pb: SimpleNamespace) -> None:
+    """Reads asking for v2 are refused (HTTP 415 ``version``, gRPC FAILED_PRECONDITION);
+    a block or sequence stored as v2 (by another writer of the same store) is sent as v1."""
+    from kvstore.store.store import Store
+
+    tokens, v2 = prompt(2 * G.block_tokens, version=2)
+    with Store(v1_server.data) as other:  # another writer of the same store
+        other.put(v2)
+        other.put_sequence("v2-state", v2)
+    hashes = [f"{h:016x}" for h in chain_hashes(tokens, G.block_tokens)]
+    with v1_server.client() as http:
+        assert_error(http.get(f"/v1/blocks/{hashes[0]}?format=2"), 415, "version")
+        r = http.post("/v1/prefix?format=2", json={"hashes": hashes})
+        assert_error(r, 415, "version")
+        for url in (f"/v1/blocks/{hashes[0]}", f"/v1/blocks/{hashes[0]}?format=1"):
+            r = http.get(url)
+            assert r.status_code == 200 and decode(r.content).version == 1
+            assert decode(r.content)[0].hash == int(hashes[0], 16)
+        r = http.post("/v1/prefix", json={"hashes": hashes})
+        assert r.status_code == 200 and r.headers["x-tlkv-prefix-blocks"] == "2"
+        as_v1 = decode(r.content)
+        assert as_v1.version == 1 and len(as_v1) == 2
+        assert http.get("/v1/sequences/v2-state").content == r.content
+    with grpc.insecure_channel(v1_server.target) as channel:
+        stub = pb.kv_pb2_grpc.KvTransferStub(channel)
+        for kv_format in (2, 7):
+            request = pb.kv_pb2.FetchKvRequest(tokens=tokens, kv_format=kv_format)
+            with pytest.raises(grpc.RpcError) as exc:
+                list(stub.FetchKv(request))
+            assert_status(exc, grpc.StatusCode.FAILED_PRECONDITION)
+        for kv_format in (0, 1):
+            chunks = list(
+                stub.FetchKv(pb.kv_pb2.FetchKvRequest(tokens=tokens, kv_format=kv_format))
+            )
+            assert [c.kv_format for c in chunks] == [1, 1]
+            assert join([c.payload for c in chunks]) == r.content
 
 
 def test_ops04_both_ways(server: GrpcServer, v1_server: GrpcServer) -> None:

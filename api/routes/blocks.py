@@ -37,6 +37,7 @@ from kvstore.codec.assembly import EnvelopeStream, envelope_version, stored_crc
 from kvstore.codec.envelope import decode, encode, join
 from kvstore.codec.geometry import Geometry
 from kvstore.codec.layout import (
+    SUPPORTED_VERSIONS,
     VERSION_V1,
 )
 from kvstore.errors import NotFoundError, StoreError, TlkvError
@@ -45,7 +46,7 @@ from kvstore.store import Store, transcode_stored
 
 from ..bodies import read_envelope
 from ..errors import send_error
-from ..formats import require_formats
+from ..formats import read_version, require_formats
 from ..metrics import TRANSPORT_KEY
 from .common import (
     ENVELOPE_BODY,
@@ -117,7 +118,8 @@ def _put(store: Store, body: bytes | bytearray) -> tuple[list[int], list[int], i
 )
 async def get_block(request: Request, hash: HashPath, format: FormatQuery = None) -> Response:
     """The stored single-block envelope, verbatim (or transcoded with ``?format=``)."""
-    data = await _read(store_of(request), parse_hash_hex(hash), format)
+    version = read_version(format, request.app.state.settings.formats)
+    data = await _read(store_of(request), parse_hash_hex(hash), version)
     if data is None:
         raise NotFoundError(f"block {hash} not found")
     etag = _etag(data)
@@ -249,7 +251,9 @@ class BlockReadFastPath:
             and path.startswith(_BLOCK_PREFIX)
             and is_hash_hex(path[len(_BLOCK_PREFIX) :])
         ):
-            store = getattr(scope["app"].state, "store", None)
+            state = scope["app"].state
+            if state.settings.formats == SUPPORTED_VERSIONS:  # else: stored v2 is transcoded
+                store = getattr(state, "store", None)
         if store is None:
             await self.app(scope, receive, send)
             return
@@ -391,6 +395,7 @@ async def _stream(
 @router.post("/v1/prefix", openapi_extra=HASHES_BODY, responses=ENVELOPE_RESPONSE)
 async def prefix(request: Request, format: FormatQuery = None) -> Response:
     """One envelope with the longest stored prefix's blocks, in order (possibly none)."""
+    format = read_version(format, request.app.state.settings.formats)
     store = store_of(request)
     hashes = await request_hashes(request, store)
     k = store.longest_prefix(hashes) if len(hashes) else 0

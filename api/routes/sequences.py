@@ -8,11 +8,12 @@ from fastapi import APIRouter, Path, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
+from kvstore.codec.layout import SUPPORTED_VERSIONS
 from kvstore.errors import InvalidRequestError, NotFoundError
 from kvstore.protocol import SEQUENCE_NAME_PATTERN, check_sequence_name
 
 from ..bodies import read_envelope
-from ..formats import require_formats
+from ..formats import require_formats, served
 from .common import (
     ENVELOPE_BODY,
     ENVELOPE_MEDIA_TYPE,
@@ -57,10 +58,14 @@ async def put_sequence(request: Request, name: NamePath) -> Response:
 
 @router.get("/v1/sequences/{name}", responses=ENVELOPE_RESPONSE)
 async def get_sequence(request: Request, name: NamePath) -> Response:
-    """The sequence's envelope, byte-identical to what was put."""
+    """The sequence's envelope, byte-identical to what was put (on a ``--formats`` server,
+    in its format)."""
     data = store_of(request).get_sequence(_check_name(name))
     if data is None:
         raise NotFoundError(f"sequence {name!r} not found")
+    formats = request.app.state.settings.formats
+    if formats != SUPPORTED_VERSIONS:  # a transcode, if any, off the event loop
+        data = await run_in_threadpool(served, data, formats, f"sequence {name!r}")
     return Response(data, media_type=ENVELOPE_MEDIA_TYPE)
 
 

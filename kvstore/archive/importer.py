@@ -3,15 +3,16 @@
 Blocks commit in transactions of about ``COMMIT_BATCH_BYTES`` (LMDB holds a transaction's
 dirty pages in memory until it commits), one batch committing on a thread of its own while
 the next is validated and filled; sequences follow once every block is in, assembled from
-the store's copies (or the archive's). On a failure, :meth:`Importer.undo` removes what
-this restore added.
+the store's copies (or the archive's). Every commit notes what it adds or replaces in the
+store's restore journal (``Store.begin_restore``): :meth:`Importer.finish` keeps the
+restore in one last commit, :meth:`Importer.undo` removes what it added (on a failure),
+and a process that opens the store after a restore was killed undoes it the same way.
 
 With ``defer_sequences`` (restore's single pass, which validates and commits blocks as it
 reads), sequences are only noted while the archive streams by; they are imported by
 :meth:`Importer.finish`, after the scan has checked every rule of the whole archive, with
 their tails read again from the frames after the last block's (a few MiB). Blocks are the
-only thing such a restore commits before the archive is known to be valid, and
-:meth:`Importer.undo` removes them if it is not.
+only thing such a restore commits before the archive is known to be valid.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from ..codec.assembly import (
     record_of,
 )
 from ..codec.envelope import decode
-from ..errors import ArchiveError, PinnedError, TlkvError
+from ..errors import ArchiveError, TlkvError
 from ..pipeline import OrderedPipeline
 from .reader import ArchiveBlock, ArchiveReader, ArchiveSequence, Problem
 
@@ -77,9 +78,7 @@ class Importer:
         self.block_bytes = 0
         self.sequences: list[tuple[str, bytes]] = []
         self.sequence_bytes = 0
-        self.added: list[int] = []
-        self.existing_names = set(store.sequences())
-        self.created: list[str] = []
+        self.journal = store.begin_restore()
         # One batch commits while the next is validated and filled; a batch is sent only
         # after the one before it committed, so nothing is committed after a failure.
         self._pool: ThreadPoolExecutor | None = None
@@ -89,8 +88,7 @@ class Importer:
         present = self.store.has([b.hash for b in batch])
         new = [b for b, p in zip(batch, present) if not p]
         if new:
-            self.store.import_batch(blocks=[b.envelope for b in new])
-            self.added.extend(b.hash for b in new)
+            self.store.import_batch(blocks=[b.envelope for b in new], journal=self.journal)
         self.report.blocks += len(batch)
         self.report.new_blocks += len(new)
 
@@ -184,30 +182,32 @@ class Importer:
     def flush_sequences(self) -> None:
         if not self.sequences:
             return
-        self.store.import_batch(sequences=self.sequences)
-        for name, _ in self.sequences:
-            if name not in self.existing_names:
-                self.created.append(name)
+        self.store.import_batch(sequences=self.sequences, journal=self.journal)
         self.report.sequences += len(self.sequences)
         self.sequences, self.sequence_bytes = [], 0
 
     def finish(self) -> None:
+        """Import what is left, then keep the restore (the commit that makes it whole)."""
         self.flush_blocks()
         if self.deferred:
             self._import_deferred()
         self.flush_sequences()
+        self.store.end_restore(self.journal, keep=True)
 
     def abort(self) -> None:
         """Stop the commit thread (after a failure), keeping what it committed."""
         with contextlib.suppress(BaseException):
             self._join()
+        with contextlib.suppress(TlkvError, OSError):
+            self.store.end_restore(self.journal, keep=True)
+        self.journal.release()
 
     def undo(self) -> None:
-        """Remove the sequences created and the blocks added (after a failed commit)."""
-        self.abort()
-        for name in self.created:
-            with contextlib.suppress(TlkvError, OSError):
-                self.store.delete_sequence(name)
-        for h in self.added:
-            with contextlib.suppress(TlkvError, OSError, PinnedError):
-                self.store.delete(h)
+        """Stop the commit thread and remove what this restore added, putting back the
+        sequences it replaced (after a failure), in one transaction. If that fails, the
+        next process to open the store does it."""
+        with contextlib.suppress(BaseException):
+            self._join()
+        with contextlib.suppress(TlkvError, OSError):
+            self.store.end_restore(self.journal, keep=False)
+        self.journal.release()

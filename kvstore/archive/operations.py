@@ -16,9 +16,11 @@ which ties them to the store:
   batch committing while the next is decompressed and checked); sequences, which replace
   and pin, are imported only once the whole archive has passed every rule. If anything
   fails -- a member, a count, the disk -- the blocks and sequences it added are removed
-  before the error propagates. When committing could evict (a store with a capacity the
-  archive might exceed), a refused archive could not give evicted blocks back: restore
-  then validates the whole archive first, writing nothing, and imports in a second pass.
+  before the error propagates; if the process dies, the store's restore journal has the
+  next process to open the store remove them. When committing could evict (a store with
+  a capacity the archive might exceed), a refused archive could not give evicted blocks
+  back: restore then validates the whole archive first, writing nothing, and imports in a
+  second pass.
   Memory stays bounded whatever the archive's size.
 - ``verify``, ``iter_blocks``, ``list_archive``, ``extract``, ``extract_all`` read only.
 """
@@ -238,16 +240,19 @@ def verify(
     path: str | os.PathLike[str],
     *,
     geometry: Geometry | None = None,
+    allow_nonfinite: bool = False,
     threads: int = 0,
     progress: Progress | None = None,
 ) -> VerifyReport:
     """Check every byte of an archive by every rule of ARCHIVE.md (and, when given, that
-    its geometry is ``geometry``).
+    its geometry is ``geometry``), and the finite-values rule a store applies on restore
+    (NaN/Inf values, out-of-range v2 scales) unless ``allow_nonfinite``.
 
     Raises:
         ArchiveError: the container, a name, a record or a count is wrong (unsafe
             archives raise ``UnsafeArchiveError``).
-        EnvelopeError: an envelope fails a reader rule (``ShapeError`` for geometry).
+        EnvelopeError: an envelope fails a reader rule (``ShapeError`` for geometry), or
+            the finite-values rule (``FormatError``, naming the member).
     """
     with ArchiveReader(path, threads=threads) as ar:
         _check_geometry(ar.geometry, geometry, "the reader")
@@ -255,7 +260,7 @@ def verify(
         done = 0
         if progress is not None:
             progress.start(ar.manifest.blocks)
-        for item in ar.scan():
+        for item in ar.scan(finite=not allow_nonfinite):
             if isinstance(item, ArchiveBlock):
                 blocks += 1
                 done += len(item.envelope)
@@ -440,10 +445,11 @@ def restore(
     the store's geometry, and blocks are committed in bounded durable batches as they
     pass (the archive is read and decompressed once); sequences are imported only after
     the whole archive has passed. If anything fails, the blocks and sequences this
-    restore added are removed again before the error propagates, so the store ends as it
-    was. (Blocks of an archive later refused are visible to concurrent readers until
-    then; a crash in between can leave some: valid by every reader rule, unpinned,
-    evictable.) If the archive might not fit the store's capacity without evicting,
+    restore added are removed again (and the sequences it replaced put back) before the
+    error propagates, so the store ends as it was. (Blocks of an archive later refused
+    are visible to concurrent readers until then.) If the process is killed, the next
+    process to open the store does the same (``Store.begin_restore``). If the archive
+    might not fit the store's capacity without evicting,
     the whole archive is validated first, writing nothing, then imported in a second
     pass. A sequence that already exists under the same name is replaced. With
     ``partial=True`` the valid members are imported in one pass and the refused ones are

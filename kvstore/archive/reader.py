@@ -12,11 +12,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..codec.envelope import Envelope, check_finite
 from ..codec.geometry import Geometry
 from ..codec.layout import NO_HASH
 from ..errors import (
     ArchiveError,
     EnvelopeError,
+    FormatError,
     UnsafeArchiveError,
 )
 from .frames import FrameReader
@@ -278,7 +280,9 @@ class ArchiveReader:
                 )
         return findings
 
-    def scan(self, *, partial: bool = False, verify_crc: bool = True) -> Iterator[Item]:
+    def scan(
+        self, *, partial: bool = False, verify_crc: bool = True, finite: bool = False
+    ) -> Iterator[Item]:
         """Every block and sequence, validated, in archive order.
 
         With ``partial=False`` the first problem raises. With ``partial=True`` a refused
@@ -287,8 +291,10 @@ class ArchiveReader:
         is refused too. Problems with the index or manifest raise in both modes (they
         are found when the reader opens). ``verify_crc=False`` skips the envelopes' CRCs
         (only for a second pass whose consumer checks them again, as the store does).
+        ``finite=True`` applies the finite-values rule too (``envelope.check_finite``, a
+        store's rule unless it allows non-finite data) to every block and tail.
         """
-        state = _ScanState(self, verify_crc)
+        state = _ScanState(self, verify_crc, finite)
         last = self.index.n_frames - 1
         frames = range(1, last)
         for i, data in self._frames.iter_frames(frames, self.threads):
@@ -321,8 +327,11 @@ class ArchiveReader:
 class _ScanState:
     """The order, reference and count rules across members (ARCHIVE.md 1.1, 5)."""
 
-    def __init__(self, reader: ArchiveReader, verify_crc: bool = True) -> None:
+    def __init__(
+        self, reader: ArchiveReader, verify_crc: bool = True, finite: bool = False
+    ) -> None:
         self.verify_crc = verify_crc
+        self.finite = finite
         self.reader = reader
         self.geometry = reader.geometry
         self.index = reader.index
@@ -365,9 +374,18 @@ class _ScanState:
             )
         assert self.geometry is not None
         env = check_member_envelope(m.data, self.geometry, m.name, block_hash, self.verify_crc)
+        self._check_finite(env, m.name)
         self.valid.append(block_hash)
         self.valid_versions.append(env.version)
         return ArchiveBlock(block_hash, m.data)
+
+    def _check_finite(self, env: Envelope, what: str) -> None:
+        if not self.finite:
+            return
+        try:
+            check_finite(env)
+        except FormatError as exc:
+            raise FormatError(f"{what}: {exc}") from None
 
     def _sequence(self, m: Member, name: str) -> Item | None:
         if self.present is None:
@@ -398,6 +416,7 @@ class _ScanState:
             raise ArchiveError(f"expected {tail_member(name)!r}, found {m.name!r}")
         assert self.geometry is not None
         env = check_member_envelope(m.data, self.geometry, m.name, None, self.verify_crc)
+        self._check_finite(env, m.name)
         if refused:
             return None
         version = sequence_version(m.name, self.present_versions, positions, env.version)

@@ -146,7 +146,13 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
     bar = ProgressBar("verify", enabled=not args.quiet)
     try:
-        report = verify(args.file, geometry=args.geometry, threads=args.threads, progress=bar)
+        report = verify(
+            args.file,
+            geometry=args.geometry,
+            allow_nonfinite=args.allow_nonfinite,
+            threads=args.threads,
+            progress=bar,
+        )
     finally:
         bar.close()
     if not args.quiet:
@@ -270,6 +276,11 @@ def register(sub: Any) -> None:
     q = group.add_parser("verify", help="check every member of an archive")
     q.add_argument("file")
     q.add_argument("--geometry", type=geometry_arg, default=None, help="B,L,H,D to require")
+    q.add_argument(
+        "--allow-nonfinite",
+        action="store_true",
+        help="accept NaN/Inf values and out-of-range v2 scales (refused by default, as restore)",
+    )
     common(q)
     q.set_defaults(func=_run(_cmd_verify))
 

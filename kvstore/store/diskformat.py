@@ -4,7 +4,8 @@ Store format 1: named sub-databases of one LMDB environment (``<path>/data.mdb``
 
 ==========  =====================================================================
 ``meta``    ``format`` u32; ``geometry`` 4 x u32 (B, L, Hkv, D); u64 counters
-            ``bytes``, ``tick``, ``evictions``, ``corrupt``.
+            ``bytes``, ``tick``, ``evictions``, ``corrupt``; the journals of
+            unfinished restores (``JOURNAL_PREFIX``, ``journal.py``).
 ``blocks``  u64 hash (big-endian, so key order is numeric) -> the verbatim
             single-block envelope (spec: "Export envelope", n_blocks = 1).
 ``index``   one key; every stored hash as a native u64 duplicate (DUPSORT, DUPFIXED,
@@ -62,6 +63,18 @@ META_TICK = b"tick"
 META_EVICTIONS = b"evictions"
 META_CORRUPT = b"corrupt"
 COUNTER_KEYS = (META_BYTES, META_TICK, META_EVICTIONS, META_CORRUPT)
+# Restore journal entries in meta: JOURNAL_PREFIX + token (8 random bytes) + kind + suffix.
+# Kind JOURNAL_BLOCKS, suffix u32 big-endian batch number -> the u64 hashes (little-endian)
+# the batch added. Kind JOURNAL_SEQUENCE, suffix the sequence key -> JOURNAL_CREATED, or
+# JOURNAL_REPLACED + the sequence record the restore replaced.
+JOURNAL_PREFIX = b"restore:"
+JOURNAL_TOKEN_BYTES = 8
+JOURNAL_BLOCKS = b"B"
+JOURNAL_BATCH = struct.Struct(">I")
+JOURNAL_SEQUENCE = b"S"
+JOURNAL_CREATED = b"\x00"
+JOURNAL_REPLACED = b"\x01"
+JOURNAL_HASH_DTYPE = np.dtype("<u8")
 
 # Sequence record: header (magic, record format, envelope version, n blocks, m own
 # records), n u64 hashes (0 at the partial tail), m u32 ascending positions of the

@@ -72,6 +72,7 @@ from .diskformat import (
     parse_sequence,
 )
 from .eviction import RecencyBuffer
+from .journal import RestoreJournal, commit, pending, rollback
 from .keyset import KeySet, hash_array
 from .lmdbenv import MAP_ALIGN, LmdbEnv
 from .reader import KvSpec, Reader, ReadSnapshot, assemble_sequence, reader_consts
@@ -258,6 +259,7 @@ class Store:
         self._closed = False
         self._pid = os.getpid()
         _open_stores.add(self)
+        self._roll_back_killed_restores()
 
     def _check_meta(self, txn: Any, dbs: Dbs, geometry: Geometry | None) -> None:
         """Record or check the store format and the geometry (in the opening transaction)."""
@@ -547,13 +549,18 @@ class Store:
         return self._run_write(body, len(env.data))
 
     def import_batch(
-        self, blocks: Iterable[Any] = (), sequences: Iterable[tuple[str, Any]] = ()
+        self,
+        blocks: Iterable[Any] = (),
+        sequences: Iterable[tuple[str, Any]] = (),
+        *,
+        journal: RestoreJournal | None = None,
     ) -> PutResult:
         """Put many block envelopes, then sequences ``(name, envelope)``, in ONE write
         transaction: all or nothing (the archive restore path).
 
         Everything is validated before the transaction opens. LMDB holds the batch's dirty
-        pages in memory until it commits: size batches accordingly.
+        pages in memory until it commits: size batches accordingly. With a ``journal``
+        (``begin_restore``), what the batch adds and replaces is noted in the same commit.
         """
         geometry = self._geometry
         envs: list[Envelope] = []
@@ -571,8 +578,16 @@ class Store:
         def body(w: WriteTxn) -> PutResult:
             if geometry is not None:
                 self._adopt_geometry(w, geometry)
-            results = [PutReport(*w.put_blocks(e)).counts() for e in envs]
-            results += [PutResult(*w.put_sequence(k, e)) for k, e in seqs]
+            reports = [PutReport(*w.put_blocks(e)) for e in envs]
+            results = [r.counts() for r in reports]
+            added = [h for r in reports for h in r.stored]
+            for k, e in seqs:
+                if journal is not None:
+                    journal.note_sequence(w.txn, w.dbs, k)
+                    added += [h for h in e.hashes.tolist() if h != NO_HASH and not self._in(w, h)]
+                results.append(PutResult(*w.put_sequence(k, e)))
+            if journal is not None:
+                journal.note_blocks(w.txn, w.dbs.meta, added)
             return PutResult(
                 sum(r.stored for r in results),
                 sum(r.duplicate for r in results),
@@ -581,6 +596,62 @@ class Store:
 
         need = sum(len(e.data) for e in envs) + sum(len(e.data) for _, e in seqs)
         return self._run_write(body, need)
+
+    @staticmethod
+    def _in(w: WriteTxn, h: int) -> bool:
+        return w.txn.get(BLOCK_KEY.pack(h), None, w.dbs.blocks) is not None
+
+    def begin_restore(self) -> RestoreJournal:
+        """A journal for one restore's ``import_batch`` calls, to pass to ``end_restore``:
+        until then, a process that opens the store after the restore's died undoes it."""
+        self._check_usable()
+        return RestoreJournal(self._path)
+
+    def end_restore(self, journal: RestoreJournal, *, keep: bool) -> None:
+        """Finish a restore: ``keep`` what it imported (one commit), or undo it.
+
+        Raises:
+            StoreError: the commit failed; the journal stays, and the next process to open
+                the store undoes the restore.
+        """
+        try:
+            if keep:
+                self._write(lambda w: commit(w.txn, w.dbs.meta, journal.token))
+            else:
+                self._write(lambda w: rollback(w, journal.token, self._geometry_in(w.txn)))
+        finally:
+            journal.release()
+
+    def _roll_back_killed_restores(self) -> None:
+        """Undo the restores whose process died before they finished (``journal``)."""
+        txn = self._begin_read(False)
+        try:
+            tokens = pending(txn, self._dbs.meta)
+        finally:
+            self._end_read(txn)
+        for token in tokens:
+            claimed = RestoreJournal.claim(self._path, token)
+            if claimed is None:
+                continue  # its restore still runs
+
+            def undo(w: WriteTxn, token: bytes = token) -> tuple[int, int]:
+                return rollback(w, token, self._geometry_in(w.txn))
+
+            try:
+                removed, seqs = self._write(undo)
+            except StoreError as exc:  # the next open tries again
+                log.warning("%s: could not undo an unfinished restore: %s", self._path, exc)
+                continue
+            finally:
+                claimed.release()
+            if removed or seqs:
+                log.warning(
+                    "%s: undid a restore that did not finish: %d blocks removed, %d sequences "
+                    "dropped or put back",
+                    self._path,
+                    removed,
+                    seqs,
+                )
 
     def delete(self, block_hash: int) -> bool:
         """Remove a block; False when absent.
