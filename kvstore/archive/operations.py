@@ -423,7 +423,7 @@ def _fits_without_eviction(store: Any, ar: ArchiveReader) -> bool:
     capacity = store.capacity_bytes
     if capacity is None:
         return True
-    return int(store.stats()["bytes"]) + int(ar.index.data_bytes) <= capacity
+    return int(store.total_bytes()) + int(ar.index.data_bytes) <= capacity
 
 
 def restore(
