@@ -292,6 +292,7 @@ class Store:
         self._models: dict[int, Dbs] = {0: self._dbs}  # every model's handles opened here
         self._models_lock = threading.Lock()
         self._handles: dict[tuple[str, int | None], Store] = {}
+        self._handles_lock = threading.RLock()
         self._closed = False
         self._pid = os.getpid()
         _open_stores.add(self)
@@ -351,7 +352,7 @@ class Store:
         if model_id == DEFAULT_MODEL and quota_bytes is None:
             handle = root
         else:
-            with root._models_lock:
+            with root._handles_lock:
                 handle = root._handles.get((model_id, quota_bytes))  # type: ignore[assignment]
                 if handle is None or handle._closed:
                     handle = root._handles[(model_id, quota_bytes)] = Store._handle(
@@ -374,7 +375,7 @@ class Store:
         h = cls.__new__(cls)
         for name in (
             "_path", "_capacity", "_sync", "_allow_nonfinite", "_lmdb", "_env", "_pid",
-            "_pool_lock", "_nothing", "_models", "_models_lock", "_handles",
+            "_pool_lock", "_nothing", "_models", "_models_lock", "_handles", "_handles_lock",
         ):  # fmt: skip
             setattr(h, name, getattr(root, name))
         h._root = root
@@ -543,7 +544,7 @@ class Store:
                 self._closed = True
             _open_stores.discard(self)
             return
-        with self._models_lock:
+        with self._handles_lock:
             handles = list(self._handles.values())
             self._handles.clear()
         for handle in handles:
