@@ -80,7 +80,7 @@ def _serve(args: argparse.Namespace, metrics_dir: str | None) -> int:
     from kvstore.store import Store
 
     Store(settings.data, geometry=settings.geometry, capacity_bytes=settings.capacity_bytes).close()
-    auth = "on" if settings.token else "off"
+    auth = "on" if settings.tokens is not None else "off"
     grpc = f", grpc://{settings.grpc_address}" if settings.grpc_address else ""
     metrics = "" if metrics_dir is None else f"metrics {metrics_dir}, "
     print(

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from kvstore.codec.geometry import Geometry
 from kvstore.codec.layout import SUPPORTED_VERSIONS
-from kvstore.protocol import read_token_file
+
+from .access import TokenTable, read_tokens
 
 ENV_DATA = "TLKV_DATA"
 ENV_GEOMETRY = "TLKV_GEOMETRY"
@@ -87,7 +88,8 @@ class Settings:
     data: Path = Path(DEFAULT_DATA)
     geometry: Geometry | None = None
     capacity_bytes: int | None = None
-    token: str | None = None
+    token: str | None = None  # one token for every model (TLKV_TOKEN, a bare token file)
+    tokens: TokenTable | None = None  # a token file's table (models per token)
     max_body: int = DEFAULT_MAX_BODY
     grpc_address: str | None = None
     grpc_max_stream: int = DEFAULT_GRPC_MAX_STREAM
@@ -96,6 +98,8 @@ class Settings:
     allow_nonfinite: bool = False  # store NaN/Inf and out-of-range v2 scales verbatim
 
     def __post_init__(self) -> None:
+        if self.tokens is None and self.token is not None:
+            object.__setattr__(self, "tokens", TokenTable.single(self.token))
         if self.max_inflight is None:
             object.__setattr__(self, "max_inflight", DEFAULT_INFLIGHT_BODIES * self.max_body)
         elif self.max_inflight < self.max_body:
@@ -121,7 +125,8 @@ class Settings:
         geometry = env.get(ENV_GEOMETRY)
         capacity = env.get(ENV_CAPACITY)
         token_file = env.get(ENV_TOKEN_FILE)
-        token = read_token_file(token_file) if token_file else (env.get(ENV_TOKEN) or None)
+        tokens = read_tokens(token_file) if token_file else None
+        token = tokens.bare if tokens is not None else (env.get(ENV_TOKEN) or None)
         max_body = env.get(ENV_MAX_BODY)
         max_stream = env.get(ENV_GRPC_MAX_STREAM)
         formats = env.get(ENV_FORMATS)
@@ -131,6 +136,7 @@ class Settings:
             geometry=Geometry.parse(geometry) if geometry else None,
             capacity_bytes=parse_size(capacity) if capacity else None,
             token=token,
+            tokens=tokens,
             max_body=parse_size(max_body) if max_body else DEFAULT_MAX_BODY,
             grpc_address=env.get(ENV_GRPC) or None,
             grpc_max_stream=parse_size(max_stream) if max_stream else DEFAULT_GRPC_MAX_STREAM,

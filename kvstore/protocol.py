@@ -137,6 +137,7 @@ ERROR_KINDS: dict[str, type[errors.TlkvError]] = {
         errors.UnconvertibleError,
         errors.TooLargeError,
         errors.UnauthorizedError,
+        errors.ForbiddenError,
         errors.StoreFullError,
         errors.InvalidRequestError,
         errors.MethodNotAllowedError,

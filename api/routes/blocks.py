@@ -47,6 +47,7 @@ from ..bodies import read_envelope
 from ..errors import send_error
 from ..formats import require_formats
 from ..metrics import TRANSPORT_KEY
+from ..modelscope import model_store
 from .common import (
     ENVELOPE_BODY,
     ENVELOPE_MEDIA_TYPE,
@@ -250,6 +251,8 @@ class BlockReadFastPath:
             and is_hash_hex(path[len(_BLOCK_PREFIX) :])
         ):
             store = getattr(scope["app"].state, "store", None)
+            if store is not None:
+                store = model_store(scope, store)
         if store is None:
             await self.app(scope, receive, send)
             return
