@@ -20,13 +20,14 @@ from __future__ import annotations
 import hmac
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import tomllib
 
+from kvstore.errors import ForbiddenError, NotFoundError
 from kvstore.protocol import check_model_id
 
 ALL = "*"
@@ -79,6 +80,30 @@ class TokenTable:
             if hmac.compare_digest(credentials, token):
                 found = access
         return found
+
+
+def check_access(access: Access, model: str, write: bool, exists: Callable[[str], bool]) -> None:
+    """Refuse a request of ``access`` on ``model`` as the service answers it.
+
+    Raises:
+        NotFoundError: a read of a model the token may not read or that does not exist,
+            or a write of a model it may neither write nor read (the same answer, so a
+            token cannot probe for models).
+        ForbiddenError: a write of a model the token may read but not write.
+    """
+    readable = access.can_read(model)
+    if write:
+        if not access.can_write(model):
+            if readable and exists(model):
+                raise ForbiddenError(f"this token may read model {model!r} but not write it")
+            raise model_not_found(model)
+    elif not readable or not exists(model):
+        raise model_not_found(model)
+
+
+def model_not_found(model: str) -> NotFoundError:
+    """The one answer for a model that does not exist or that the token may not read."""
+    return NotFoundError(f"model {model!r} not found")
 
 
 def _models(value: Any, where: str) -> frozenset[str]:

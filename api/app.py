@@ -61,6 +61,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     store,
                     settings.grpc_address,
                     token=settings.token,
+                    tokens=settings.tokens,
                     formats=settings.formats,
                     max_stream=settings.grpc_max_stream,
                     metrics=app.state.metrics,

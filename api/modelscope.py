@@ -17,11 +17,11 @@ from collections.abc import MutableMapping
 from typing import Any
 from urllib.parse import unquote
 
-from kvstore.errors import ForbiddenError, InvalidRequestError, NotFoundError
+from kvstore.errors import InvalidRequestError, TlkvError
 from kvstore.protocol import DEFAULT_MODEL, is_model_id
 from kvstore.store import Store
 
-from .access import EVERYTHING
+from .access import EVERYTHING, check_access
 from .access import SCOPE_KEY as ACCESS_KEY
 from .errors import send_error
 
@@ -37,11 +37,6 @@ def model_store(scope: MutableMapping[str, Any], store: Store) -> Store:
     """The handle on the model the request addresses (``store`` itself for ``default``)."""
     model = scope.get(MODEL_KEY, DEFAULT_MODEL)
     return store if model == DEFAULT_MODEL else store.model(model)
-
-
-def not_found(model: str) -> NotFoundError:
-    """The one answer for a model that does not exist or that the token may not read."""
-    return NotFoundError(f"model {model!r} not found")
 
 
 class ModelScope:
@@ -84,20 +79,13 @@ class ModelScope:
             rest = b"/v1/" + parts[4]
             # In place: the outer middlewares read what the routes leave in the scope.
             scope["path"], scope["raw_path"] = unquote(rest.decode("latin-1")), rest
-        access = scope.get(ACCESS_KEY, EVERYTHING)
-        readable = access.can_read(model)
-        path = scope["path"]
-        if scope["method"] not in _READ_METHODS and path not in READ_POSTS:
-            if not access.can_write(model):
-                error: Exception = (
-                    ForbiddenError(f"this token may read model {model!r} but not write it")
-                    if readable and self._exists(scope, model)
-                    else not_found(model)
-                )
-                await send_error(send, error)  # type: ignore[arg-type]
-                return
-        elif not readable or not self._exists(scope, model):
-            await send_error(send, not_found(model))
+        write = scope["method"] not in _READ_METHODS and scope["path"] not in READ_POSTS
+        try:
+            check_access(
+                scope.get(ACCESS_KEY, EVERYTHING), model, write, lambda m: self._exists(scope, m)
+            )
+        except TlkvError as exc:
+            await send_error(send, exc)
             return
         scope[MODEL_KEY] = model
         await self.app(scope, receive, send)

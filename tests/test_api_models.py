@@ -10,9 +10,12 @@ import httpx
 import numpy as np
 import pytest
 from conftest import SMALL, make_blocks
-from http_server import ServerProcess, assert_error
+from http_server import ServerProcess, assert_error, free_port
 
-from kvstore import Block, decode, encode
+from kvstore import Block, NotFoundError, decode, encode
+from kvstore.client import Client
+from kvstore.errors import ForbiddenError
+from kvstore.transfer import TransferClient
 
 ENVELOPE = {"content-type": "application/vnd.tlkv"}
 LLAMA = "meta-llama/Llama-3.1-8B@5206a32/bf16"
@@ -48,7 +51,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     data = tmp_path_factory.mktemp("models") / "store"
     token_file = data.parent / "tokens.toml"
     token_file.write_text(TOKENS)
-    with ServerProcess(data, "--token-file", str(token_file)) as srv:
+    grpc_port = free_port()
+    args = ("--token-file", str(token_file), "--grpc-port", str(grpc_port))
+    with ServerProcess(data, *args) as srv:
+        srv.grpc_port = grpc_port  # type: ignore[attr-defined]
         with client(srv, "admin") as c:
             for model in ("shared", "b", LLAMA):
                 r = c.put(url(model, "blocks"), content=PROMPT_A, headers=ENVELOPE)
@@ -151,3 +157,29 @@ def test_bad_model_ids_are_refused(server: ServerProcess) -> None:
         for bad in ("a%20b", "%C3%BC", "x" * 201):
             assert_error(c.get(f"/v1/models/{bad}/sequences"), 422, "invalid_request")
         assert c.get("/v1/models/a").status_code == 404  # no such route
+
+
+def test_client_and_transfer_client_address_a_model(server: ServerProcess) -> None:
+    with Client(server.url, token="admin", model="c/1") as c, Client(server.url, "admin") as d:
+        assert c.put(PROMPT_B).stored == [int(h, 16) for h in HASHES]
+        assert (
+            c.has_blocks(HASHES).present == [True] * 3
+            and d.has_blocks(HASHES).present == [False] * 3
+        )
+        assert c.get(HASHES[0]) == decode(PROMPT_B).single(0) and d.get(HASHES[0]) is None
+        assert c.prefix(HASHES) == PROMPT_B and d.models()[0]["model"] == "a"
+        assert "c/1" in [m["model"] for m in c.models()]
+    target = f"grpc://127.0.0.1:{server.grpc_port}"  # type: ignore[attr-defined]
+    with TransferClient(target, "admin", model="c/1") as t:
+        assert t.has_blocks(HASHES).present == [True] * 3
+        assert t.fetch(hashes=HASHES) == PROMPT_B
+    with TransferClient(target, "admin") as t:
+        assert t.has_blocks(HASHES).present == [False] * 3
+    with TransferClient(target, "alice", model="b") as t:
+        with pytest.raises(NotFoundError, match="model 'b' not found"):
+            t.has_blocks(HASHES)
+    with TransferClient(target, "alice", model="shared") as t, pytest.raises(ForbiddenError):
+        t.push(PROMPT_A)
+    with Client(server.url, token="alice", model="b") as c:
+        with pytest.raises(NotFoundError, match="model 'b' not found"):
+            c.has_blocks(HASHES)
