@@ -175,11 +175,11 @@ def test_client_and_transfer_client_address_a_model(server: ServerProcess) -> No
         assert t.fetch(hashes=HASHES) == PROMPT_B
     with TransferClient(target, "admin") as t:
         assert t.has_blocks(HASHES).present == [False] * 3
-    with TransferClient(target, "alice", model="b") as t:
-        with pytest.raises(NotFoundError, match="model 'b' not found"):
-            t.has_blocks(HASHES)
+    hidden = pytest.raises(NotFoundError, match="model 'b' not found")
+    with TransferClient(target, "alice", model="b") as t, hidden:
+        t.has_blocks(HASHES)
     with TransferClient(target, "alice", model="shared") as t, pytest.raises(ForbiddenError):
         t.push(PROMPT_A)
-    with Client(server.url, token="alice", model="b") as c:
-        with pytest.raises(NotFoundError, match="model 'b' not found"):
-            c.has_blocks(HASHES)
+    hidden = pytest.raises(NotFoundError, match="model 'b' not found")
+    with Client(server.url, token="alice", model="b") as c, hidden:
+        c.has_blocks(HASHES)
