@@ -20,13 +20,13 @@ from kvstore.codec.checksum import crc32c
 
 
 def test_golden_manifest_and_record() -> None:
-    manifest = Manifest(SMALL, 3, 1, tool="tlkv 0.1.0").to_json()
+    manifest = Manifest(SMALL, 3, 1, tool="tlkv 0.1.0", archive_version=1).to_json()
     assert manifest == (
         b'{"archive_version":1,"blocks":3,"format":"tlkv-archive","geometry":{"block_tokens":4,'
         b'"head_dim":8,"n_kv_heads":2,"n_layers":2},"sequences":1,"tool":"tlkv 0.1.0"}\n'
     )
     assert len(manifest) == 162
-    assert Manifest.from_json(manifest) == Manifest(SMALL, 3, 1, tool="tlkv 0.1.0")
+    assert Manifest.from_json(manifest) == Manifest(SMALL, 3, 1, "tlkv 0.1.0", archive_version=1)
     record = SequenceRecord("agent-7", [0xA91AB0C1027B9366, 0x03DF829571605C60], b"tail")
     assert record.to_json() == (
         b'{"hashes":["a91ab0c1027b9366","03df829571605c60"],"name":"agent-7","tail":true}\n'

@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..protocol import hash_hex, is_hash_hex, is_model_id, read_token_file
-from .common import EXIT_FAILURE, EXIT_OK, positive_int
+from ..protocol import hash_hex, is_hash_hex, read_token_file
+from .common import EXIT_FAILURE, EXIT_OK, model_arg, positive_int
 
 DEFAULT_URL_HELP = "server: http://127.0.0.1:8000, or grpc://127.0.0.1:50051 for tl.kv.v1"
 
@@ -160,16 +160,8 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 def _add_token(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-file", help="file holding the bearer token (else $TLKV_TOKEN)")
     p.add_argument(
-        "--model", type=_model_arg, default=None, help="the model (namespace); default: default"
+        "--model", type=model_arg, default=None, help="the model (namespace); default: default"
     )
-
-
-def _model_arg(text: str) -> str:
-    if not is_model_id(text):
-        raise argparse.ArgumentTypeError(
-            f"a model id is 1-200 characters of [A-Za-z0-9._:@/+-]: {text!r}"
-        )
-    return text
 
 
 def _hash_arg(text: str) -> str:
