@@ -183,3 +183,14 @@ def test_client_and_transfer_client_address_a_model(server: ServerProcess) -> No
     hidden = pytest.raises(NotFoundError, match="model 'b' not found")
     with Client(server.url, token="alice", model="b") as c, hidden:
         c.has_blocks(HASHES)
+
+
+def test_metrics_have_per_model_gauges_the_token_may_read(server: ServerProcess) -> None:
+    with client(server, "admin") as c:
+        text = c.get("/metrics").text
+    assert f'tlkv_model_blocks{{model="{LLAMA}"}} 3.0' in text
+    assert 'tlkv_model_bytes{model="b"}' in text and 'tlkv_model_sequences{model="b"} 0.0' in text
+    with client(server, "alice") as c:
+        text = c.get("/metrics").text
+    assert 'tlkv_model_blocks{model="shared"} 3.0' in text
+    assert 'model="b"' not in text and LLAMA not in text
