@@ -319,3 +319,19 @@ def test_a_store_written_by_the_release_before_models_opens_as_default(tmp_path:
         check_models(s)
     with Store(path) as s:
         assert s.models() == ["default", "new"] and s.stats()["blocks"] == want["stats"]["blocks"]
+
+
+def test_a_reserved_number_taken_by_another_model_is_never_read(store: Store) -> None:
+    x, y = store.model("x"), store.model("y")
+    bad = bytearray(make_envelope(SMALL, 8, seed=1))
+    bad[-1] ^= 1
+    with pytest.raises(ValueError):
+        y.put(bytes(bad))  # y reserved the next number, then registered nothing
+    x.put(make_envelope(SMALL, 8, seed=1))  # x takes that number
+    hashes = hashes_of(make_envelope(SMALL, 8, seed=1))
+    assert x.has(hashes) == [True, True]
+    assert y.has(hashes) == [False, False] and y.get(hashes[0]) is None
+    y.put(make_envelope(SMALL, 8, seed=2))
+    assert y.has(hashes) == [False, False] and x.has(hashes) == [True, True]
+    assert store.models() == ["default", "x", "y"]
+    check_models(store)

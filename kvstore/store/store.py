@@ -416,9 +416,13 @@ class Store:
         elif create:
             number = self._pending = last + 1  # its sub-databases exist from now, empty
         else:
+            pending = self._pending
+            if pending is not None and pending <= last:  # another model took the number
+                self._keys, self._dbs, self._pending = KeySet(root._nothing), root._nothing, None
             return
-        self._dbs = root._model_dbs(number)
-        self._keys = KeySet(self._dbs)
+        dbs = root._model_dbs(number)
+        self._keys = KeySet(dbs)  # before _dbs: a concurrent read sees a consistent pair
+        self._dbs = dbs
 
     def _created(self) -> bool:
         """Whether this handle's model exists (looked up again while it does not)."""
