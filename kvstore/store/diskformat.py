@@ -26,8 +26,12 @@ byte as in format 1 (its geometry is ``meta``'s). Model ``n`` > 0 owns its own `
 same keys and values: every data path is the one of the default model over other handles.
 ``meta``, ``lru`` and ``models`` are shared: the LRU order is store-wide (its value names
 the model of a non-default entry), the ``bytes``/``evictions``/``corrupt`` counters are
-store totals, and model ``n`` > 0 has its own beside them (``bytes@n``...); the default
-model's are the totals minus the others'.
+store totals, and model ``n`` > 0 has its own beside them (key ``bytes@`` + ``n`` as a
+big-endian u32, ``model_counter_key``); the default model's are the totals minus the
+others'. A model's number is the next one after ``last_model``; its sub-databases are
+created before the write that registers it (``models`` entry and ``last_model`` in that
+write's transaction), so a refused first write registers nothing and the next model
+reuses the empty sub-databases.
 
 No other module spells a format string for these values.
 """
