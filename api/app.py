@@ -62,6 +62,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     settings.grpc_address,
                     token=settings.token,
                     tokens=settings.tokens,
+                    quotas=settings.quotas,
                     formats=settings.formats,
                     max_stream=settings.grpc_max_stream,
                     metrics=app.state.metrics,

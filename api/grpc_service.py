@@ -83,6 +83,7 @@ from kvstore.transfer import (
 
 from .access import EVERYTHING, Access, TokenTable, check_access
 from .metrics import Metrics
+from .modelscope import handle_of
 
 log = logging.getLogger("tlkv.grpc")
 
@@ -285,8 +286,10 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
         max_stream: int = DEFAULT_MAX_STREAM,
         metrics: Metrics | None = None,
         tokens: TokenTable | None = None,
+        quotas: tuple[tuple[str, int], ...] = (),
     ) -> None:
         self.store = store
+        self.quotas = quotas
         self.tokens = tokens if tokens is not None or token is None else TokenTable.single(token)
         self.formats = tuple(formats)
         self.max_stream = max_stream
@@ -313,7 +316,7 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
             if key == MODEL_HEADER:
                 model = check_model_id(value if isinstance(value, str) else bytes(value).decode())
         check_access(access, model, write, self.store.has_model)
-        return self.store if model == DEFAULT_MODEL else self.store.model(model)
+        return handle_of(self.store, model, self.quotas)
 
     def _observe(self, method: str, code: grpc.StatusCode, started: float) -> None:
         if self.metrics is not None:
@@ -575,6 +578,7 @@ async def start_server(
     max_stream: int = DEFAULT_MAX_STREAM,
     metrics: Metrics | None = None,
     tokens: TokenTable | None = None,
+    quotas: tuple[tuple[str, int], ...] = (),
 ) -> grpc.aio.Server:
     """Start a grpc.aio server on ``address`` (``host:port``) serving KvTransfer and health.
 
@@ -593,7 +597,13 @@ async def start_server(
         ]
     )
     service = KvTransferService(
-        store, token=token, formats=formats, max_stream=max_stream, metrics=metrics, tokens=tokens
+        store,
+        token=token,
+        formats=formats,
+        max_stream=max_stream,
+        metrics=metrics,
+        tokens=tokens,
+        quotas=quotas,
     )
     _add_service(service, server)
     health_servicer = health.aio.HealthServicer()

@@ -33,10 +33,19 @@ READ_POSTS = frozenset({"/v1/has-blocks", "/v1/prefix"})
 _READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
+def handle_of(store: Store, model: str, quotas: tuple[tuple[str, int], ...]) -> Store:
+    """The handle on ``model`` with its quota (``--quota``), if any."""
+    for name, quota in quotas:
+        if name == model:
+            return store.model(model, quota_bytes=quota)
+    return store if model == DEFAULT_MODEL else store.model(model)
+
+
 def model_store(scope: MutableMapping[str, Any], store: Store) -> Store:
     """The handle on the model the request addresses (``store`` itself for ``default``)."""
-    model = scope.get(MODEL_KEY, DEFAULT_MODEL)
-    return store if model == DEFAULT_MODEL else store.model(model)
+    settings = getattr(scope["app"].state, "settings", None)
+    quotas = () if settings is None else settings.quotas
+    return handle_of(store, scope.get(MODEL_KEY, DEFAULT_MODEL), quotas)
 
 
 class ModelScope:

@@ -72,6 +72,8 @@ def _serve(args: argparse.Namespace, metrics_dir: str | None) -> int:
         env[s.ENV_GRPC_MAX_STREAM] = str(args.grpc_max_stream)
     if args.formats is not None:
         env[s.ENV_FORMATS] = args.formats  # checked by Settings.from_env below
+    if args.quota:
+        env[s.ENV_QUOTAS] = ",".join(args.quota)  # checked by Settings.from_env below
     os.environ.update(env)  # the workers (spawned processes) inherit these
     settings = s.Settings.from_env()  # fail here, once, on a bad token file
 
@@ -138,4 +140,11 @@ def register(sub: Any) -> None:
         help="payload bytes one PushKv stream may buffer (1GiB)",
     )
     p.add_argument("--formats", default=None, help="envelope versions read, e.g. 1 (1,2)")
+    p.add_argument(
+        "--quota",
+        action="append",
+        default=[],
+        metavar="MODEL=SIZE",
+        help="bound a model's stored bytes (its puts evict its own oldest blocks); repeatable",
+    )
     p.set_defaults(func=_cmd_serve)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from kvstore.codec.geometry import Geometry
 from kvstore.codec.layout import SUPPORTED_VERSIONS
+from kvstore.protocol import is_model_id
 
 from .access import TokenTable, read_tokens
 
@@ -29,6 +30,7 @@ ENV_GRPC_MAX_STREAM = "TLKV_GRPC_MAX_STREAM"
 ENV_MAX_INFLIGHT = "TLKV_MAX_INFLIGHT"
 ENV_ALLOW_NONFINITE = "TLKV_ALLOW_NONFINITE"
 ENV_FORMATS = "TLKV_FORMATS"  # envelope versions this server reads, e.g. "1" or "1,2"
+ENV_QUOTAS = "TLKV_QUOTAS"  # per-model byte quotas: "model=SIZE,other/model=SIZE"
 
 DEFAULT_DATA = "./tlkv-data"
 DEFAULT_MAX_BODY = 64 * 1024 * 1024
@@ -66,6 +68,21 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
+def parse_quotas(text: str) -> tuple[tuple[str, int], ...]:
+    """Per-model quotas from ``"model=SIZE,other=SIZE"`` (sizes as ``parse_size``).
+
+    Raises:
+        ValueError: an item is not ``MODEL=SIZE`` with a valid model id, or a model repeats.
+    """
+    quotas: dict[str, int] = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        model, sep, size = item.partition("=")
+        if not sep or not is_model_id(model.strip()) or model.strip() in quotas:
+            raise ValueError(f"a quota is MODEL=SIZE, once per model, found {item!r}")
+        quotas[model.strip()] = parse_size(size)
+    return tuple(sorted(quotas.items()))
+
+
 def parse_formats(text: str) -> tuple[int, ...]:
     """Envelope versions from ``"1"`` or ``"1,2"`` (each one tlkv reads).
 
@@ -96,6 +113,7 @@ class Settings:
     formats: tuple[int, ...] = SUPPORTED_VERSIONS
     max_inflight: int | None = None  # None: DEFAULT_INFLIGHT_BODIES * max_body
     allow_nonfinite: bool = False  # store NaN/Inf and out-of-range v2 scales verbatim
+    quotas: tuple[tuple[str, int], ...] = ()  # (model, quota_bytes) pairs
 
     def __post_init__(self) -> None:
         if self.tokens is None and self.token is not None:
@@ -143,4 +161,5 @@ class Settings:
             formats=parse_formats(formats) if formats else SUPPORTED_VERSIONS,
             max_inflight=parse_size(max_inflight) if max_inflight else None,
             allow_nonfinite=env.get(ENV_ALLOW_NONFINITE, "") == "1",
+            quotas=parse_quotas(env.get(ENV_QUOTAS, "")),
         )

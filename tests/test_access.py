@@ -62,3 +62,11 @@ def test_a_bare_token_keeps_its_meaning(tmp_path: Path) -> None:
 def test_malformed_files_are_refused(text: str, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         parse_tokens(text)
+
+
+def test_quotas_from_the_environment() -> None:
+    settings = Settings.from_env({"TLKV_QUOTAS": "org/m@1=2MiB, default=1000"})
+    assert settings.quotas == (("default", 1000), ("org/m@1", 2 << 20))
+    for bad in ("m", "a b=1", "m=1,m=2", "m=lots"):
+        with pytest.raises(ValueError):
+            Settings.from_env({"TLKV_QUOTAS": bad})

@@ -53,6 +53,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     token_file.write_text(TOKENS)
     grpc_port = free_port()
     args = ("--token-file", str(token_file), "--grpc-port", str(grpc_port))
+    args += ("--quota", f"q={2 * SMALL.envelope_bytes(1)}")
     with ServerProcess(data, *args) as srv:
         srv.grpc_port = grpc_port  # type: ignore[attr-defined]
         with client(srv, "admin") as c:
@@ -194,3 +195,18 @@ def test_metrics_have_per_model_gauges_the_token_may_read(server: ServerProcess)
         text = c.get("/metrics").text
     assert 'tlkv_model_blocks{model="shared"} 3.0' in text
     assert 'model="b"' not in text and LLAMA not in text
+
+
+def test_a_models_quota_from_the_command_line(server: ServerProcess) -> None:
+    with client(server, "admin") as c:
+        r = c.put(url("q", "blocks"), content=PROMPT_A, headers=ENVELOPE)
+        assert_error(r, 507, "store_full")  # 3 blocks in one put never fit a 2-block quota
+        for i in range(3):
+            one = decode(PROMPT_A).single(i)
+            assert c.put(url("q", "blocks"), content=one, headers=ENVELOPE).status_code == 200
+        assert c.post(url("q", "has-blocks"), json={"hashes": HASHES}).json()["present"] == [
+            False,
+            True,
+            True,
+        ]  # the model's own oldest block went to make room
+        assert c.get(url(LLAMA, f"blocks/{HASHES[0]}")).status_code == 200  # others untouched
