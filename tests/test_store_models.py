@@ -268,9 +268,9 @@ def test_eviction_of_a_model_another_process_created(tmp_path: Path) -> None:
 def test_registry_refuses_more_than_max_models(
     store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import kvstore.store.store as store_module
+    import kvstore.store.registry as registry_module
 
-    monkeypatch.setattr(store_module, "MAX_MODELS", 2)
+    monkeypatch.setattr(registry_module, "MAX_MODELS", 2)
     store.model("a").put(make_envelope(SMALL, 8, seed=1))
     store.model("b").put(make_envelope(SMALL, 8, seed=1))
     with pytest.raises(StoreError, match="at most 2 models"):

@@ -63,9 +63,7 @@ from ..errors import (
 from ..protocol import DEFAULT_MODEL, check_model_id, check_sequence_name
 from .diskformat import (
     BLOCK_KEY,
-    COUNTER,
     COUNTER_KEYS,
-    MAX_MODELS,
     META_BYTES,
     META_CORRUPT,
     META_EVICTIONS,
@@ -73,22 +71,19 @@ from .diskformat import (
     META_FORMAT_VALUE,
     META_GEOMETRY,
     META_GEOMETRY_VALUE,
-    META_LAST_MODEL,
     MODEL_COUNTER_KEYS,
     STORE_FORMAT,
-    STORE_FORMAT_MODELS,
     STORE_FORMATS,
     Dbs,
     counter,
     model_counter_key,
-    pack_model,
     parse_sequence,
-    unpack_model,
 )
 from .eviction import RecencyBuffer
 from .keyset import KeySet, hash_array
 from .lmdbenv import MAP_ALIGN, LmdbEnv
 from .reader import KvSpec, Reader, ReadSnapshot, assemble_sequence, reader_consts
+from .registry import Reclaim, Registry, UnknownModel
 from .writetxn import CrcMismatch, WriteTxn
 
 __all__ = ["PutReport", "PutResult", "Reader", "Store"]
@@ -99,18 +94,6 @@ _INITIAL_MAP_SIZE = 64 << 20  # LMDB map of a new store without a capacity; grow
 _FLUSH_INTERVAL = 5.0  # seconds: pending read hits are persisted at least this often
 
 T = TypeVar("T")
-
-
-class _Reclaim(Exception):
-    """A model's pending number was taken, or the model registered, by another writer."""
-
-
-class _UnknownModel(Exception):
-    """A write met a model this process has not opened yet (opened, then retried)."""
-
-    def __init__(self, number: int) -> None:
-        super().__init__(number)
-        self.number = number
 
 
 _open_stores: weakref.WeakSet[Store] = weakref.WeakSet()
@@ -280,7 +263,6 @@ class Store:
         self._env = self._lmdb.env
         try:
             self._dbs = self._lmdb.open(lambda txn, dbs: self._check_meta(txn, dbs, geometry))
-            self._nothing: Dbs = self._lmdb.nothing  # type: ignore[assignment]
         except BaseException:
             self._env.close()
             raise
@@ -289,8 +271,8 @@ class Store:
         self._pending: int | None = None  # a number this model claims by its first write
         self._model = DEFAULT_MODEL
         self._quota: int | None = None
-        self._models: dict[int, Dbs] = {0: self._dbs}  # every model's handles opened here
-        self._models_lock = threading.Lock()
+        assert self._lmdb.nothing is not None
+        self._registry = Registry(self._lmdb, self._dbs, self._lmdb.nothing, self._path)
         self._handles: dict[tuple[str, int | None], Store] = {}
         self._handles_lock = threading.RLock()
         self._closed = False
@@ -375,7 +357,7 @@ class Store:
         h = cls.__new__(cls)
         for name in (
             "_path", "_capacity", "_sync", "_allow_nonfinite", "_lmdb", "_env", "_pid",
-            "_pool_lock", "_nothing", "_models", "_models_lock", "_handles", "_handles_lock",
+            "_pool_lock", "_registry", "_handles", "_handles_lock",
         ):  # fmt: skip
             setattr(h, name, getattr(root, name))
         h._root = root
@@ -393,7 +375,7 @@ class Store:
         if model_id == DEFAULT_MODEL:
             h._dbs, h._keys = root._dbs, root._keys
         else:
-            h._dbs, h._keys = root._nothing, KeySet(root._nothing)
+            h._dbs, h._keys = root._registry.nothing, KeySet(root._registry.nothing)
             h._resolve(create=False)
         _open_stores.add(h)
         return h
@@ -403,24 +385,24 @@ class Store:
         not registered yet gets the next free number, claimed by the write (``_claim``)."""
         if self._dbs.number >= 0 and self._pending is None:
             return
-        root, key = self._root, self._model.encode("utf-8")
+        registry = self._registry
         self._check_usable()
         txn = self._lmdb.begin_read(False)
         try:
-            raw = txn.get(key, None, root._dbs.models)
-            last = counter(txn.get(META_LAST_MODEL, None, root._dbs.meta))
+            number, last = registry.lookup(txn, self._model)
         finally:
             self._end_read(txn)
-        if raw is not None:
-            number, self._pending = unpack_model(raw)[0], None
+        if number is not None:
+            self._pending = None
         elif create:
             number = self._pending = last + 1  # its sub-databases exist from now, empty
         else:
             pending = self._pending
             if pending is not None and pending <= last:  # another model took the number
-                self._keys, self._dbs, self._pending = KeySet(root._nothing), root._nothing, None
+                nothing = registry.nothing
+                self._keys, self._dbs, self._pending = KeySet(nothing), nothing, None
             return
-        dbs = root._model_dbs(number)
+        dbs = registry.dbs(number)
         self._keys = KeySet(dbs)  # before _dbs: a concurrent read sees a consistent pair
         self._dbs = dbs
 
@@ -429,47 +411,6 @@ class Store:
         if self._dbs.number < 0 or self._pending is not None:
             self._resolve(create=False)
         return self._dbs.number >= 0 and self._pending is None
-
-    def _claim(self, txn: Any) -> None:
-        """Register the model under its pending number, in the write that first stores
-        into it: a refused first write registers nothing.
-
-        Raises:
-            _Reclaim: another writer registered this model, or took the number, first.
-        """
-        root, number = self._root, self._pending
-        key = self._model.encode("utf-8")
-        raw = txn.get(key, None, root._dbs.models)
-        if raw is not None:
-            if unpack_model(raw)[0] != number:
-                raise _Reclaim()
-            return
-        meta = root._dbs.meta
-        if counter(txn.get(META_LAST_MODEL, None, meta)) + 1 != number:
-            raise _Reclaim()
-        if txn.stat(root._dbs.models)["entries"] >= MAX_MODELS:
-            raise StoreError(f"{self._path}: a store holds at most {MAX_MODELS} models")
-        txn.put(META_LAST_MODEL, COUNTER.pack(number), db=meta)
-        txn.put(key, pack_model(number, None), db=root._dbs.models)
-        txn.put(META_FORMAT, META_FORMAT_VALUE.pack(STORE_FORMAT_MODELS), db=meta)
-
-    def _model_dbs(self, number: int) -> Dbs:
-        """Model ``number``'s sub-database handles, opened once per process."""
-        root = self._root
-        dbs = root._models.get(number)
-        if dbs is None:
-            with root._models_lock:
-                dbs = root._models.get(number)
-                if dbs is None:
-                    dbs = root._models[number] = root._lmdb.open_model(root._dbs, number)
-        return dbs
-
-    def _dbs_of(self, number: int) -> Dbs:
-        """An opened model's handles, for a write that evicts its blocks."""
-        dbs = self._root._models.get(number)
-        if dbs is None:
-            raise _UnknownModel(number)
-        return dbs
 
     @property
     def model_id(self) -> str:
@@ -483,11 +424,9 @@ class Store:
 
     def models(self) -> list[str]:
         """Every model of the store, sorted (``"default"`` always among them)."""
-        root = self._root
         txn = self._begin_read(True)
         try:
-            keys = txn.cursor(db=root._dbs.models).iternext(values=False)
-            return sorted({DEFAULT_MODEL, *(bytes(k).decode("utf-8") for k in keys)})
+            return sorted({DEFAULT_MODEL, *self._registry.names(txn)})
         finally:
             self._end_read(txn)
 
@@ -495,10 +434,10 @@ class Store:
         """Whether ``model_id`` exists (``"default"`` always does)."""
         if model_id == DEFAULT_MODEL:
             return True
+        check_model_id(model_id)
         txn = self._begin_read(False)
         try:
-            key = check_model_id(model_id).encode("utf-8")
-            return txn.get(key, None, self._root._dbs.models) is not None
+            return self._registry.exists(txn, model_id)
         finally:
             self._end_read(txn)
 
@@ -647,10 +586,10 @@ class Store:
                 self._helper_pool,
                 self._path,
                 quota=self._quota,
-                dbs_of=self._dbs_of,
+                dbs_of=self._registry.opened,
             )
             if self._pending is not None:
-                self._claim(txn)
+                self._registry.claim(txn, self._model, self._pending)
             for h in taken:
                 w.touch(h)
             result = body(w)
@@ -661,9 +600,9 @@ class Store:
             try:
                 result, w = self._lmdb.write(run, need)
                 break
-            except _UnknownModel as exc:  # evicting a model created by another process
-                self._model_dbs(exc.number)
-            except _Reclaim:
+            except UnknownModel as exc:  # evicting a model created by another process
+                self._registry.dbs(exc.number)
+            except Reclaim:
                 self._resolve(create=True)
             except BaseException:
                 self._recency.restore(taken)
@@ -683,8 +622,7 @@ class Store:
 
     def _stored_geometry(self, txn: Any) -> Geometry | None:
         if self._model != DEFAULT_MODEL:
-            raw = txn.get(self._model.encode("utf-8"), None, self._dbs.models)
-            return None if raw is None else unpack_model(raw)[1]
+            return self._registry.geometry(txn, self._model)
         raw = txn.get(META_GEOMETRY, None, self._dbs.meta)
         return None if raw is None else Geometry(*META_GEOMETRY_VALUE.unpack(raw))
 
@@ -706,8 +644,7 @@ class Store:
             return  # decode checked the envelope against it already
         stored = self._stored_geometry(w.txn)
         if stored is None and self._model != DEFAULT_MODEL:
-            value = pack_model(w.dbs.number, geometry)
-            w.txn.put(self._model.encode("utf-8"), value, db=w.dbs.models)
+            self._registry.set_geometry(w.txn, self._model, w.dbs.number, geometry)
         elif stored is None:
             w.txn.put(META_GEOMETRY, META_GEOMETRY_VALUE.pack(*geometry.as_tuple()), db=w.dbs.meta)
         elif stored != geometry:
