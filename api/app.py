@@ -6,7 +6,8 @@ after the fork, as LMDB requires; its :class:`~api.metrics.Metrics` add up with 
 workers' when ``PROMETHEUS_MULTIPROC_DIR`` is set (``tlkv serve`` sets it). With
 ``TLKV_GRPC`` set, the lifespan also starts the tl.kv.v1 gRPC server
 (``api.grpc_service``) on that store and event loop. Middleware, outermost first: metrics,
-the guard (auth, body limit, in-flight body budget), then the block-read fast path; every
+the guard (auth, body limit, in-flight body budget), the model scope (``/v1/models/{model}/``
+prefix, the token's access to the model), then the block-read fast path; every
 error leaves in the one JSON shape of ``api.errors``.
 """
 
@@ -27,8 +28,9 @@ from .bodies import InflightBudget
 from .errors import install_error_handlers
 from .metrics import Metrics, MetricsMiddleware
 from .middleware import GuardMiddleware
+from .modelscope import ModelScope
 from .openapi import install_openapi, route_name
-from .routes import blocks, sequences, service
+from .routes import blocks, models, sequences, service
 from .settings import Settings
 
 DESCRIPTION = (
@@ -71,6 +73,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     store,
                     settings.grpc_address,
                     token=settings.token,
+                    tokens=settings.tokens,
+                    quotas=settings.quotas,
                     formats=settings.formats,
                     max_stream=settings.grpc_max_stream,
                     metrics=app.state.metrics,
@@ -95,13 +99,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.metrics = Metrics()
     app.state.store = None
     install_error_handlers(app)
-    install_openapi(app, token=settings.token is not None)
-    for module in (service, blocks, sequences):
+    install_openapi(app, token=settings.tokens is not None)
+    for module in (service, models, blocks, sequences):
         app.include_router(module.router)
     app.add_middleware(blocks.BlockReadFastPath)
+    app.add_middleware(ModelScope)
     app.add_middleware(
         GuardMiddleware,
         token=settings.token,
+        tokens=settings.tokens,
         max_body=settings.max_body,
         budget=InflightBudget(settings.inflight_bytes),
     )

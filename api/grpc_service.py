@@ -36,7 +36,6 @@ import asyncio
 import contextlib
 import ctypes
 import ctypes.util
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -59,7 +58,14 @@ from kvstore.errors import (
     UnauthorizedError,
     UnsupportedVersionError,
 )
-from kvstore.protocol import SEQUENCE_NAME_MAX, hash_hex, is_sequence_name
+from kvstore.protocol import (
+    DEFAULT_MODEL,
+    MODEL_HEADER,
+    SEQUENCE_NAME_MAX,
+    check_model_id,
+    hash_hex,
+    is_sequence_name,
+)
 from kvstore.store import transcode_stored
 from kvstore.transfer import (
     ERROR_KIND_KEY,
@@ -75,8 +81,10 @@ from kvstore.transfer import (
     serialize_chunk,
 )
 
+from .access import EVERYTHING, Access, TokenTable, check_access
 from .formats import read_version
 from .metrics import Metrics
+from .modelscope import handle_of
 
 log = logging.getLogger("tlkv.grpc")
 
@@ -262,6 +270,9 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
     Args:
         store: the worker's store.
         token: the bearer token every call must carry (None: no auth).
+        tokens: tokens and the models each may read and write (``api.access``; wins over
+            ``token``). A call addresses the model its ``x-tlkv-model`` metadata names
+            (``default`` without one), refused as the HTTP routes refuse it.
         formats: envelope versions this server reads (``--formats``).
         max_stream: payload bytes one PushKv may buffer.
         metrics: the worker's metrics (calls counted by method and code), if any.
@@ -275,27 +286,38 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
         formats: Sequence[int] = SUPPORTED_VERSIONS,
         max_stream: int = DEFAULT_MAX_STREAM,
         metrics: Metrics | None = None,
+        tokens: TokenTable | None = None,
+        quotas: tuple[tuple[str, int], ...] = (),
     ) -> None:
         self.store = store
-        self.token = token.encode() if token is not None else None
+        self.quotas = quotas
+        self.tokens = tokens if tokens is not None or token is None else TokenTable.single(token)
         self.formats = tuple(formats)
         self.max_stream = max_stream
         self.metrics = metrics
 
     # --- plumbing -------------------------------------------------------------------
 
-    def _authorize(self, context: grpc.aio.ServicerContext) -> None:
-        if self.token is None:
-            return
+    def _authorize(self, context: grpc.aio.ServicerContext) -> Access:
+        if self.tokens is None:
+            return EVERYTHING
         for key, value in context.invocation_metadata() or ():
             if key == "authorization":
                 raw = value.encode() if isinstance(value, str) else bytes(value)
                 scheme, _, credentials = raw.strip().partition(b" ")
-                if scheme.lower() == b"bearer" and hmac.compare_digest(
-                    credentials.strip(), self.token
-                ):
-                    return
+                access = self.tokens.lookup(credentials.strip())
+                if scheme.lower() == b"bearer" and access is not None:
+                    return access
         raise UnauthorizedError("missing or wrong bearer token")
+
+    def _store_for(self, context: grpc.aio.ServicerContext, access: Access, write: bool) -> Store:
+        """The handle on the model the call's ``x-tlkv-model`` metadata names."""
+        model = DEFAULT_MODEL
+        for key, value in context.invocation_metadata() or ():
+            if key == MODEL_HEADER:
+                model = check_model_id(value if isinstance(value, str) else bytes(value).decode())
+        check_access(access, model, write, self.store.has_model)
+        return handle_of(self.store, model, self.quotas)
 
     def _observe(self, method: str, code: grpc.StatusCode, started: float) -> None:
         if self.metrics is not None:
@@ -324,14 +346,15 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
         return code  # not reached: abort raises
 
     @contextlib.asynccontextmanager
-    async def _call(self, method: str, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
-        """One RPC's frame: authorize, map a failure to its status (aborting the call),
-        and count the call with its code and duration in ``/metrics``."""
+    async def _call(
+        self, method: str, context: grpc.aio.ServicerContext, write: bool = False
+    ) -> AsyncIterator[Store]:
+        """One RPC's frame: authorize, select the model, map a failure to its status
+        (aborting the call), and count the call with its code and duration in ``/metrics``."""
         code = grpc.StatusCode.OK
         started = time.perf_counter()
         try:
-            self._authorize(context)
-            yield
+            yield self._store_for(context, self._authorize(context), write)
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
             raise
@@ -348,10 +371,11 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
         self,
         method: str,
         context: grpc.aio.ServicerContext,
-        body: Callable[[], Awaitable[T]],
+        body: Callable[[Store], Awaitable[T]],
+        write: bool = False,
     ) -> T:
-        async with self._call(method, context):
-            return await body()
+        async with self._call(method, context, write) as store:
+            return await body(store)
         raise AssertionError("unreachable: _call re-raises")  # for type checkers
 
     # --- RPCs -------------------------------------------------------------------------
@@ -361,11 +385,11 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
     ) -> kv_pb2.HasBlocksResponse:
         """``present`` per hash and ``prefix_blocks``, the leading run present."""
 
-        async def body() -> kv_pb2.HasBlocksResponse:
+        async def body(store: Store) -> kv_pb2.HasBlocksResponse:
             hashes = np.asarray(request.block_hashes, dtype=np.uint64)
             if not hashes.size:
                 return kv_pb2.HasBlocksResponse()
-            present = self.store.has(hashes)
+            present = store.has(hashes)
             try:
                 prefix = present.index(False)
             except ValueError:
@@ -379,8 +403,8 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
     ) -> kv_pb2.PushKvResponse:
         """Receive a KV state chunk by chunk; commit all or nothing after the last."""
 
-        async def body() -> kv_pb2.PushKvResponse:
-            push = _Push(self.store, self.formats, self.max_stream)
+        async def body(store: Store) -> kv_pb2.PushKvResponse:
+            push = _Push(store, self.formats, self.max_stream)
             loop = asyncio.get_running_loop()
             chunks: list[Any] = []
             checks: list[asyncio.Future[tuple[int, Any, int, Geometry | None]]] = []
@@ -397,21 +421,22 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
             await _confirm_half_closed(context)
             return await loop.run_in_executor(None, push.commit)
 
-        return await self._unary("PushKv", context, body)
+        return await self._unary("PushKv", context, body, write=True)
 
     async def FetchKv(  # the generated servicer names the RPCs
         self, request: kv_pb2.FetchKvRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[WireChunk]:
         """The longest present prefix, one chunk per block (an empty stream for none)."""
-        async with self._call("FetchKv", context):
-            async for chunk in self._fetch(request):
+        async with self._call("FetchKv", context) as store:
+            async for chunk in self._fetch(request, store):
                 yield chunk
 
-    async def _fetch(self, request: kv_pb2.FetchKvRequest) -> AsyncIterator[WireChunk]:
+    async def _fetch(
+        self, request: kv_pb2.FetchKvRequest, store: Store
+    ) -> AsyncIterator[WireChunk]:
         if len(request.block_hashes) and len(request.tokens):
             raise InvalidRequestError("FetchKv takes block_hashes or tokens, not both")
         kv_format = read_version(request.kv_format or None, self.formats)
-        store = self.store
         geometry = store.geometry
         if len(request.tokens):
             if geometry is None:
@@ -566,6 +591,8 @@ async def start_server(
     formats: Sequence[int] = SUPPORTED_VERSIONS,
     max_stream: int = DEFAULT_MAX_STREAM,
     metrics: Metrics | None = None,
+    tokens: TokenTable | None = None,
+    quotas: tuple[tuple[str, int], ...] = (),
 ) -> TransferServer:
     """Start a grpc.aio server on ``address`` (``host:port``) serving KvTransfer and health.
 
@@ -584,7 +611,13 @@ async def start_server(
         ]
     )
     service = KvTransferService(
-        store, token=token, formats=formats, max_stream=max_stream, metrics=metrics
+        store,
+        token=token,
+        formats=formats,
+        max_stream=max_stream,
+        metrics=metrics,
+        tokens=tokens,
+        quotas=quotas,
     )
     _add_service(service, server)
     health_servicer = health.aio.HealthServicer()

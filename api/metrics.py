@@ -71,6 +71,12 @@ _STORE_METRICS = (
     ("evictions", "counter", "Blocks evicted to stay within capacity."),
     ("corrupt", "counter", "Blocks quarantined because their CRC failed."),
 )
+# Per model (label ``model``), for the models the scraping token may read.
+_MODEL_METRICS = (
+    ("blocks", "Blocks of the model."),
+    ("bytes", "Stored bytes of the model (block envelopes and sequence records)."),
+    ("sequences", "Named sequences of the model."),
+)
 
 
 def _forget_dead_workers(path: str) -> None:
@@ -112,8 +118,13 @@ class _WorkerFiles:
 class _ScrapeTime:
     """Collector of what is read when a scrape is answered: the store's stats, the pid."""
 
-    def __init__(self, store_stats: Mapping[str, Any] | None) -> None:
+    def __init__(
+        self,
+        store_stats: Mapping[str, Any] | None,
+        model_stats: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> None:
         self.store_stats = store_stats
+        self.model_stats = model_stats or {}
 
     def collect(self) -> Iterator[Metric]:
         yield GaugeMetricFamily(
@@ -127,6 +138,11 @@ class _ScrapeTime:
                 continue
             family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
             yield family(f"tlkv_store_{key}", help_text, value=value)
+        for key, help_text in _MODEL_METRICS:
+            gauge = GaugeMetricFamily(f"tlkv_model_{key}", help_text, labels=["model"])
+            for model, stats in self.model_stats.items():
+                gauge.add_metric([model], stats[key])
+            yield gauge
 
 
 class _Sources:
@@ -275,17 +291,22 @@ class Metrics:
         """Count one connection aborted over a body its client did not read."""
         self._stalled.inc()
 
-    def render(self, store_stats: Mapping[str, Any] | None) -> str:
+    def render(
+        self,
+        store_stats: Mapping[str, Any] | None,
+        model_stats: Mapping[str, Mapping[str, Any]] | None = None,
+    ) -> str:
         """The exposition text (format 0.0.4): every worker's metrics, then the store's.
 
         ``store_stats`` is ``Store.stats()``; its ``hits`` and ``misses`` (this process's
-        reads) are added to the read counters first.
+        reads) are added to the read counters first. ``model_stats``: ``stats()`` of each
+        model to export (``tlkv_model_blocks``/``_bytes``/``_sequences{model=...}``).
         """
         if store_stats is not None:
             self.observe_store_reads(store_stats.get("hits") or 0, store_stats.get("misses") or 0)
         d = self.multiprocess_dir
         values: Collector = _WorkerFiles(d) if d else self.registry
-        return generate_latest(_Sources(values, _ScrapeTime(store_stats))).decode()
+        return generate_latest(_Sources(values, _ScrapeTime(store_stats, model_stats))).decode()
 
     def close(self) -> None:
         """Drop this worker's per-process series (multiprocess mode), when it shuts down."""

@@ -1,5 +1,6 @@
-"""Pure-ASGI guard in front of every route: bearer-token auth, the request body limit, the
-in-flight body budget, and closing connections whose body was refused unread.
+"""Pure-ASGI guard in front of every route: bearer-token auth (the token's model access is
+left in the scope for ``api.models``), the request body limit, the in-flight body budget,
+and closing connections whose body was refused unread.
 
 Pure ASGI (no ``BaseHTTPMiddleware``) so the hot paths pay one function call, not a task
 and a stream copy. A ``Content-Length`` over the limit is refused with 413 before any of
@@ -13,11 +14,12 @@ closes the connection instead of draining the rest of the body for keep-alive.
 
 from __future__ import annotations
 
-import hmac
 from typing import Any
 
 from kvstore.errors import TooLargeError, UnauthorizedError
 
+from .access import EVERYTHING, Access, TokenTable
+from .access import SCOPE_KEY as ACCESS_KEY
 from .bodies import SCOPE_KEY, BodyTicket, InflightBudget
 from .errors import send_error
 
@@ -44,21 +46,24 @@ class GuardMiddleware:
         token: str | None,
         max_body: int,
         budget: InflightBudget | None = None,
+        tokens: TokenTable | None = None,
     ) -> None:
         self.app = app
-        self.token = token.encode() if token is not None else None
+        self.tokens = tokens if tokens is not None or token is None else TokenTable.single(token)
         self.max_body = max_body
         self.budget = budget
 
-    def _authorized(self, scope: Scope) -> bool:
-        assert self.token is not None
+    def _access(self, scope: Scope) -> Access | None:
+        """The access of the request's bearer token (None: missing or wrong)."""
+        if self.tokens is None:
+            return EVERYTHING
         value = _header(scope, b"authorization")
         if value is None:
-            return False
+            return None
         scheme, _, credentials = value.strip().partition(b" ")
         if scheme.lower() != b"bearer":
-            return False
-        return hmac.compare_digest(credentials.strip(), self.token)
+            return None
+        return self.tokens.lookup(credentials.strip())
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -71,13 +76,11 @@ class GuardMiddleware:
             unread = _header(scope, b"transfer-encoding") is not None
         if unread:
             receive, send = _close_unless_read(receive, send)
-        if (
-            self.token is not None
-            and scope["path"] not in OPEN_PATHS
-            and not self._authorized(scope)
-        ):
+        access = self._access(scope) if scope["path"] not in OPEN_PATHS else EVERYTHING
+        if access is None:
             await send_error(send, UnauthorizedError("missing or wrong bearer token"))
             return
+        scope[ACCESS_KEY] = access
         if length is not None:
             # The server frames the body by Content-Length: it can never exceed it.
             if length.isdigit() and int(length) > self.max_body:

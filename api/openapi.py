@@ -16,6 +16,7 @@ route takes at a path (``OPTIONS`` answers 204 with ``Allow``).
 
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import Any
 
@@ -23,7 +24,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 
-from kvstore.protocol import ENVELOPE_MEDIA_TYPE, ERROR_KINDS
+from kvstore.protocol import ENVELOPE_MEDIA_TYPE, ERROR_KINDS, MODEL_ID_PATTERN
 
 ERROR_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -44,7 +45,9 @@ ERROR_SCHEMA: dict[str, Any] = {
 
 _ERRORS = {
     401: "unauthorized: missing or wrong bearer token",
-    404: "not_found: no such block, sequence or route",
+    403: "forbidden: the token may read this model but not write it",
+    404: "not_found: no such block, sequence, model or route (a model the token may not "
+    "read is answered as one that does not exist)",
     409: "pinned: a sequence references the block (DELETE); unconvertible: a block stored "
     "with --allow-nonfinite cannot be transcoded to the asked format (?format=)",
     413: "too_large: the body exceeds --max-body (the connection is closed)",
@@ -69,6 +72,44 @@ _EXTRA: dict[tuple[str, str], tuple[int, ...]] = {
 }
 
 _OPEN = frozenset({"/healthz"})
+
+# Every /v1 route but the models list is also served for one model (api.modelscope).
+MODEL_PREFIX = "/v1/models/{model}"
+_MODEL_PARAMETER = {
+    "name": "model",
+    "in": "path",
+    "required": True,
+    "description": "a model id, percent-encoded in this one path segment",
+    "schema": {"type": "string", "pattern": MODEL_ID_PATTERN},
+}
+_READ_METHODS = frozenset({"get", "head", "options"})
+_READ_POSTS = frozenset({"/v1/has-blocks", "/v1/prefix"})
+
+
+def _add_model_paths(schema: dict[str, Any]) -> None:
+    """The ``/v1/models/{model}/...`` twin of every ``/v1/...`` operation: 404 for a model
+    that does not exist (or that the token may not read), 403 for a write it may not make."""
+    for path, item in list(schema["paths"].items()):
+        if not path.startswith("/v1/") or path == "/v1/models":
+            continue
+        twin: dict[str, Any] = {}
+        for method, op in item.items():
+            op = copy.deepcopy(op)
+            op["operationId"] = f"{op['operationId']}_model"
+            op["parameters"] = [_MODEL_PARAMETER, *op.get("parameters", [])]
+            op["summary"] = f"{op.get('summary', '')} (one model)".strip()
+            twin[method] = op
+            extra = {404} | (
+                set() if method in _READ_METHODS or path in _READ_POSTS else {403, 404}
+            )
+            _MODEL_EXTRA[(method, MODEL_PREFIX + path[3:])] = (
+                *_EXTRA.get((method, path), ()),
+                *sorted(extra),
+            )
+        schema["paths"][MODEL_PREFIX + path[3:]] = twin
+
+
+_MODEL_EXTRA: dict[tuple[str, str], tuple[int, ...]] = {}
 
 ENVELOPE_BODY_DESCRIPTION = (
     f"One export envelope (28-byte header, n block records, CRC-32C trailer), sent with "
@@ -115,6 +156,7 @@ def complete(schema: dict[str, Any], *, token: bool) -> dict[str, Any]:
     schemas.pop("ValidationError", None)
     if token:
         components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    _add_model_paths(schema)
     seen: set[str] = set()
     for path, item in schema["paths"].items():
         for method, op in item.items():
@@ -122,7 +164,8 @@ def complete(schema: dict[str, Any], *, token: bool) -> dict[str, Any]:
             if method == "head" or op["operationId"] in seen:
                 op["operationId"] = f"{op['operationId']}_{method}"
             seen.add(op["operationId"])
-            statuses: set[int] = set(_EXTRA.get((method, path), ()))
+            statuses: set[int] = set(_MODEL_EXTRA.get((method, path), ()))
+            statuses.update(_EXTRA.get((method, path), ()))
             if token and path not in _OPEN:
                 op["security"] = [{"bearer": []}]
                 statuses.add(401)

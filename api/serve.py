@@ -73,6 +73,8 @@ def _serve(args: argparse.Namespace, metrics_dir: str | None) -> int:
         env[s.ENV_GRPC_MAX_STREAM] = str(args.grpc_max_stream)
     if args.formats is not None:
         env[s.ENV_FORMATS] = args.formats  # checked by Settings.from_env below
+    if args.quota:
+        env[s.ENV_QUOTAS] = ",".join(args.quota)  # checked by Settings.from_env below
     os.environ.update(env)  # the workers (spawned processes) inherit these
     settings = s.Settings.from_env()  # fail here, once, on a bad token file
 
@@ -81,7 +83,7 @@ def _serve(args: argparse.Namespace, metrics_dir: str | None) -> int:
     from kvstore.store import Store
 
     Store(settings.data, geometry=settings.geometry, capacity_bytes=settings.capacity_bytes).close()
-    auth = "on" if settings.token else "off"
+    auth = "on" if settings.tokens is not None else "off"
     grpc = f", grpc://{settings.grpc_address}" if settings.grpc_address else ""
     metrics = "" if metrics_dir is None else f"metrics {metrics_dir}, "
     print(
@@ -142,4 +144,11 @@ def register(sub: Any) -> None:
         help="payload bytes one PushKv stream may buffer (1GiB)",
     )
     p.add_argument("--formats", default=None, help="envelope versions read, e.g. 1 (1,2)")
+    p.add_argument(
+        "--quota",
+        action="append",
+        default=[],
+        metavar="MODEL=SIZE",
+        help="bound a model's stored bytes (its puts evict its own oldest blocks); repeatable",
+    )
     p.set_defaults(func=_cmd_serve)

@@ -15,7 +15,9 @@ from pathlib import Path
 
 from kvstore.codec.geometry import Geometry
 from kvstore.codec.layout import SUPPORTED_VERSIONS
-from kvstore.protocol import read_token_file
+from kvstore.protocol import is_model_id
+
+from .access import TokenTable, read_tokens
 
 ENV_DATA = "TLKV_DATA"
 ENV_GEOMETRY = "TLKV_GEOMETRY"
@@ -28,6 +30,7 @@ ENV_GRPC_MAX_STREAM = "TLKV_GRPC_MAX_STREAM"
 ENV_MAX_INFLIGHT = "TLKV_MAX_INFLIGHT"
 ENV_ALLOW_NONFINITE = "TLKV_ALLOW_NONFINITE"
 ENV_FORMATS = "TLKV_FORMATS"  # envelope versions this server reads, e.g. "1" or "1,2"
+ENV_QUOTAS = "TLKV_QUOTAS"  # per-model byte quotas: "model=SIZE,other/model=SIZE"
 
 DEFAULT_DATA = "./tlkv-data"
 DEFAULT_MAX_BODY = 64 * 1024 * 1024
@@ -65,6 +68,21 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
+def parse_quotas(text: str) -> tuple[tuple[str, int], ...]:
+    """Per-model quotas from ``"model=SIZE,other=SIZE"`` (sizes as ``parse_size``).
+
+    Raises:
+        ValueError: an item is not ``MODEL=SIZE`` with a valid model id, or a model repeats.
+    """
+    quotas: dict[str, int] = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        model, sep, size = item.partition("=")
+        if not sep or not is_model_id(model.strip()) or model.strip() in quotas:
+            raise ValueError(f"a quota is MODEL=SIZE, once per model, found {item!r}")
+        quotas[model.strip()] = parse_size(size)
+    return tuple(sorted(quotas.items()))
+
+
 def parse_formats(text: str) -> tuple[int, ...]:
     """Envelope versions from ``"1"`` or ``"1,2"`` (each one tlkv reads).
 
@@ -87,15 +105,19 @@ class Settings:
     data: Path = Path(DEFAULT_DATA)
     geometry: Geometry | None = None
     capacity_bytes: int | None = None
-    token: str | None = None
+    token: str | None = None  # one token for every model (TLKV_TOKEN, a bare token file)
+    tokens: TokenTable | None = None  # a token file's table (models per token)
     max_body: int = DEFAULT_MAX_BODY
     grpc_address: str | None = None
     grpc_max_stream: int = DEFAULT_GRPC_MAX_STREAM
     formats: tuple[int, ...] = SUPPORTED_VERSIONS
     max_inflight: int | None = None  # None: DEFAULT_INFLIGHT_BODIES * max_body
     allow_nonfinite: bool = False  # store NaN/Inf and out-of-range v2 scales verbatim
+    quotas: tuple[tuple[str, int], ...] = ()  # (model, quota_bytes) pairs
 
     def __post_init__(self) -> None:
+        if self.tokens is None and self.token is not None:
+            object.__setattr__(self, "tokens", TokenTable.single(self.token))
         if self.max_inflight is None:
             object.__setattr__(self, "max_inflight", DEFAULT_INFLIGHT_BODIES * self.max_body)
         elif self.max_inflight < self.max_body:
@@ -121,7 +143,8 @@ class Settings:
         geometry = env.get(ENV_GEOMETRY)
         capacity = env.get(ENV_CAPACITY)
         token_file = env.get(ENV_TOKEN_FILE)
-        token = read_token_file(token_file) if token_file else (env.get(ENV_TOKEN) or None)
+        tokens = read_tokens(token_file) if token_file else None
+        token = tokens.bare if tokens is not None else (env.get(ENV_TOKEN) or None)
         max_body = env.get(ENV_MAX_BODY)
         max_stream = env.get(ENV_GRPC_MAX_STREAM)
         formats = env.get(ENV_FORMATS)
@@ -131,10 +154,12 @@ class Settings:
             geometry=Geometry.parse(geometry) if geometry else None,
             capacity_bytes=parse_size(capacity) if capacity else None,
             token=token,
+            tokens=tokens,
             max_body=parse_size(max_body) if max_body else DEFAULT_MAX_BODY,
             grpc_address=env.get(ENV_GRPC) or None,
             grpc_max_stream=parse_size(max_stream) if max_stream else DEFAULT_GRPC_MAX_STREAM,
             formats=parse_formats(formats) if formats else SUPPORTED_VERSIONS,
             max_inflight=parse_size(max_inflight) if max_inflight else None,
             allow_nonfinite=env.get(ENV_ALLOW_NONFINITE, "") == "1",
+            quotas=parse_quotas(env.get(ENV_QUOTAS, "")),
         )

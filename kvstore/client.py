@@ -27,6 +27,7 @@ import urllib.request
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import numpy as np
@@ -41,6 +42,7 @@ from .errors import (
 from .protocol import (
     ENVELOPE_MEDIA_TYPE,
     ERROR_KINDS,
+    check_model_id,
     check_sequence_name,
     error_for_kind,
     hash_hex,
@@ -49,6 +51,7 @@ from .protocol import (
 __all__ = ["Client", "HasResult", "PutResult", "error_from_response"]
 
 HashLike = int | str | np.integer
+_MODELS_PATH = "/v1/models"  # the one /v1 route no model prefixes
 
 
 @dataclass(frozen=True)
@@ -268,6 +271,8 @@ class Client:
         timeout: seconds for connect/read/write (``None``: no timeout).
         transport: an httpx transport (tests may pass an in-process one); by default
             :class:`_BodyTransport`, or httpx's own where the environment sets a proxy.
+        model: the model (namespace) every call addresses (``/v1/models/{model}/...``;
+            None: the server's ``default``, today's routes).
     """
 
     def __init__(
@@ -277,8 +282,13 @@ class Client:
         *,
         timeout: float | None = 60.0,
         transport: httpx.BaseTransport | None = None,
+        model: str | None = None,
     ) -> None:
         headers = {"authorization": f"Bearer {token}"} if token else {}
+        # "/v1/..." becomes "/v1/models/<model, percent-encoded>/..."
+        self._prefix = (
+            "" if model is None else f"/v1/models/{quote(check_model_id(model), safe='')}"
+        )
         if transport is None and not _env_proxy(base_url):
             transport = _BodyTransport()
         self._http = httpx.Client(
@@ -306,6 +316,8 @@ class Client:
         missing_ok: bool = False,
     ) -> httpx.Response | None:
         headers = {"content-type": body_type} if body_type else None
+        if self._prefix and url.startswith("/v1/") and url != _MODELS_PATH:
+            url = self._prefix + url[3:]
         if content is not None and not isinstance(content, bytes):
             content = bytes(content)
         response = self._http.request(method, url, content=content, params=params, headers=headers)
@@ -328,6 +340,11 @@ class Client:
     def health(self) -> bool:
         """True when the server answers ``/healthz``."""
         return self._ok("GET", "/healthz").status_code == 200
+
+    def models(self) -> list[dict[str, Any]]:
+        """The models this token may read: ``{"model", "geometry", "blocks", "bytes",
+        "sequences"}`` each."""
+        return list(self._ok("GET", _MODELS_PATH).json()["models"])
 
     def info(self) -> dict[str, Any]:
         """``{"version", "geometry", "formats", "blocks", "bytes", "capacity_bytes"}``."""

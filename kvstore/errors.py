@@ -121,6 +121,13 @@ class UnauthorizedError(TlkvError):
     http_status = 401
 
 
+class ForbiddenError(TlkvError):
+    """The token may read this model but not write it."""
+
+    kind = "forbidden"
+    http_status = 403
+
+
 class InvalidRequestError(TlkvError, ValueError):
     """A request is malformed: bad hash, bad JSON, wrong content type, bad parameter."""
 

@@ -35,6 +35,14 @@ SEQUENCE_NAME_REGEX = "[A-Za-z0-9._-]{1,128}"
 SEQUENCE_NAME_PATTERN = f"^{SEQUENCE_NAME_REGEX}$"
 _SEQUENCE_NAME = re.compile(SEQUENCE_NAME_REGEX)
 
+# A model id names a namespace of the store (its own geometry, blocks and sequences).
+MODEL_ID_MAX = 200
+MODEL_ID_REGEX = "[A-Za-z0-9._:@/+-]{1,200}"
+MODEL_ID_PATTERN = f"^{MODEL_ID_REGEX}$"
+_MODEL_ID = re.compile(MODEL_ID_REGEX)
+DEFAULT_MODEL = "default"  # the namespace of every unscoped call (stores before namespaces)
+MODEL_HEADER = "x-tlkv-model"  # tl.kv.v1 metadata selecting the model
+
 
 def is_hash_hex(text: Any) -> bool:
     """Whether ``text`` is a block hash in its wire spelling (16 lowercase hex digits)."""
@@ -87,6 +95,24 @@ def check_sequence_name(name: Any) -> str:
     return str(name)
 
 
+def is_model_id(model: Any) -> bool:
+    """Whether ``model`` is a valid model id."""
+    return isinstance(model, str) and _MODEL_ID.fullmatch(model) is not None
+
+
+def check_model_id(model: Any) -> str:
+    """``model`` itself, once checked against the model-id rule.
+
+    Raises:
+        ValueError: it is not 1-200 characters of ``[A-Za-z0-9._:@/+-]``.
+    """
+    if not is_model_id(model):
+        raise ValueError(
+            f"a model id is 1-{MODEL_ID_MAX} characters of [A-Za-z0-9._:@/+-], found {model!r}"
+        )
+    return str(model)
+
+
 def read_token_file(path: str | os.PathLike[str]) -> str:
     """The bearer token in ``path`` (surrounding whitespace stripped).
 
@@ -111,6 +137,7 @@ ERROR_KINDS: dict[str, type[errors.TlkvError]] = {
         errors.UnconvertibleError,
         errors.TooLargeError,
         errors.UnauthorizedError,
+        errors.ForbiddenError,
         errors.StoreFullError,
         errors.InvalidRequestError,
         errors.MethodNotAllowedError,

@@ -47,7 +47,7 @@ from .errors import (
     UnauthorizedError,
     UnsupportedVersionError,
 )
-from .protocol import ERROR_KINDS, parse_hash_hex
+from .protocol import ERROR_KINDS, MODEL_HEADER, check_model_id, parse_hash_hex
 
 __all__ = [
     "ERROR_KIND_KEY",
@@ -255,13 +255,20 @@ class TransferClient:
         target: ``host:port`` or ``grpc://host:port``.
         token: the server's bearer token (sent as ``authorization: Bearer`` metadata).
         timeout: seconds per call (None: no deadline).
+        model: the model (namespace) every call addresses (``x-tlkv-model`` metadata;
+            None: the server's ``default``).
 
     Failed calls raise the typed tlkv exceptions (``FormatError`` for DATA_LOSS,
     ``UnsupportedVersionError`` for a format the server does not read, ...).
     """
 
     def __init__(
-        self, target: str, token: str | None = None, *, timeout: float | None = 120.0
+        self,
+        target: str,
+        token: str | None = None,
+        *,
+        timeout: float | None = 120.0,
+        model: str | None = None,
     ) -> None:
         self._channel = grpc.insecure_channel(
             _target(target),
@@ -277,7 +284,10 @@ class TransferClient:
             request_serializer=kv_pb2.FetchKvRequest.SerializeToString,
             response_deserializer=parse_chunk,
         )
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        metadata = [("authorization", f"Bearer {token}")] if token else []
+        if model is not None:
+            metadata.append((MODEL_HEADER, check_model_id(model)))
+        self._metadata = tuple(metadata)
         self._timeout = timeout
 
     def close(self) -> None:

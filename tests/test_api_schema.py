@@ -17,7 +17,12 @@ from http_server import REPO, ServerProcess, assert_error
 
 from api.app import create_app
 from api.settings import Settings
-from kvstore.protocol import ERROR_KINDS, HASH_HEX_PATTERN, SEQUENCE_NAME_PATTERN
+from kvstore.protocol import (
+    ERROR_KINDS,
+    HASH_HEX_PATTERN,
+    MODEL_ID_PATTERN,
+    SEQUENCE_NAME_PATTERN,
+)
 
 GEOMETRY_ARG = ",".join(map(str, SMALL.as_tuple()))
 TOKEN = "schema-token"
@@ -79,7 +84,11 @@ def test_patterns_and_envelope_media_types() -> None:
         for p in op.get("parameters", [])
         if "pattern" in p["schema"]
     }
-    assert params == {"hash": HASH_HEX_PATTERN, "name": SEQUENCE_NAME_PATTERN}
+    assert params == {
+        "hash": HASH_HEX_PATTERN,
+        "name": SEQUENCE_NAME_PATTERN,
+        "model": MODEL_ID_PATTERN,
+    }
     for path in ("/v1/blocks", "/v1/sequences/{name}"):
         body = schema["paths"][path]["put"]["requestBody"]
         assert set(body["content"]) == {"application/vnd.tlkv", "application/octet-stream"}

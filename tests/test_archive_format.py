@@ -17,16 +17,17 @@ from kvstore.archive.reader import ArchiveBlock, ArchiveReader, ArchiveSequence
 from kvstore.archive.tar import member_prefix, ustar_header
 from kvstore.archive.writer import write_archive
 from kvstore.codec.checksum import crc32c
+from kvstore.errors import ArchiveError
 
 
 def test_golden_manifest_and_record() -> None:
-    manifest = Manifest(SMALL, 3, 1, tool="tlkv 0.1.0").to_json()
+    manifest = Manifest(SMALL, 3, 1, tool="tlkv 0.1.0", archive_version=1).to_json()
     assert manifest == (
         b'{"archive_version":1,"blocks":3,"format":"tlkv-archive","geometry":{"block_tokens":4,'
         b'"head_dim":8,"n_kv_heads":2,"n_layers":2},"sequences":1,"tool":"tlkv 0.1.0"}\n'
     )
     assert len(manifest) == 162
-    assert Manifest.from_json(manifest) == Manifest(SMALL, 3, 1, tool="tlkv 0.1.0")
+    assert Manifest.from_json(manifest) == Manifest(SMALL, 3, 1, "tlkv 0.1.0", archive_version=1)
     record = SequenceRecord("agent-7", [0xA91AB0C1027B9366, 0x03DF829571605C60], b"tail")
     assert record.to_json() == (
         b'{"hashes":["a91ab0c1027b9366","03df829571605c60"],"name":"agent-7","tail":true}\n'
@@ -141,3 +142,20 @@ def test_writer_refuses_bad_input() -> None:
     bad[40] ^= 1
     with pytest.raises(Exception, match="CRC"):
         write([(blocks[0][0], bytes(bad)), *blocks[1:]], seqs)
+
+
+def test_golden_manifest_v2_records_the_model() -> None:
+    model = "meta-llama/Llama-3.1-8B@5206a32/bf16"
+    manifest = Manifest(SMALL, 3, 1, tool="tlkv 0.1.0", model=model).to_json()
+    assert manifest == (
+        b'{"archive_version":2,"blocks":3,"format":"tlkv-archive","geometry":{"block_tokens":4,'
+        b'"head_dim":8,"n_kv_heads":2,"n_layers":2},"model":"meta-llama/Llama-3.1-8B@5206a32/'
+        b'bf16","sequences":1,"tool":"tlkv 0.1.0"}\n'
+    )
+    assert Manifest.from_json(manifest).model == model
+    for bad in (b'"model":"a b"', b'"model":7'):
+        with pytest.raises(ArchiveError, match="model"):
+            Manifest.from_json(manifest.replace(b'"model":"' + model.encode() + b'"', bad))
+    v1_with_model = manifest.replace(b'"archive_version":2', b'"archive_version":1')
+    with pytest.raises(ArchiveError, match="keys"):
+        Manifest.from_json(v1_with_model)

@@ -122,3 +122,17 @@ def test_serve_comes_from_the_service_through_the_entry_point(
     assert {ep.value for ep in entry_points(group="tlkv.commands")} >= {"api.serve:register"}
     assert main(["serve", "--help"]) == 0
     assert "--grpc-port" in capsys.readouterr().out
+
+
+def test_stats_of_a_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvstore import Store
+
+    with Store(tmp_path / "s") as s:
+        s.model("org/m@1").put(make_envelope(SMALL, 12, seed=1))
+    data = str(tmp_path / "s")
+    code, out, _ = run(["stats", "--data", data, "--model", "org/m@1", "--json"], capsys)
+    assert code == 0 and json.loads(out)["blocks"] == 3
+    code, out, _ = run(["stats", "--data", data, "--json"], capsys)
+    assert code == 0 and json.loads(out)["blocks"] == 0
+    assert main(["stats", "--data", data, "--model", "a b"]) == 2
+    assert "model id" in capsys.readouterr().err

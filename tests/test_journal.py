@@ -108,3 +108,22 @@ def test_a_running_restore_is_left_alone(tmp_path: Path) -> None:
         store.end_restore(journal, keep=True)
     with Store(path) as store:
         assert store.stats()["blocks"] == 3
+
+
+def test_a_killed_restore_into_a_model_is_undone_in_that_model(tmp_path: Path) -> None:
+    """The journal names the model it wrote: the rollback on open removes that model's
+    blocks, and the default model's blocks with the same hashes stay."""
+    with Store(tmp_path / "s") as store:
+        env = make_envelope(SMALL, 4 * 3, seed=1000)
+        store.put(env)  # the same hashes in the default model
+        model = store.model("org/m@1")
+        journal = model.begin_restore()
+        hashes = _import_some(model, journal, seed=1000)  # envs[0] is env: same hashes
+        assert all(model.has(hashes))
+        journal.release(unlink=False)  # killed
+    with Store(tmp_path / "s") as store:
+        assert store.model("org/m@1").has(hashes) == [False] * len(hashes)
+        assert store.model("org/m@1").get_sequence("restored") is None
+        assert store.get(int(decode(env).hashes[0])) is not None  # default untouched
+        assert store.stats()["blocks"] == 3
+    assert _lock_files(tmp_path / "s") == []

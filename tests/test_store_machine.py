@@ -1,7 +1,9 @@
 """The store against a dict model, driven by hypothesis's RuleBasedStateMachine.
 
 Rules: put, get (with transcoding), has, longest_prefix, delete, views, sequences
-(put/get/delete/list) and reopen. ``StoreModel`` runs without a capacity and predicts
+(put/get/delete/list), reopen, and switching the model (namespace) the other rules use:
+each model has a dict of its own, sharing one pool of blocks (the same hashes in every
+model), so any leak between models shows. ``StoreModel`` runs without a capacity and predicts
 every answer exactly; ``CapacityModel`` adds a capacity, where evictions are the store's
 choice: answers are checked against what may have been evicted, pinned blocks and
 sequences must always be exact, and the byte bound must hold.
@@ -19,7 +21,7 @@ import pytest
 from conftest import SMALL, make_blocks
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from test_store import check_consistency
+from test_store_models import check_models
 
 from kvstore import PutResult, Store, StoreFullError, decode, encode, join, transcode
 from kvstore.errors import PinnedError
@@ -38,6 +40,7 @@ SINGLE = SMALL.envelope_bytes(1)
 indices = st.lists(st.integers(0, len(POOL) - 1), max_size=5)
 versions = st.sampled_from([1, 2])
 names = st.sampled_from(["a", "b", "chat-1", "x.y_z"])
+MODELS = ["default", "m/1@x", "m:2"]
 tails = st.none() | st.integers(0, len(TAILS) - 1)
 
 
@@ -56,28 +59,45 @@ class StoreModel(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.dir = Path(tempfile.mkdtemp(prefix="tlkv-machine-"))
-        self.store = Store(self.dir / "s", geometry=SMALL, capacity_bytes=self.capacity, sync=False)
-        self.blocks: dict[int, bytes] = {}  # hash -> its stored single-block envelope
-        self.seqs: dict[str, tuple[bytes, list[int]]] = {}  # name -> (envelope, pinned hashes)
+        self.root = Store(self.dir / "s", geometry=SMALL, capacity_bytes=self.capacity, sync=False)
+        self.model = "default"
+        # per model: hash -> its stored single-block envelope; name -> (envelope, pins)
+        self.state: dict[str, tuple[dict[int, bytes], dict[str, tuple[bytes, list[int]]]]] = {
+            m: ({}, {}) for m in MODELS
+        }
 
     def teardown(self) -> None:
-        self.store.close()
+        self.root.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
     # --- the model ---------------------------------------------------------------------
 
-    def pinned(self) -> set[int]:
-        return {h for _, refs in self.seqs.values() for h in refs}
+    @property
+    def store(self) -> Store:
+        return self.root.model(self.model)
+
+    @property
+    def blocks(self) -> dict[int, bytes]:
+        return self.state[self.model][0]
+
+    @property
+    def seqs(self) -> dict[str, tuple[bytes, list[int]]]:
+        return self.state[self.model][1]
+
+    def pinned(self, model: str | None = None) -> set[int]:
+        seqs = self.state[model or self.model][1]
+        return {h for _, refs in seqs.values() for h in refs}
 
     def sync_evictions(self) -> None:
-        """Capacity mode: forget what the store evicted (never a pinned block)."""
+        """Capacity mode: forget what the store evicted, in any model (never a pinned block)."""
         if self.capacity is None:
             return
-        hashes = list(self.blocks)
-        for h, present in zip(hashes, self.store.has(hashes)):
-            if not present:
-                assert h not in self.pinned(), f"pinned block {h:016x} was evicted"
-                del self.blocks[h]
+        for model, (blocks, _) in self.state.items():
+            hashes = list(blocks)
+            for h, present in zip(hashes, self.root.model(model).has(hashes)):
+                if not present:
+                    assert h not in self.pinned(model), f"pinned block {h:016x} was evicted"
+                    del blocks[h]
 
     def learn(self, hashes: list[int], candidates: dict[int, bytes]) -> None:
         """Capacity mode: after a put, the stored bytes are the old model's or the new."""
@@ -207,23 +227,31 @@ class StoreModel(RuleBasedStateMachine):
     @precondition(lambda self: self.seqs or self.blocks)
     @rule()
     def reopen(self) -> None:
-        self.store.close()
-        self.store = Store(self.dir / "s", capacity_bytes=self.capacity, sync=False)
+        self.root.close()
+        self.root = Store(self.dir / "s", capacity_bytes=self.capacity, sync=False)
+
+    @rule(model=st.sampled_from(MODELS))
+    def switch_model(self, model: str) -> None:
+        self.model = model
+        if not self.blocks and not self.seqs:  # not created yet, or emptied: reads nothing
+            assert self.store.has(HASHES) == [False] * len(HASHES)
 
     # --- invariants ----------------------------------------------------------------------
 
     @invariant()
     def agrees_with_the_model(self) -> None:
-        stats = self.store.stats()
         self.sync_evictions()
-        assert stats["sequences"] == len(self.seqs)
-        assert self.store.sequences() == sorted(self.seqs)
-        assert stats["pinned_blocks"] == len(self.pinned())
-        if self.capacity is None:
-            assert stats["blocks"] == len(self.blocks)
-        else:
-            assert stats["bytes"] <= self.capacity
-        check_consistency(self.store)
+        for model, (blocks, seqs) in self.state.items():
+            store = self.root.model(model)
+            stats = store.stats()
+            assert stats["sequences"] == len(seqs)
+            assert store.sequences() == sorted(seqs)
+            assert stats["pinned_blocks"] == len(self.pinned(model))
+            if self.capacity is None:
+                assert stats["blocks"] == len(blocks)
+        if self.capacity is not None:
+            assert self.root.total_bytes() <= self.capacity
+        check_models(self.root)
 
 
 class CapacityModel(StoreModel):

@@ -14,6 +14,9 @@ baseline measured in this same run, in temporary directories on the same filesys
   ``allow_nonfinite``) against CRC-32C of the same envelope.
 - churn: puts at capacity until 20x the capacity went through; the last window's put
   throughput against the first's.
+- models: ``has``/``longest_prefix`` of 8,192 hashes in one model of a store holding 4
+  models of 16,384 blocks each (the same hashes in every model), and ``view`` of a 2 MiB
+  block in a model other than ``default`` against one in ``default`` (interleaved rounds).
 """
 
 from __future__ import annotations
@@ -280,6 +283,69 @@ def _bench_finite(kv: np.ndarray, repeat: int) -> list[Row]:
     return rows
 
 
+MODEL_IDS = ("default", "org/a@1", "org/b@2", "org/c:3")
+
+
+def _bench_models(root: Path, n_stored: int, kv: np.ndarray, repeat: int) -> list[Row]:
+    small = np.ones(SMALL_GEOMETRY.kv_shape, dtype=np.float16)
+    with Store(root / "models", sync=False) as store:
+        for model in MODEL_IDS:  # the same hashes in every model
+            handle = store.model(model)
+            for start in range(1, n_stored + 1, 4096):
+                n = min(4096, n_stored + 1 - start)
+                handle.put(_envelope(SMALL_GEOMETRY, small, start, n))
+        m = store.model(MODEL_IDS[2])
+        present = list(range(1, 8193))
+        mixed = np.arange(n_stored - 4095, n_stored + 4097, dtype=np.uint64)
+        t_has = _median_us(lambda: m.has(mixed), repeat) / 1e3
+        t_lp = _median_us(lambda: m.longest_prefix(present), repeat) / 1e3
+        assert m.longest_prefix(present) == 8192 and sum(m.has(mixed)) == 4096
+    rows = [
+        Row(
+            f"has(), 8,192 hashes, in 1 of 4 models x {n_stored:,}",
+            f"{t_has:.3f} ms",
+            "",
+            None,
+            "<= 2 ms",
+            t_has <= 2,
+        ),
+        Row(
+            "longest_prefix(), 8,192 present, same store",
+            f"{t_lp:.3f} ms",
+            "",
+            None,
+            "<= 2 ms",
+            t_lp <= 2,
+        ),
+    ]
+    with Store(root / "models-view", sync=False) as store:
+        hashes = list(range(1, 9))
+        for model in MODEL_IDS:
+            store.model(model).put(_envelope(GEOMETRY, kv, 1, 8))
+        plain, other = [], []
+        with store.reader() as r0, store.model(MODEL_IDS[3]).reader() as r1:
+            v0, v1 = r0.view, r1.view
+            for _ in range(VIEW_ROUNDS):
+                plain.append(_median_us(lambda: [v0(h).kv for h in hashes], repeat) / 8)
+                other.append(_median_us(lambda: [v1(h).kv for h in hashes], repeat) / 8)
+    ratios = sorted(o / p for o, p in zip(other, plain))
+    ratio = statistics.median(ratios)
+    rows.append(
+        Row(
+            "view(h).kv in a model, 2 MiB block",
+            f"{statistics.median(other):.2f} us",
+            f"in default {statistics.median(plain):.2f} us",
+            ratio,
+            "unchanged (noise)",
+            ratio <= 1.25,
+        )
+    )
+    rows.append(
+        Row(f"  (per-round ratios, {VIEW_ROUNDS} rounds)", f"{ratios[0]:.2f}-{ratios[-1]:.2f}x")
+    )
+    return rows
+
+
 def run(args: argparse.Namespace) -> list[Row]:
     quick = bool(args.quick)
     base = Path(os.environ.get("TLKV_BENCH_DIR", tempfile.gettempdir()))
@@ -291,6 +357,7 @@ def run(args: argparse.Namespace) -> list[Row]:
         rows += _bench_finite(kv, 3 if quick else 20)
         rows += _bench_put(root, kv, 2 if quick else 9, 16 if quick else 64)
         rows += _bench_lookup(root, 16_384, 20 if quick else 200)
+        rows += _bench_models(root, 16_384, kv, 20 if quick else 200)
         capacity = (256 << 20) if quick else (2 << 30)
         turnover = 5 if quick else 20
         free = shutil.disk_usage(root).free

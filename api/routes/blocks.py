@@ -48,6 +48,7 @@ from ..bodies import read_envelope
 from ..errors import send_error
 from ..formats import read_version, require_formats
 from ..metrics import TRANSPORT_KEY
+from ..modelscope import model_store
 from .common import (
     ENVELOPE_BODY,
     ENVELOPE_MEDIA_TYPE,
@@ -254,6 +255,8 @@ class BlockReadFastPath:
             state = scope["app"].state
             if state.settings.formats == SUPPORTED_VERSIONS:  # else: stored v2 is transcoded
                 store = getattr(state, "store", None)
+                if store is not None:
+                    store = model_store(scope, store)
         if store is None:
             await self.app(scope, receive, send)
             return

@@ -28,6 +28,7 @@ from kvstore.store import Store
 
 # Every body is read through api.bodies (the in-flight budget); re-exported for the routes.
 from ..bodies import read_body as read_body
+from ..modelscope import model_store
 
 OCTET_STREAM = HASHES_MEDIA_TYPE
 ENVELOPE_TYPES = frozenset({ENVELOPE_MEDIA_TYPE, OCTET_STREAM})
@@ -98,11 +99,11 @@ ENVELOPE_RESPONSE: dict[int | str, dict[str, Any]] = {
 
 
 def store_of(request: Request) -> Store:
-    """The store the worker's lifespan opened."""
+    """The store the worker's lifespan opened, as the model the request addresses."""
     store = getattr(request.app.state, "store", None)
     if store is None:  # only if the lifespan did not run (a misconfigured server)
         raise ServiceError("the store is not open")
-    return store  # type: ignore[no-any-return]
+    return model_store(request.scope, store)
 
 
 def parse_hash_list(items: Any) -> np.ndarray:

@@ -8,6 +8,8 @@ from starlette.responses import PlainTextResponse, Response
 import kvstore
 from kvstore.codec.checksum import KERNEL
 
+from ..access import EVERYTHING
+from ..access import SCOPE_KEY as ACCESS_KEY
 from .common import json_response, store_of
 
 router = APIRouter()
@@ -28,11 +30,22 @@ async def healthz() -> Response:
     responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
 )
 async def metrics(request: Request) -> Response:
-    """Prometheus text: request counts and latency (all workers summed); the store's."""
+    """Prometheus text: request counts and latency (all workers summed); the store's (its
+    ``default`` model's), and blocks/bytes/sequences of each model the token may read."""
     store = store_of(request)
-    stats = store.stats()
+    stats = dict(store.stats())
+    access = request.scope.get(ACCESS_KEY, EVERYTHING)
+    per_model = {}
+    hits = misses = 0
+    for model in store.models():
+        model_stats = store.model(model).stats()
+        hits += model_stats["hits"] or 0  # this process's reads, of every model
+        misses += model_stats["misses"] or 0
+        if access.can_read(model):
+            per_model[model] = model_stats
+    stats["hits"], stats["misses"] = hits, misses
     request.app.state.metrics.observe_snapshots(store.held_snapshots())
-    text = request.app.state.metrics.render(stats)
+    text = request.app.state.metrics.render(stats, per_model)
     return Response(text, media_type=PROMETHEUS_MEDIA_TYPE)
 
 

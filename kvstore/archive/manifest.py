@@ -1,4 +1,5 @@
-"""The tlkv archive format's names and records (ARCHIVE.md 1): member names, the manifest,
+"""The tlkv archive format's names and records (ARCHIVE.md 1): member names, the manifest
+(version 2 names the model of the members; a version-1 archive is the model ``default``),
 sequence records, and the rules a member envelope must meet, shared by the writer and the
 reader. Sans-IO: bytes and values in, checked values or ArchiveError out.
 """
@@ -23,15 +24,24 @@ from ..errors import (
     UnsafeArchiveError,
     UnsupportedVersionError,
 )
-from ..protocol import HASH_HEX_REGEX, SEQUENCE_NAME_REGEX, hash_hex, is_hash_hex
+from ..protocol import (
+    DEFAULT_MODEL,
+    HASH_HEX_REGEX,
+    SEQUENCE_NAME_REGEX,
+    hash_hex,
+    is_hash_hex,
+    is_model_id,
+)
 
 ARCHIVE_FORMAT = "tlkv-archive"
-ARCHIVE_VERSION = 1
+ARCHIVE_VERSION = 2  # what the writer writes
+ARCHIVE_VERSIONS = (1, 2)  # what the reader reads
 MANIFEST_NAME = "manifest.json"
 BLOCK_NAME = re.compile(rf"blocks/({HASH_HEX_REGEX})\.tlkv")
 SEQUENCE_JSON_NAME = re.compile(rf"sequences/({SEQUENCE_NAME_REGEX})\.json")
 SEQUENCE_TAIL_NAME = re.compile(rf"sequences/({SEQUENCE_NAME_REGEX})\.tail\.tlkv")
-MANIFEST_KEYS = ("archive_version", "blocks", "format", "geometry", "sequences", "tool")
+MANIFEST_KEYS_V1 = ("archive_version", "blocks", "format", "geometry", "sequences", "tool")
+MANIFEST_KEYS = ("archive_version", "blocks", "format", "geometry", "model", "sequences", "tool")
 GEOMETRY_KEYS = tuple(sorted(Geometry.FIELDS))
 SEQUENCE_KEYS = ("hashes", "name", "tail")
 TOOL_NAME = re.compile(r"[ -~]{1,64}")
@@ -101,18 +111,20 @@ def escapes(name: str) -> bool:
 
 @dataclass(frozen=True)
 class Manifest:
-    """The first member: format version, geometry, member counts and the writing tool."""
+    """The first member: format version, geometry, member counts, the writing tool and
+    (version 2) the model the members belong to."""
 
     geometry: Geometry | None
     blocks: int
     sequences: int
     tool: str = field(default_factory=tool_version)
     archive_version: int = ARCHIVE_VERSION
+    model: str = DEFAULT_MODEL
 
     def to_dict(self) -> dict[str, Any]:
         """The manifest as a JSON-ready dict."""
         g = self.geometry
-        return {
+        out = {
             "archive_version": self.archive_version,
             "blocks": self.blocks,
             "format": ARCHIVE_FORMAT,
@@ -120,6 +132,9 @@ class Manifest:
             "sequences": self.sequences,
             "tool": self.tool,
         }
+        if self.archive_version >= 2:
+            out["model"] = self.model
+        return out
 
     def to_json(self) -> bytes:
         """The canonical bytes of ``manifest.json``."""
@@ -137,12 +152,16 @@ class Manifest:
         if obj.get("format") != ARCHIVE_FORMAT:
             raise ArchiveError(f"manifest: format must be {ARCHIVE_FORMAT!r}")
         version = obj.get("archive_version")
-        if version != ARCHIVE_VERSION:
+        if isinstance(version, bool) or version not in ARCHIVE_VERSIONS:
             raise UnsupportedVersionError(
-                f"manifest: archive_version {version!r}; this reader reads {ARCHIVE_VERSION}"
+                f"manifest: archive_version {version!r}; this reader reads {ARCHIVE_VERSIONS}"
             )
-        if tuple(sorted(obj)) != MANIFEST_KEYS:
-            raise ArchiveError(f"manifest: keys must be {MANIFEST_KEYS}, found {sorted(obj)}")
+        keys = MANIFEST_KEYS_V1 if version == 1 else MANIFEST_KEYS
+        if tuple(sorted(obj)) != keys:
+            raise ArchiveError(f"manifest: keys must be {keys}, found {sorted(obj)}")
+        model = obj.get("model", DEFAULT_MODEL)  # version 1: the store had one model
+        if not is_model_id(model):
+            raise ArchiveError("manifest: model must be 1-200 characters of [A-Za-z0-9._:@/+-]")
         for key in ("blocks", "sequences"):
             if not _is_int(obj[key], 0, U32_MAX):
                 raise ArchiveError(f"manifest: {key} must be an integer in 0..{U32_MAX}")
@@ -159,7 +178,7 @@ class Manifest:
             if not all(_is_int(g[k], 1, U32_MAX) for k in GEOMETRY_KEYS):
                 raise ArchiveError(f"manifest: geometry values must be in 1..{U32_MAX}")
             geometry = Geometry.from_dict(g)
-        return cls(geometry, obj["blocks"], obj["sequences"], obj["tool"], version)
+        return cls(geometry, obj["blocks"], obj["sequences"], obj["tool"], version, model)
 
     def max_envelope(self) -> int:
         """The largest single-block envelope the geometry allows (either version)."""

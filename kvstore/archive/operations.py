@@ -47,7 +47,7 @@ from ..errors import (
     UnsafeArchiveError,
 )
 from ..fileio import atomic_file, current_umask, drop_mapped_pages, populate_mapped_pages
-from ..protocol import check_sequence_name, hash_hex
+from ..protocol import DEFAULT_MODEL, check_sequence_name, hash_hex
 from .importer import (
     Importer,
     RestoreReport,
@@ -208,6 +208,7 @@ def _create_once(
             threads=threads,
             progress=None if progress is None else progress.update,
             release=drop_mapped_pages,
+            model=getattr(store, "model_id", DEFAULT_MODEL),
         )
     return CreateSummary(**vars(summary), skipped=skipped)
 
@@ -428,7 +429,7 @@ def _fits_without_eviction(store: Any, ar: ArchiveReader) -> bool:
     capacity = store.capacity_bytes
     if capacity is None:
         return True
-    return int(store.stats()["bytes"]) + int(ar.index.data_bytes) <= capacity
+    return int(store.total_bytes()) + int(ar.index.data_bytes) <= capacity
 
 
 def restore(
@@ -438,6 +439,7 @@ def restore(
     partial: bool = False,
     threads: int = 0,
     progress: Progress | None = None,
+    model: str | None = None,
 ) -> RestoreReport:
     """Import an archive into ``store``: blocks (deduplicated) and sequences (pinned).
 
@@ -455,12 +457,17 @@ def restore(
     ``partial=True`` the valid members are imported in one pass and the refused ones are
     listed in ``RestoreReport.problems``.
 
+    The archive's blocks and sequences go to the model its manifest names (``default``
+    for a version-1 archive) of ``store``'s environment, or to ``model`` when given (a
+    rename); a ``Store`` handle of another model than the archive's is not used as is.
+
     Raises:
         ShapeError: the archive's geometry differs from the store's.
         ArchiveError, EnvelopeError: (``partial=False``) the first invalid member.
     """
     report = RestoreReport()
     with ArchiveReader(path, threads=threads) as ar:
+        store = store.model(model or ar.manifest.model)
         _check_geometry(ar.geometry, store.geometry, "the store")
         done = [0, 0]  # blocks and envelope bytes in this pass
 

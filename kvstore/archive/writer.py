@@ -14,7 +14,7 @@ import numpy as np
 
 from ..codec.geometry import Geometry
 from ..codec.layout import NO_HASH, U64_MAX
-from ..protocol import check_sequence_name
+from ..protocol import DEFAULT_MODEL, check_sequence_name
 from .frames import FrameWriter
 from .manifest import (
     DEFAULT_LEVEL,
@@ -56,6 +56,7 @@ def write_archive(
     threads: int = 0,
     progress: Callable[[int, int], None] | None = None,
     release: Callable[[list[Any]], None] | None = None,
+    model: str = DEFAULT_MODEL,
 ) -> WriteSummary:
     """Write an archive of ``blocks`` and ``sequences`` to the binary file ``out``.
 
@@ -69,6 +70,7 @@ def write_archive(
         progress: called with ``(blocks written, tar bytes written)`` after each frame.
         release: called with a frame's buffers once it is compressed (the store drops
             the memory-mapped pages it read).
+        model: the model the blocks and sequences belong to (recorded in the manifest).
 
     Raises:
         ValueError: the inputs break an ordering, count or reference rule.
@@ -76,7 +78,7 @@ def write_archive(
     """
     if geometry is None and (n_blocks or n_sequences):
         raise ValueError("an archive with blocks or sequences needs a geometry")
-    manifest = Manifest(geometry, n_blocks, n_sequences)
+    manifest = Manifest(geometry, n_blocks, n_sequences, model=model)
     done = [0, 0]
 
     def on_frame(size: int, n: int) -> None:

@@ -18,7 +18,14 @@ from typing import Any, TextIO
 
 from ..errors import TlkvError
 from ..protocol import parse_hash_hex
-from .common import EXIT_FAILURE, EXIT_INCONSISTENT, EXIT_OK, exit_code_for, geometry_arg
+from .common import (
+    EXIT_FAILURE,
+    EXIT_INCONSISTENT,
+    EXIT_OK,
+    exit_code_for,
+    geometry_arg,
+    model_arg,
+)
 
 BAR_WIDTH = 24
 REFRESH_SECONDS = 0.1
@@ -89,7 +96,8 @@ def _cmd_create(args: argparse.Namespace) -> int:
     from ..archive.operations import create
 
     bar = ProgressBar("create", enabled=not args.quiet)
-    with _open_store(args.data, must_exist=True) as store:
+    with _open_store(args.data, must_exist=True) as root:
+        store = root if args.model is None else root.model(args.model)
         try:
             summary = create(
                 store,
@@ -121,7 +129,12 @@ def _cmd_restore(args: argparse.Namespace) -> int:
         ) as store:
             try:
                 report = restore(
-                    args.file, store, partial=args.partial, threads=args.threads, progress=bar
+                    args.file,
+                    store,
+                    partial=args.partial,
+                    threads=args.threads,
+                    progress=bar,
+                    model=args.rename,
                 )
             finally:
                 bar.close()
@@ -177,7 +190,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     dims = (
         "-" if g is None else f"B={g.block_tokens} L={g.n_layers} Hkv={g.n_kv_heads} D={g.head_dim}"
     )
-    print(f"# {m.tool}, archive v{m.archive_version}, {dims}, ", end="")
+    print(f"# {m.tool}, archive v{m.archive_version}, model {m.model}, {dims}, ", end="")
     print(f"{m.blocks} blocks, {m.sequences} sequences")
     out = sys.stdout
     for h in listing.hashes:
@@ -251,6 +264,9 @@ def register(sub: Any) -> None:
     q.add_argument("-o", "--output", required=True, help="archive file to write")
     q.add_argument("--level", type=int, default=3, help="zstd level (default 3)")
     q.add_argument(
+        "--model", type=model_arg, default=None, help="the model to archive (default: default)"
+    )
+    q.add_argument(
         "--sequence",
         action="append",
         metavar="NAME",
@@ -262,6 +278,14 @@ def register(sub: Any) -> None:
     q = group.add_parser("restore", help="validate an archive, then import it into a store")
     q.add_argument("file")
     q.add_argument("--data", required=True, help="the store's directory (created if missing)")
+    q.add_argument(
+        "--as",
+        dest="rename",
+        type=model_arg,
+        default=None,
+        metavar="NEW_ID",
+        help="restore into this model (default: the model the archive records)",
+    )
     q.add_argument(
         "--partial", action="store_true", help="restore the valid members, report the rest"
     )

@@ -12,6 +12,7 @@ import argparse
 
 from ..codec.geometry import Geometry
 from ..errors import ArchiveError, EnvelopeError, ShapeError, UnsupportedVersionError
+from ..protocol import check_model_id
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -39,6 +40,14 @@ def geometry_arg(text: str) -> Geometry:
     try:
         return Geometry.parse(text)
     except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def model_arg(text: str) -> str:
+    """argparse type for a model id."""
+    try:
+        return check_model_id(text)
+    except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..protocol import hash_hex, is_hash_hex, read_token_file
-from .common import EXIT_FAILURE, EXIT_OK, positive_int
+from .common import EXIT_FAILURE, EXIT_OK, model_arg, positive_int
 
 DEFAULT_URL_HELP = "server: http://127.0.0.1:8000, or grpc://127.0.0.1:50051 for tl.kv.v1"
 
@@ -36,10 +36,10 @@ def _client(args: argparse.Namespace) -> Any:
     if _is_grpc(args):
         from ..transfer import TransferClient
 
-        return TransferClient(args.url, token=_token(args))
+        return TransferClient(args.url, token=_token(args), model=args.model)
     from ..client import Client
 
-    return Client(args.url, token=_token(args))
+    return Client(args.url, token=_token(args), model=args.model)
 
 
 def _run_client(args: argparse.Namespace, action: Any) -> int:
@@ -146,7 +146,8 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         if not Path(args.data).is_dir():
             print(f"tlkv stats: {args.data}: no store there", file=sys.stderr)
             return EXIT_FAILURE
-        with Store(args.data) as store:
+        with Store(args.data) as root:
+            store = root if args.model is None else root.model(args.model)
             stats: dict[str, Any] = dict(store.stats())
             g = store.geometry
         stats.pop("hits", None)  # this process's reads: none
@@ -158,6 +159,9 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
 def _add_token(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-file", help="file holding the bearer token (else $TLKV_TOKEN)")
+    p.add_argument(
+        "--model", type=model_arg, default=None, help="the model (namespace); default: default"
+    )
 
 
 def _hash_arg(text: str) -> str:

@@ -1,6 +1,9 @@
 """The block store's on-disk layout: every sub-database, key, struct and record, once.
 
 Store format 1: named sub-databases of one LMDB environment (``<path>/data.mdb``).
+Store format 2: the same, plus namespaces (models) other than ``default``; a store becomes
+format 2 when its first other model is registered, so a release that knows only format 1
+refuses it instead of evicting blocks it cannot see.
 
 ==========  =====================================================================
 ``meta``    ``format`` u32; ``geometry`` 4 x u32 (B, L, Hkv, D); u64 counters
@@ -14,7 +17,22 @@ Store format 1: named sub-databases of one LMDB environment (``<path>/data.mdb``
 ``atime``   hash -> u64 tick of the block's last use (unpinned blocks only).
 ``lru``     (u64 tick, u64 hash) big-endian -> empty: oldest first, the eviction order.
 ``seqs``    sequence name (ASCII) -> sequence record (``SEQ_HEADER`` ... CRC-32C).
+``models``  model id (UTF-8) -> ``MODEL_VALUE``: the namespace's number and geometry.
+``empty``   and ``empty-index``: never written (what a model not created yet reads).
 ==========  =====================================================================
+
+Namespaces: the ``default`` model is number 0 and owns the sub-databases above, byte for
+byte as in format 1 (its geometry is ``meta``'s). Model ``n`` > 0 owns its own ``blocks``,
+``index``, ``refs``, ``atime`` and ``seqs``, named ``<name>@<n>`` (``blocks@3``), with the
+same keys and values: every data path is the one of the default model over other handles.
+``meta``, ``lru`` and ``models`` are shared: the LRU order is store-wide (its value names
+the model of a non-default entry), the ``bytes``/``evictions``/``corrupt`` counters are
+store totals, and model ``n`` > 0 has its own beside them (key ``bytes@`` + ``n`` as a
+big-endian u32, ``model_counter_key``); the default model's are the totals minus the
+others'. A model's number is the next one after ``last_model``; its sub-databases are
+created before the write that registers it (``models`` entry and ``last_model`` in that
+write's transaction), so a refused first write registers nothing and the next model
+reuses the empty sub-databases.
 
 No other module spells a format string for these values.
 """
@@ -30,7 +48,9 @@ from ..codec.checksum import crc32c
 from ..codec.geometry import Geometry
 from ..codec.layout import NO_HASH, SUPPORTED_VERSIONS
 
-STORE_FORMAT = 1
+STORE_FORMAT = 1  # a new store, and any store holding only the default model
+STORE_FORMAT_MODELS = 2  # a store holding other models
+STORE_FORMATS = (STORE_FORMAT, STORE_FORMAT_MODELS)
 
 # Sub-database names; the index is DUPSORT | DUPFIXED | INTEGERDUP.
 DB_META = b"meta"
@@ -40,6 +60,17 @@ DB_REFS = b"refs"
 DB_ATIME = b"atime"
 DB_LRU = b"lru"
 DB_SEQS = b"seqs"
+DB_MODELS = b"models"
+# Two sub-databases never written: what a model not created yet reads (no blocks, no
+# sequences) through the same code as any other.
+DB_EMPTY = b"empty"
+DB_EMPTY_INDEX = b"empty-index"
+# The sub-databases every model has a copy of (model 0: the names above).
+MODEL_DBS = (DB_BLOCKS, DB_INDEX, DB_REFS, DB_ATIME, DB_SEQS)
+# Models beside the default one a store may hold (LMDB fixes its number of sub-databases
+# when the environment opens: 8 shared + 5 per model).
+MAX_MODELS = 200
+MAX_DBS = 10 + len(MODEL_DBS) * MAX_MODELS
 
 # blocks/refs/atime key: the u64 block hash, big-endian so LMDB's key order is numeric.
 BLOCK_KEY = struct.Struct(">Q")
@@ -63,7 +94,8 @@ META_TICK = b"tick"
 META_EVICTIONS = b"evictions"
 META_CORRUPT = b"corrupt"
 COUNTER_KEYS = (META_BYTES, META_TICK, META_EVICTIONS, META_CORRUPT)
-# Restore journal entries in meta: JOURNAL_PREFIX + token (8 random bytes) + kind + suffix.
+# Restore journal entries in meta (shared by every model): JOURNAL_PREFIX + token (8 random
+# bytes) + kind + suffix.
 # Kind JOURNAL_BLOCKS, suffix u32 big-endian batch number -> the u64 hashes (little-endian)
 # the batch added. Kind JOURNAL_SEQUENCE, suffix the sequence key -> JOURNAL_CREATED, or
 # JOURNAL_REPLACED + the sequence record the restore replaced.
@@ -75,6 +107,16 @@ JOURNAL_SEQUENCE = b"S"
 JOURNAL_CREATED = b"\x00"
 JOURNAL_REPLACED = b"\x01"
 JOURNAL_HASH_DTYPE = np.dtype("<u8")
+# Kind JOURNAL_MODEL, no suffix -> the model id (UTF-8) the restore wrote into; absent in a
+# journal written before models: the default model.
+JOURNAL_MODEL = b"M"
+# Counters a model > 0 keeps beside the totals (``model_counter_key``).
+MODEL_COUNTER_KEYS = (META_BYTES, META_EVICTIONS, META_CORRUPT)
+META_LAST_MODEL = b"last_model"  # u64: the highest model number given
+# models value: u32 model number, then its geometry (B, L, Hkv, D; zeros until adopted).
+MODEL_VALUE = struct.Struct("<IIIII")
+# A model number inside keys and the lru value (big-endian: numeric order).
+MODEL_NUMBER = struct.Struct(">I")
 
 # Sequence record: header (magic, record format, envelope version, n blocks, m own
 # records), n u64 hashes (0 at the partial tail), m u32 ascending positions of the
@@ -90,7 +132,7 @@ SEQ_TRAILER = struct.Struct("<I")
 
 
 class Dbs(NamedTuple):
-    """The environment's sub-database handles."""
+    """The sub-database handles one model sees (``meta``, ``lru``, ``models``: shared)."""
 
     meta: Any
     blocks: Any
@@ -99,6 +141,39 @@ class Dbs(NamedTuple):
     atime: Any
     lru: Any
     seqs: Any
+    models: Any = None
+    number: int = 0  # the model's number (0: default; -1: a model not created yet)
+
+
+def model_db_name(name: bytes, number: int) -> bytes:
+    """The sub-database ``name`` (one of ``MODEL_DBS``) of model ``number``."""
+    return name if number == 0 else b"%s@%d" % (name, number)
+
+
+def model_counter_key(key: bytes, number: int) -> bytes:
+    """The ``meta`` key of a per-model counter of model ``number`` > 0."""
+    return key + b"@" + MODEL_NUMBER.pack(number)
+
+
+def lru_value(number: int) -> bytes:
+    """The ``lru`` value of a block of model ``number`` (empty for the default model)."""
+    return b"" if number == 0 else MODEL_NUMBER.pack(number)
+
+
+def lru_model(value: Any) -> int:
+    """The model number an ``lru`` value names."""
+    return 0 if not len(value) else int(MODEL_NUMBER.unpack(value)[0])
+
+
+def pack_model(number: int, geometry: Geometry | None) -> bytes:
+    """A ``models`` value."""
+    return MODEL_VALUE.pack(number, *(geometry.as_tuple() if geometry else (0, 0, 0, 0)))
+
+
+def unpack_model(value: Any) -> tuple[int, Geometry | None]:
+    """A ``models`` value as (model number, geometry or None)."""
+    number, *g = MODEL_VALUE.unpack(value)
+    return number, (Geometry(*g) if g[0] else None)
 
 
 def counter(value: Any) -> int:

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .diskformat import BLOCK_KEY, COUNTER, LRU_KEY
+from .diskformat import BLOCK_KEY, COUNTER, LRU_KEY, lru_model, lru_value
 
 
 class RecencyBuffer:
@@ -59,19 +59,36 @@ class RecencyBuffer:
 
 
 class LruOrder:
-    """The LRU order of one write transaction (``atime`` and ``lru`` sub-databases)."""
+    """The LRU order of one write transaction (``atime`` and ``lru`` sub-databases).
 
-    def __init__(self, txn: Any, atime_db: Any, lru_db: Any, tick: int) -> None:
+    The order is store-wide: ``lru`` holds every model's blocks, each entry naming its
+    model; ``add``, ``remove`` and ``touch`` act on the blocks of ``model`` (whose
+    ``atime`` is ``atime_db``), ``evict_any`` on any model's (``atime_of`` maps a model
+    number to its ``atime``).
+    """
+
+    def __init__(
+        self,
+        txn: Any,
+        atime_db: Any,
+        lru_db: Any,
+        tick: int,
+        model: int = 0,
+        atime_of: Callable[[int], Any] | None = None,
+    ) -> None:
         self._txn = txn
         self._atime = atime_db
         self._lru = lru_db
         self.tick = tick  # the newest tick given; saved by the caller with its counters
+        self._model = model
+        self._tag = lru_value(model)
+        self._atime_of = atime_of
 
     def add(self, hk: bytes, h: int) -> None:
         """Give an unpinned block the newest tick."""
         self.tick += 1
         self._txn.put(hk, COUNTER.pack(self.tick), db=self._atime)
-        self._txn.put(LRU_KEY.pack(self.tick, h), b"", db=self._lru)
+        self._txn.put(LRU_KEY.pack(self.tick, h), self._tag, db=self._lru)
 
     def remove(self, hk: bytes, h: int) -> bool:
         """Drop a block's recency; False when it had none (pinned or absent)."""
@@ -89,17 +106,28 @@ class LruOrder:
             self.add(hk, h)
 
     def evict(self, protect: set[int], enough: Callable[[], bool]) -> Iterator[int]:
-        """Victims oldest first, skipping ``protect``, until ``enough()`` holds; each one's
-        recency is gone when it is yielded (the caller removes the block itself)."""
+        """Victims of this order's model oldest first, skipping ``protect``, until
+        ``enough()`` holds; each one's recency is gone when it is yielded (the caller
+        removes the block itself)."""
+        for _model, h in self.evict_any(protect, enough, only=self._model):
+            yield h
+
+    def evict_any(
+        self, protect: set[int], enough: Callable[[], bool], only: int | None = None
+    ) -> Iterator[tuple[int, int]]:
+        """``(model, hash)`` victims of every model (or of model ``only``) oldest first;
+        ``protect`` holds hashes of this order's model that must stay."""
         cur = self._txn.cursor(db=self._lru)
         ok = cur.first()
         while ok and not enough():
             key = bytes(cur.key())
             h = LRU_KEY.unpack(key)[1]
-            if h in protect:
+            model = lru_model(cur.value())
+            if (only is not None and model != only) or (model == self._model and h in protect):
                 ok = cur.next()
                 continue
+            atime = self._atime if model == self._model else self._atime_of(model)  # type: ignore[misc]
             cur.delete()
-            self._txn.delete(BLOCK_KEY.pack(h), db=self._atime)
-            yield h
+            self._txn.delete(BLOCK_KEY.pack(h), db=atime)
+            yield model, h
             ok = cur.set_range(key)

@@ -27,12 +27,14 @@ from typing import Any
 import numpy as np
 
 from ..codec.geometry import Geometry
+from ..protocol import DEFAULT_MODEL
 from .diskformat import (
     BLOCK_KEY,
     JOURNAL_BATCH,
     JOURNAL_BLOCKS,
     JOURNAL_CREATED,
     JOURNAL_HASH_DTYPE,
+    JOURNAL_MODEL,
     JOURNAL_PREFIX,
     JOURNAL_REPLACED,
     JOURNAL_SEQUENCE,
@@ -57,8 +59,12 @@ def lock_path(store_path: str, token: bytes) -> str:
 class RestoreJournal:
     """One restore's journal: a fresh token and its lock file, held until ``release``."""
 
-    def __init__(self, store_path: str, token: bytes | None = None) -> None:
+    def __init__(
+        self, store_path: str, token: bytes | None = None, model: str = DEFAULT_MODEL
+    ) -> None:
         self.token = secrets.token_bytes(JOURNAL_TOKEN_BYTES) if token is None else token
+        self.model = model  # the model whose sub-databases the restore writes
+        self._model_noted = False
         self.path = lock_path(store_path, self.token)
         self._batches = 0
         self._noted: set[bytes] = set()
@@ -91,6 +97,7 @@ class RestoreJournal:
         """Note (in the transaction that adds them) the blocks this restore added."""
         if not hashes:
             return
+        self._note_model(txn, meta)
         key = _key(self.token, JOURNAL_BLOCKS, JOURNAL_BATCH.pack(self._batches))
         txn.put(key, np.asarray(hashes, dtype=JOURNAL_HASH_DTYPE).tobytes(), db=meta)
         self._batches += 1
@@ -100,9 +107,16 @@ class RestoreJournal:
         if key in self._noted:
             return
         self._noted.add(key)
+        self._note_model(txn, dbs.meta)
         old = txn.get(key, None, dbs.seqs)
         value = JOURNAL_CREATED if old is None else JOURNAL_REPLACED + bytes(old)
         txn.put(_key(self.token, JOURNAL_SEQUENCE, key), value, db=dbs.meta)
+
+    def _note_model(self, txn: Any, meta: Any) -> None:
+        # With the first note: a killed restore is undone in the model it wrote.
+        if not self._model_noted:
+            txn.put(_key(self.token, JOURNAL_MODEL), self.model.encode(), db=meta)
+            self._model_noted = True
 
     def release(self, *, unlink: bool = True) -> None:
         """Drop the lock and its file (after ``commit`` or ``rollback``, or on giving up)."""
@@ -143,6 +157,12 @@ def _entries(txn: Any, meta: Any, token: bytes) -> list[tuple[bytes, bytes]]:
                 break
             out.append((key, bytes(value)))
     return out
+
+
+def journal_model(txn: Any, meta: Any, token: bytes) -> str:
+    """The model the restore ``token`` wrote into (``default`` for a journal without one)."""
+    raw = txn.get(_key(token, JOURNAL_MODEL), None, meta)
+    return DEFAULT_MODEL if raw is None else bytes(raw).decode()
 
 
 def commit(txn: Any, meta: Any, token: bytes) -> None:

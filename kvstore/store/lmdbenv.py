@@ -30,7 +30,21 @@ import lmdb
 import numpy as np
 
 from ..errors import StoreError, StoreFullError
-from .diskformat import DB_ATIME, DB_BLOCKS, DB_INDEX, DB_LRU, DB_META, DB_REFS, DB_SEQS, Dbs
+from .diskformat import (
+    DB_ATIME,
+    DB_BLOCKS,
+    DB_EMPTY,
+    DB_EMPTY_INDEX,
+    DB_INDEX,
+    DB_LRU,
+    DB_META,
+    DB_MODELS,
+    DB_REFS,
+    DB_SEQS,
+    MAX_DBS,
+    Dbs,
+    model_db_name,
+)
 from .mapguard import MapGuard
 from .writebehind import WriteBehind
 
@@ -44,7 +58,6 @@ log = logging.getLogger("tlkv.store")
 T = TypeVar("T")
 
 MAP_ALIGN = 2 << 20
-_MAX_DBS = 8
 _MAX_READERS = 512
 _SPARE_TXNS = 8
 _SPACE_SLACK = 16 << 20  # a failed write with less free disk than need + this: disk full
@@ -90,6 +103,7 @@ class LmdbEnv:
 
     def __init__(self, path: str, *, map_size: int, sync: bool, grow_floor: int) -> None:
         self.path = path
+        self.nothing: Dbs | None = None  # set by open()
         self.guard = MapGuard()
         self._grow_floor = grow_floor
         # Read transactions kept open for zero-copy arrays that outlived their reader.
@@ -113,7 +127,7 @@ class LmdbEnv:
                 path,
                 map_size=map_size,
                 subdir=True,
-                max_dbs=_MAX_DBS,
+                max_dbs=MAX_DBS,
                 sync=sync,
                 metasync=sync,
                 readahead=False,
@@ -124,11 +138,15 @@ class LmdbEnv:
             self.psize = int(self.env.stat()["psize"])
         except lmdb.Error as exc:
             raise StoreError(f"cannot open an LMDB environment in {path}: {exc}") from exc
+        # LMDB: one sub-database open at a time in a process (mdb_dbi_open's rule).
+        self._dbi_lock = threading.Lock()
         # Only durable commits wait for the disk; without sync the kernel writes later.
         self._write_behind = WriteBehind(os.path.join(path, "data.mdb"), enabled=sync)
 
     def open(self, check: Callable[[Any, Dbs], None]) -> Dbs:
-        """Open (creating) every sub-database in one write transaction, run ``check``."""
+        """Open (creating) every shared sub-database and the default model's in one write
+        transaction, run ``check``; returns the default model's handles (``nothing``
+        becomes the handles a model not created yet reads: ``DB_EMPTY``)."""
         env = self.env
         for _attempt in range(8):
             try:
@@ -143,14 +161,48 @@ class LmdbEnv:
                         atime=env.open_db(DB_ATIME, txn=txn),
                         lru=env.open_db(DB_LRU, txn=txn),
                         seqs=env.open_db(DB_SEQS, txn=txn),
+                        models=env.open_db(DB_MODELS, txn=txn),
+                    )
+                    empty = env.open_db(DB_EMPTY, txn=txn)
+                    nothing = dbs._replace(
+                        blocks=empty,
+                        index=env.open_db(
+                            DB_EMPTY_INDEX, txn=txn, dupsort=True, dupfixed=True, integerdup=True
+                        ),
+                        refs=empty,
+                        atime=empty,
+                        seqs=empty,
+                        number=-1,
                     )
                     check(txn, dbs)
+                self.nothing = nothing
                 return dbs
             except lmdb.MapResizedError:
                 env.set_mapsize(0)
             except lmdb.MapFullError:
                 env.set_mapsize(2 * env.info()["map_size"])
         raise StoreError(f"cannot open the store in {self.path}: the map keeps changing size")
+
+    def open_model(self, shared: Dbs, number: int) -> Dbs:
+        """The sub-databases of model ``number`` > 0 (created if missing), opened in a write
+        transaction of their own (LMDB closes handles opened by an aborted one)."""
+        env = self.env
+
+        def body(txn: Any) -> Dbs:
+            def db(name: bytes, **flags: bool) -> Any:
+                return env.open_db(model_db_name(name, number), txn=txn, **flags)
+
+            return shared._replace(
+                blocks=db(DB_BLOCKS),
+                index=db(DB_INDEX, dupsort=True, dupfixed=True, integerdup=True),
+                refs=db(DB_REFS),
+                atime=db(DB_ATIME),
+                seqs=db(DB_SEQS),
+                number=number,
+            )
+
+        with self._dbi_lock:
+            return self.write(body)
 
     def close(self, sync: bool) -> None:
         """Wait for this process's transactions to end, then close (after an fsync).

@@ -16,6 +16,11 @@ Choices:
 - A block failing its CRC is removed from the block space and counted; sequences keep
   their reference, and ``get_sequence`` returns None until a block with that hash is put
   again. A sequence record failing its own CRC is removed and every pin recounted.
+- Models (namespaces): ``Store.model(id)`` is a handle on one model's blocks and
+  sequences, with this whole API; the ``Store`` itself is the model ``default``. A
+  model is created by its first write (reads of a model not created yet find nothing),
+  its geometry fixed by its first put. Capacity and the LRU order are store-wide; a
+  handle's ``quota_bytes`` bounds its model's bytes (evicting its own blocks first).
 - Recency: reads record hits in process memory; the next write transaction, a background
   flush at most every ``_FLUSH_INTERVAL`` seconds, or ``close`` persists them (LRU order
   is approximate across processes and survives reopening).
@@ -55,7 +60,7 @@ from ..errors import (
     UnconvertibleError,
     UnsupportedVersionError,
 )
-from ..protocol import check_sequence_name
+from ..protocol import DEFAULT_MODEL, check_model_id, check_sequence_name
 from .diskformat import (
     BLOCK_KEY,
     COUNTER_KEYS,
@@ -66,16 +71,20 @@ from .diskformat import (
     META_FORMAT_VALUE,
     META_GEOMETRY,
     META_GEOMETRY_VALUE,
+    MODEL_COUNTER_KEYS,
     STORE_FORMAT,
+    STORE_FORMATS,
     Dbs,
     counter,
+    model_counter_key,
     parse_sequence,
 )
 from .eviction import RecencyBuffer
-from .journal import RestoreJournal, commit, pending, rollback
+from .journal import RestoreJournal, commit, journal_model, pending, rollback
 from .keyset import KeySet, hash_array
 from .lmdbenv import MAP_ALIGN, LmdbEnv
 from .reader import KvSpec, Reader, ReadSnapshot, assemble_sequence, reader_consts
+from .registry import Reclaim, Registry, UnknownModel
 from .writetxn import CrcMismatch, WriteTxn
 
 __all__ = ["PutReport", "PutResult", "Reader", "Store"]
@@ -86,6 +95,7 @@ _INITIAL_MAP_SIZE = 64 << 20  # LMDB map of a new store without a capacity; grow
 _FLUSH_INTERVAL = 5.0  # seconds: pending read hits are persisted at least this often
 
 T = TypeVar("T")
+
 
 _open_stores: weakref.WeakSet[Store] = weakref.WeakSet()
 
@@ -129,6 +139,13 @@ def _check_hash(block_hash: Any) -> int:
     if not 0 <= h <= U64_MAX:
         raise ValueError(f"a block hash must fit u64, found {h}")
     return h
+
+
+def _check_bound(what: str, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise TypeError(f"{what} must be an int, found {type(value).__name__}")
+    if value is not None and value <= 0:
+        raise ValueError(f"{what} must be > 0, found {value}")
 
 
 def _seq_key(name: Any) -> bytes:
@@ -223,12 +240,7 @@ class Store:
             raise ValueError(f"map_bytes must be > 0, found {map_bytes}")
         if geometry is not None and not isinstance(geometry, Geometry):
             raise TypeError(f"geometry must be a Geometry, found {type(geometry).__name__}")
-        if capacity_bytes is not None and (
-            isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int)
-        ):
-            raise TypeError(f"capacity_bytes must be an int, found {type(capacity_bytes).__name__}")
-        if capacity_bytes is not None and capacity_bytes <= 0:
-            raise ValueError(f"capacity_bytes must be > 0, found {capacity_bytes}")
+        _check_bound("capacity_bytes", capacity_bytes)
         self._path = os.fspath(path)
         self._capacity = capacity_bytes
         self._sync = bool(sync)
@@ -256,6 +268,14 @@ class Store:
             self._env.close()
             raise
         self._keys = KeySet(self._dbs)
+        self._root = self
+        self._pending: int | None = None  # a number this model claims by its first write
+        self._model = DEFAULT_MODEL
+        self._quota: int | None = None
+        assert self._lmdb.nothing is not None
+        self._registry = Registry(self._lmdb, self._dbs, self._lmdb.nothing, self._path)
+        self._handles: dict[tuple[str, int | None], Store] = {}
+        self._handles_lock = threading.RLock()
         self._closed = False
         self._pid = os.getpid()
         _open_stores.add(self)
@@ -266,10 +286,10 @@ class Store:
         fmt = txn.get(META_FORMAT, None, dbs.meta)
         if fmt is None:
             txn.put(META_FORMAT, META_FORMAT_VALUE.pack(STORE_FORMAT), db=dbs.meta)
-        elif META_FORMAT_VALUE.unpack(fmt)[0] != STORE_FORMAT:
+        elif META_FORMAT_VALUE.unpack(fmt)[0] not in STORE_FORMATS:
             raise StoreError(
                 f"{self._path}: store format {META_FORMAT_VALUE.unpack(fmt)[0]} is not "
-                f"supported (expected {STORE_FORMAT})"
+                f"supported (expected one of {STORE_FORMATS})"
             )
         raw = txn.get(META_GEOMETRY, None, dbs.meta)
         stored = None if raw is None else Geometry(*META_GEOMETRY_VALUE.unpack(raw))
@@ -281,6 +301,147 @@ class Store:
         if stored is None and geometry is not None:
             txn.put(META_GEOMETRY, META_GEOMETRY_VALUE.pack(*geometry.as_tuple()), db=dbs.meta)
         self._geometry = stored or geometry
+
+    # --- models ---------------------------------------------------------------------------
+
+    def model(
+        self,
+        model_id: str,
+        *,
+        geometry: Geometry | None = None,
+        quota_bytes: int | None = None,
+    ) -> Store:
+        """A handle on the model (namespace) ``model_id`` of this store, with this whole API.
+
+        Its blocks, sequences, geometry and stats are its own: the same hash in two models
+        is two blocks. The model is created by its first write; until then reads find
+        nothing. The handle lives as long as the store (``close`` of the store closes it).
+
+        Args:
+            model_id: 1-200 characters of ``[A-Za-z0-9._:@/+-]``; ``"default"`` is the
+                store's own model (the only one of stores made before models).
+            geometry: the model's geometry (checked like ``Store``'s).
+            quota_bytes: bound on this model's stored bytes, enforced by this handle: a
+                put beyond it first evicts the model's own least-recently-used blocks.
+
+        Raises:
+            ValueError: a bad model id.  ShapeError: the model holds another geometry.
+        """
+        root = self._root
+        root._check_usable()
+        model_id = check_model_id(model_id)
+        _check_bound("quota_bytes", quota_bytes)
+        if geometry is not None and not isinstance(geometry, Geometry):
+            raise TypeError(f"geometry must be a Geometry, found {type(geometry).__name__}")
+        if model_id == DEFAULT_MODEL and quota_bytes is None:
+            handle = root
+        else:
+            with root._handles_lock:
+                handle = root._handles.get((model_id, quota_bytes))  # type: ignore[assignment]
+                if handle is None or handle._closed:
+                    handle = root._handles[(model_id, quota_bytes)] = Store._handle(
+                        root, model_id, quota_bytes
+                    )
+        stored = handle.geometry
+        if geometry is not None and stored is not None and stored != geometry:
+            raise ShapeError(
+                f"the model {model_id!r} in {self._path} holds geometry {stored.as_tuple()}, "
+                f"opened with {geometry.as_tuple()}"
+            )
+        if geometry is not None and stored is None:
+            handle = Store._handle(root, model_id, quota_bytes)  # its own, unshared geometry
+            handle._geometry = geometry
+        return handle
+
+    @classmethod
+    def _handle(cls, root: Store, model_id: str, quota: int | None) -> Store:
+        """A handle on one model sharing ``root``'s environment."""
+        h = cls.__new__(cls)
+        for name in (
+            "_path", "_capacity", "_sync", "_allow_nonfinite", "_lmdb", "_env", "_pid",
+            "_pool_lock", "_registry", "_handles", "_handles_lock",
+        ):  # fmt: skip
+            setattr(h, name, getattr(root, name))
+        h._root = root
+        h._model = model_id
+        h._quota = quota
+        h._closed = h._forked = False
+        h._geometry = None
+        h._recency = RecencyBuffer()
+        h._flush_lock = threading.Lock()
+        h._last_flush = time.monotonic()
+        h._pool = None
+        h._rconsts = None
+        h._pending = None
+        h.hits = h.misses = 0
+        if model_id == DEFAULT_MODEL:
+            h._dbs, h._keys = root._dbs, root._keys
+        else:
+            h._dbs, h._keys = root._registry.nothing, KeySet(root._registry.nothing)
+            h._resolve(create=False)
+        _open_stores.add(h)
+        return h
+
+    def _resolve(self, create: bool) -> None:
+        """Find this handle's model and open its sub-databases; with ``create``, a model
+        not registered yet gets the next free number, claimed by the write (``_claim``)."""
+        if self._dbs.number >= 0 and self._pending is None:
+            return
+        registry = self._registry
+        self._check_usable()
+        txn = self._lmdb.begin_read(False)
+        try:
+            number, last = registry.lookup(txn, self._model)
+        finally:
+            self._end_read(txn)
+        if number is not None:
+            self._pending = None
+        elif create:
+            number = self._pending = last + 1  # its sub-databases exist from now, empty
+        else:
+            pending = self._pending
+            if pending is not None and pending <= last:  # another model took the number
+                nothing = registry.nothing
+                self._keys, self._dbs, self._pending = KeySet(nothing), nothing, None
+            return
+        dbs = registry.dbs(number)
+        self._keys = KeySet(dbs)  # before _dbs: a concurrent read sees a consistent pair
+        self._dbs = dbs
+
+    def _created(self) -> bool:
+        """Whether this handle's model exists (looked up again while it does not)."""
+        if self._dbs.number < 0 or self._pending is not None:
+            self._resolve(create=False)
+        return self._dbs.number >= 0 and self._pending is None
+
+    @property
+    def model_id(self) -> str:
+        """The model this handle reads and writes (``"default"`` for the store itself)."""
+        return self._model
+
+    @property
+    def quota_bytes(self) -> int | None:
+        """The bound this handle keeps its model's bytes under (None: only the capacity)."""
+        return self._quota
+
+    def models(self) -> list[str]:
+        """Every model of the store, sorted (``"default"`` always among them)."""
+        txn = self._begin_read(True)
+        try:
+            return sorted({DEFAULT_MODEL, *self._registry.names(txn)})
+        finally:
+            self._end_read(txn)
+
+    def has_model(self, model_id: str) -> bool:
+        """Whether ``model_id`` exists (``"default"`` always does)."""
+        if model_id == DEFAULT_MODEL:
+            return True
+        check_model_id(model_id)
+        txn = self._begin_read(False)
+        try:
+            return self._registry.exists(txn, model_id)
+        finally:
+            self._end_read(txn)
 
     # --- properties and life cycle -----------------------------------------------------
 
@@ -311,12 +472,28 @@ class Store:
         return self._capacity
 
     def close(self) -> None:
-        """Persist pending recency, wait for this process's open readers, close LMDB."""
+        """Persist pending recency, wait for this process's open readers, close LMDB (a
+        model's handle: persist its recency; the store stays open)."""
         if self._closed:
             return
         if self._forked:
             self._closed = True  # the parent's environment is not ours to close
             return
+        if self._root is not self:
+            with self._flush_lock:
+                if len(self._recency) and not self._root._closed:
+                    try:
+                        self._write(lambda w: None)
+                    except StoreError as exc:
+                        log.warning("%s: could not persist recency on close: %s", self._path, exc)
+                self._closed = True
+            _open_stores.discard(self)
+            return
+        with self._handles_lock:
+            handles = list(self._handles.values())
+            self._handles.clear()
+        for handle in handles:
+            handle.close()
         with self._flush_lock:
             if len(self._recency):
                 try:
@@ -343,15 +520,16 @@ class Store:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "open"
-        return f"Store({self._path!r}, geometry={self._geometry}, {state})"
+        state = "closed" if self._closed or self._root._closed else "open"
+        model = "" if self._model == DEFAULT_MODEL else f", model={self._model!r}"
+        return f"Store({self._path!r}{model}, geometry={self._geometry}, {state})"
 
     # --- transactions --------------------------------------------------------------------
 
     def _check_usable(self) -> None:
-        if self._closed:
+        if self._closed or self._root._closed:
             raise StoreError(f"the store {self._path} is closed")
-        if self._forked:
+        if self._forked or self._root._forked:
             raise StoreError(
                 f"the store {self._path} was opened in process {self._pid}; "
                 "open stores after fork, in the process that uses them"
@@ -387,6 +565,8 @@ class Store:
     def _begin_read(self, buffers: bool) -> Any:
         """A read transaction holding the map guard; end it with ``_end_read``."""
         self._check_usable()
+        if self._dbs.number < 0 or self._pending is not None:  # created elsewhere since?
+            self._resolve(create=False)
         return self._lmdb.begin_read(buffers)
 
     def _end_read(self, txn: Any) -> None:
@@ -401,30 +581,50 @@ class Store:
         taken = self._recency.take()
 
         def run(txn: Any) -> tuple[T, WriteTxn]:
-            w = WriteTxn(txn, self._dbs, self._capacity, self._helper_pool, self._path)
+            w = WriteTxn(
+                txn,
+                self._dbs,
+                self._capacity,
+                self._helper_pool,
+                self._path,
+                quota=self._quota,
+                dbs_of=self._registry.opened,
+            )
+            if self._pending is not None:
+                self._registry.claim(txn, self._model, self._pending)
             for h in taken:
                 w.touch(h)
             result = body(w)
             w.save()
             return result, w
 
-        try:
-            result, w = self._lmdb.write(run, need)
-        except BaseException:
-            self._recency.restore(taken)
-            raise
+        while True:
+            try:
+                result, w = self._lmdb.write(run, need)
+                break
+            except UnknownModel as exc:  # evicting a model created by another process
+                self._registry.dbs(exc.number)
+            except Reclaim:
+                self._resolve(create=True)
+            except BaseException:
+                self._recency.restore(taken)
+                raise
         self._last_flush = time.monotonic()
+        self._pending = None
         for hook in w.after_commit:
             hook()
         return result
 
     def _helper_pool(self) -> ThreadPoolExecutor:
-        with self._pool_lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(1, thread_name_prefix="tlkv-store-stage")
-            return self._pool
+        root = self._root
+        with root._pool_lock:
+            if root._pool is None:
+                root._pool = ThreadPoolExecutor(1, thread_name_prefix="tlkv-store-stage")
+            return root._pool
 
     def _stored_geometry(self, txn: Any) -> Geometry | None:
+        if self._model != DEFAULT_MODEL:
+            return self._registry.geometry(txn, self._model)
         raw = txn.get(META_GEOMETRY, None, self._dbs.meta)
         return None if raw is None else Geometry(*META_GEOMETRY_VALUE.unpack(raw))
 
@@ -445,7 +645,9 @@ class Store:
         if self._geometry is not None:
             return  # decode checked the envelope against it already
         stored = self._stored_geometry(w.txn)
-        if stored is None:
+        if stored is None and self._model != DEFAULT_MODEL:
+            self._registry.set_geometry(w.txn, self._model, w.dbs.number, geometry)
+        elif stored is None:
             w.txn.put(META_GEOMETRY, META_GEOMETRY_VALUE.pack(*geometry.as_tuple()), db=w.dbs.meta)
         elif stored != geometry:
             raise ShapeError(
@@ -517,6 +719,7 @@ class Store:
     def put_report(self, envelope: Any) -> PutReport:
         """``put``, reporting the hashes stored and already present (the HTTP reply)."""
         env = self._validate(envelope)
+        self._resolve(create=True)
 
         def body(w: WriteTxn) -> PutReport:
             self._adopt_geometry(w, env.geometry)
@@ -541,6 +744,7 @@ class Store:
         key = _seq_key(name)
         env = self._validate(envelope)
         _check_sequence_blocks(env)
+        self._resolve(create=True)
 
         def body(w: WriteTxn) -> PutResult:
             self._adopt_geometry(w, env.geometry)
@@ -574,6 +778,8 @@ class Store:
             geometry = geometry or env.geometry
             _check_sequence_blocks(env)
             seqs.append((key, env))
+        if envs or seqs:
+            self._resolve(create=True)
 
         def body(w: WriteTxn) -> PutResult:
             if geometry is not None:
@@ -605,7 +811,7 @@ class Store:
         """A journal for one restore's ``import_batch`` calls, to pass to ``end_restore``:
         until then, a process that opens the store after the restore's died undoes it."""
         self._check_usable()
-        return RestoreJournal(self._path)
+        return RestoreJournal(self._path, model=self._model)
 
     def end_restore(self, journal: RestoreJournal, *, keep: bool) -> None:
         """Finish a restore: ``keep`` what it imported (one commit), or undo it.
@@ -626,19 +832,22 @@ class Store:
         """Undo the restores whose process died before they finished (``journal``)."""
         txn = self._begin_read(False)
         try:
-            tokens = pending(txn, self._dbs.meta)
+            tokens = [
+                (t, journal_model(txn, self._dbs.meta, t)) for t in pending(txn, self._dbs.meta)
+            ]
         finally:
             self._end_read(txn)
-        for token in tokens:
+        for token, model in tokens:
             claimed = RestoreJournal.claim(self._path, token)
             if claimed is None:
                 continue  # its restore still runs
+            handle = self.model(model)
 
-            def undo(w: WriteTxn, token: bytes = token) -> tuple[int, int]:
-                return rollback(w, token, self._geometry_in(w.txn))
+            def undo(w: WriteTxn, token: bytes = token, handle: Store = handle) -> tuple[int, int]:
+                return rollback(w, token, handle._geometry_in(w.txn))
 
             try:
-                removed, seqs = self._write(undo)
+                removed, seqs = handle._write(undo)
             except StoreError as exc:  # the next open tries again
                 log.warning("%s: could not undo an unfinished restore: %s", self._path, exc)
                 continue
@@ -661,6 +870,8 @@ class Store:
         """
         h = _check_hash(block_hash)
         hk = BLOCK_KEY.pack(h)
+        if not self._created():
+            return False
 
         def body(w: WriteTxn) -> bool:
             value = w.txn.get(hk, None, w.dbs.blocks)
@@ -682,6 +893,8 @@ class Store:
     def delete_sequence(self, name: str) -> bool:
         """Drop a sequence and its pins; False when absent."""
         key = _seq_key(name)
+        if not self._created():
+            return False
         return self._write(lambda w: w.drop_sequence(key, self._geometry_in(w.txn)))
 
     def _quarantine(self, hashes: list[int]) -> None:
@@ -879,13 +1092,40 @@ class Store:
         finally:
             self._end_read(txn)
 
+    def _counters(self, txn: Any) -> dict[bytes, int]:
+        """The meta counters as this handle's model sees them (``COUNTER_KEYS``)."""
+        meta = self._dbs.meta
+        counters = {key: counter(txn.get(key, None, meta)) for key in COUNTER_KEYS}
+        number = self._dbs.number
+        if number < 0:
+            return dict.fromkeys(counters, 0)
+        for key in MODEL_COUNTER_KEYS:
+            if number > 0:
+                counters[key] = counter(txn.get(model_counter_key(key, number), None, meta))
+                continue
+            prefix = key + b"@"  # the default model's: the totals minus every other model's
+            cur = txn.cursor(db=meta)
+            ok = cur.set_range(prefix)
+            while ok and bytes(cur.key()).startswith(prefix):
+                counters[key] -= counter(cur.value())
+                ok = cur.next()
+        return counters
+
+    def total_bytes(self) -> int:
+        """The bytes stored by every model together (what ``capacity_bytes`` bounds)."""
+        txn = self._begin_read(False)
+        try:
+            return counter(txn.get(META_BYTES, None, self._dbs.meta))
+        finally:
+            self._end_read(txn)
+
     def stats(self) -> dict[str, int | None]:
         """blocks, bytes, capacity_bytes, pinned_blocks, sequences, hits, misses, evictions,
         corrupt (hits and misses: this process's reads since it opened the store)."""
-        dbs = self._dbs
         txn = self._begin_read(True)
+        dbs = self._dbs
         try:
-            counters = {key: counter(txn.get(key, None, dbs.meta)) for key in COUNTER_KEYS}
+            counters = self._counters(txn)
             pinned = txn.stat(dbs.refs)["entries"]
             if counters[META_CORRUPT]:  # a quarantined block may still be referenced
                 refs = txn.cursor(db=dbs.refs).iternext(values=False)

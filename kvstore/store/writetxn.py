@@ -4,6 +4,11 @@
 and ``index`` together; an unpinned block has one ``atime`` tick and the matching
 ``lru`` entry, a pinned one has neither; ``refs`` counts the sequence positions served
 from the block space; the ``bytes`` counter is the size of every stored value.
+
+A transaction writes one model's sub-databases (``dbs``); capacity eviction may remove
+any model's blocks (the LRU order is store-wide), a quota's only its own model's. Each
+change is counted in the store totals and, for a model other than the default, in that
+model's own counters too (``diskformat``).
 """
 
 from __future__ import annotations
@@ -33,9 +38,12 @@ from .diskformat import (
     COUNTER_KEYS,
     INDEX_KEY,
     INDEX_VALUE,
+    META_BYTES,
+    MODEL_COUNTER_KEYS,
     REFCOUNT,
     Dbs,
     counter,
+    model_counter_key,
     pack_sequence,
     parse_sequence,
 )
@@ -82,17 +90,60 @@ class WriteTxn:
         capacity: int | None,
         pool: Callable[[], ThreadPoolExecutor],
         path: str,
+        *,
+        quota: int | None = None,
+        dbs_of: Callable[[int], Dbs] | None = None,
     ) -> None:
         self.txn = txn
         self.dbs = dbs
         self.capacity = capacity
+        self.quota = quota
+        self._dbs_of = dbs_of
         self._pool = pool
         self.path = path
         self._loaded = tuple(counter(txn.get(key, None, dbs.meta)) for key in COUNTER_KEYS)
         self.bytes, tick, self.evictions, self.corrupt = self._loaded
-        self.lru = LruOrder(txn, dbs.atime, dbs.lru, tick)
+        self.lru = LruOrder(txn, dbs.atime, dbs.lru, tick, dbs.number, self._atime_of)
         self.protect: set[int] = set()  # hashes this transaction must not evict
         self.after_commit: list[Callable[[], None]] = []
+        # model number -> changes of its (bytes, evictions, corrupt) in this transaction
+        self._deltas: dict[int, list[int]] = {}
+
+    def _atime_of(self, model: int) -> Any:
+        return self._other(model).atime
+
+    def _other(self, model: int) -> Dbs:
+        if model == self.dbs.number:
+            return self.dbs
+        if self._dbs_of is None:
+            raise KeyError(model)
+        return self._dbs_of(model)
+
+    def _count(self, model: int, field: int, amount: int) -> None:
+        """Note a change of a model's bytes (0), evictions (1) or corrupt (2) counter."""
+        deltas = self._deltas.get(model)
+        if deltas is None:
+            deltas = self._deltas[model] = [0, 0, 0]
+        deltas[field] += amount
+
+    def model_bytes(self) -> int:
+        """The bytes stored by this transaction's model, as of now."""
+        model = self.dbs.number
+        if model:
+            key = model_counter_key(META_BYTES, model)
+            return counter(self.txn.get(key, None, self.dbs.meta)) + self._delta(model, 0)
+        others = sum(d[0] for m, d in self._deltas.items() if m)  # the total minus those
+        prefix = META_BYTES + b"@"
+        cur = self.txn.cursor(db=self.dbs.meta)
+        ok = cur.set_range(prefix)
+        while ok and bytes(cur.key()).startswith(prefix):
+            others += counter(cur.value())
+            ok = cur.next()
+        return self.bytes - others
+
+    def _delta(self, model: int, field: int) -> int:
+        deltas = self._deltas.get(model)
+        return 0 if deltas is None else deltas[field]
 
     def save(self) -> None:
         """Write back the counters that changed (before commit)."""
@@ -100,6 +151,14 @@ class WriteTxn:
         for key, old, new in zip(COUNTER_KEYS, self._loaded, values):
             if old != new:
                 self.txn.put(key, COUNTER.pack(new), db=self.dbs.meta)
+        for model, deltas in self._deltas.items():
+            if not model:
+                continue  # the default model's counters are the totals minus the others'
+            for base, amount in zip(MODEL_COUNTER_KEYS, deltas):
+                if amount:
+                    key = model_counter_key(base, model)
+                    value = counter(self.txn.get(key, None, self.dbs.meta)) + amount
+                    self.txn.put(key, COUNTER.pack(value), db=self.dbs.meta)
 
     def touch(self, h: int) -> None:
         """A use of a stored block (the eviction policy's input)."""
@@ -112,6 +171,7 @@ class WriteTxn:
         self.txn.put(hk, value, db=self.dbs.blocks)
         self.txn.put(INDEX_KEY, INDEX_VALUE.pack(h), db=self.dbs.index)
         self.bytes += len(value)
+        self._count(self.dbs.number, 0, len(value))
         if self.txn.get(hk, None, self.dbs.refs) is None:
             self.lru.add(hk, h)
 
@@ -120,6 +180,7 @@ class WriteTxn:
         self.txn.delete(INDEX_KEY, INDEX_VALUE.pack(h), db=self.dbs.index)
         self.lru.remove(hk, h)
         self.bytes -= size
+        self._count(self.dbs.number, 0, -size)
 
     def pin(self, h: int, count: int) -> None:
         hk = BLOCK_KEY.pack(h)
@@ -141,31 +202,56 @@ class WriteTxn:
             self.lru.add(hk, h)  # unpinned blocks re-enter the LRU as recently used
 
     def make_room(self, need: int) -> None:
-        """Evict least-recently-used unpinned blocks until ``need`` more bytes fit.
+        """Evict least-recently-used unpinned blocks until ``need`` more bytes fit: this
+        model's until its quota holds them, then any model's until the capacity does.
 
         Raises:
             StoreFullError: they cannot fit even after evicting every evictable block
                 (the transaction is aborted: nothing is evicted either).
         """
+        quota = self.quota
+        if quota is not None:
+            used = [self.model_bytes()]  # a cell: the predicate reads it as victims go
+            if used[0] + need > quota:
+                victims = self.lru.evict_any(
+                    self.protect, lambda: used[0] + need <= quota, only=self.dbs.number
+                )
+                for m, h in victims:
+                    used[0] -= self._evict(m, h)
+                if used[0] + need > quota:
+                    raise StoreFullError(
+                        f"a write of {need} bytes does not fit in this model's "
+                        f"quota_bytes={quota}: {used[0]} bytes stay stored (pinned by "
+                        "sequences or part of this write) after evicting every other block "
+                        "of the model; nothing was stored"
+                    )
         cap = self.capacity
         if cap is None or self.bytes + need <= cap:
             return
-        txn, dbs = self.txn, self.dbs
-        for h in self.lru.evict(self.protect, lambda: self.bytes + need <= cap):
-            hk = BLOCK_KEY.pack(h)
-            value = txn.get(hk, None, dbs.blocks)
-            if value is not None:
-                size = len(value)  # before any write moves pages
-                txn.delete(hk, db=dbs.blocks)
-                txn.delete(INDEX_KEY, INDEX_VALUE.pack(h), db=dbs.index)
-                self.bytes -= size
-                self.evictions += 1
+        for m, h in self.lru.evict_any(self.protect, lambda: self.bytes + need <= cap):
+            self._evict(m, h)
         if self.bytes + need > cap:
             raise StoreFullError(
                 f"a write of {need} bytes does not fit in capacity_bytes={cap}: "
                 f"{self.bytes} bytes stay stored (pinned by sequences or part of this write) "
                 "after evicting every other block; nothing was stored"
             )
+
+    def _evict(self, model: int, h: int) -> int:
+        """Remove an LRU victim of ``model`` (its recency is gone already); its size."""
+        txn, dbs = self.txn, self._other(model)
+        hk = BLOCK_KEY.pack(h)
+        value = txn.get(hk, None, dbs.blocks)
+        if value is None:
+            return 0
+        size = len(value)  # before any write moves pages
+        txn.delete(hk, db=dbs.blocks)
+        txn.delete(INDEX_KEY, INDEX_VALUE.pack(h), db=dbs.index)
+        self.bytes -= size
+        self.evictions += 1
+        self._count(model, 0, -size)
+        self._count(model, 1, 1)
+        return size
 
     def quarantine(self, h: int, still_bad: Callable[[Any], bool]) -> bool:
         """Remove a block that fails its CRC (if it still does); count and log it."""
@@ -175,6 +261,7 @@ class WriteTxn:
             return False  # gone already, or put again since
         self.remove_block(hk, h, len(value))
         self.corrupt += 1
+        self._count(self.dbs.number, 2, 1)
         log.warning(
             "%s: block %016x failed its CRC-32C; quarantined (removed from the block space, "
             "counted in stats()['corrupt'])",
@@ -329,6 +416,7 @@ class WriteTxn:
         self.write_records(env, hashes, new)
         txn.put(key, sequence, db=self.dbs.seqs)
         self.bytes += len(sequence)
+        self._count(self.dbs.number, 0, len(sequence))
         return stored, duplicate, partial
 
     def drop_sequence(self, key: bytes, geometry: Geometry | None) -> bool:
@@ -345,6 +433,7 @@ class WriteTxn:
         pins = Counter(seq.referenced())
         self.txn.delete(key, db=self.dbs.seqs)
         self.bytes -= size
+        self._count(self.dbs.number, 0, -size)
         for h, count in pins.items():
             self.unpin(h, count)
         return True
@@ -353,6 +442,8 @@ class WriteTxn:
         self.txn.delete(key, db=self.dbs.seqs)
         self.bytes -= size
         self.corrupt += 1
+        self._count(self.dbs.number, 0, -size)
+        self._count(self.dbs.number, 2, 1)
         log.warning(
             "%s: sequence record %r failed its CRC-32C; removed (counted in "
             "stats()['corrupt']) and every pin recounted",

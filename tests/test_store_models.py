@@ -1,0 +1,337 @@
+"""Models (namespaces) of one store: isolation, geometries, stats, quota and store-wide
+eviction, the registry, and a store written before models existed.
+
+Every test runs a real LMDB environment under ``tmp_path``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import SMALL, make_blocks, make_envelope
+
+import kvstore.store.diskformat as L
+from kvstore import Block, Geometry, ShapeError, Store, StoreError, StoreFullError, decode, encode
+
+REPO = Path(__file__).resolve().parent.parent
+VECTORS = REPO / "tests" / "vectors"
+OTHER = Geometry(block_tokens=8, n_layers=1, n_kv_heads=1, head_dim=4)
+SINGLE = SMALL.envelope_bytes(1)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    with Store(tmp_path / "store") as s:
+        yield s
+
+
+def singles(n: int, seed: int, geometry: Geometry = SMALL) -> list[bytes]:
+    """``n`` single-block envelopes of one chain."""
+    blocks = make_blocks(geometry, n * geometry.block_tokens, seed)
+    return [encode(geometry, [b]) for b in blocks]
+
+
+def hashes_of(envelope: bytes) -> list[int]:
+    return [int(h) for h in decode(envelope).hashes if h]
+
+
+def meta_counter(s: Store, key: bytes) -> int:
+    txn = s._begin_read(False)
+    try:
+        return L.counter(txn.get(key, None, s._dbs.meta))
+    finally:
+        s._end_read(txn)
+
+
+def check_models(root: Store) -> None:
+    """Per model: index = blocks, counters = stored values; store-wide: LRU = every
+    model's unpinned blocks, totals = the sum of the models'."""
+    total = 0
+    lru_want: set[tuple[int, int, int]] = set()  # (tick, hash, model)
+    for model in root.models():
+        s = root.model(model)
+        dbs = s._dbs
+        txn = s._begin_read(True)
+        try:
+            blocks = {bytes(k): len(v) for k, v in txn.cursor(db=dbs.blocks)}
+            seqs = sum(len(v) for v in txn.cursor(db=dbs.seqs).iternext(keys=False))
+            refs = {bytes(k) for k in txn.cursor(db=dbs.refs).iternext(values=False)}
+            atime = {bytes(k): L.COUNTER.unpack(v)[0] for k, v in txn.cursor(db=dbs.atime)}
+            cur = txn.cursor(db=dbs.index)
+            dups = list(cur.iternext_dup(keys=False)) if cur.set_key(L.INDEX_KEY) else []
+        finally:
+            s._end_read(txn)
+        assert sorted(L.INDEX_VALUE.unpack(v)[0] for v in dups) == sorted(
+            L.BLOCK_KEY.unpack(k)[0] for k in blocks
+        )
+        assert s.stats()["bytes"] == sum(blocks.values()) + seqs
+        assert set(atime) == {k for k in blocks if k not in refs}
+        number = max(dbs.number, 0)
+        lru_want |= {(t, L.BLOCK_KEY.unpack(k)[0], number) for k, t in atime.items()}
+        total += sum(blocks.values()) + seqs
+    assert root.total_bytes() == total
+    txn = root._begin_read(True)
+    try:
+        lru = {
+            (*L.LRU_KEY.unpack(bytes(k)), L.lru_model(v)) for k, v in txn.cursor(db=root._dbs.lru)
+        }
+    finally:
+        root._end_read(txn)
+    assert lru == lru_want
+
+
+# --- isolation ----------------------------------------------------------------------------
+
+
+def test_two_models_with_one_geometry_never_see_each_others_blocks(store: Store) -> None:
+    base, tuned = store.model("meta-llama/Llama-3.1-8B@5206a32/bf16"), store.model("tuned+v2")
+    blocks = make_blocks(SMALL, 4 * 3 + 1, seed=7)
+    prompt = encode(SMALL, blocks)
+    other = encode(SMALL, [Block(b.hash, b.n_tokens, b.kv + 1) for b in blocks])  # other KV
+    assert hashes_of(prompt) == hashes_of(other)
+    hashes = hashes_of(prompt)
+    assert base.put(prompt).stored == 3
+    assert tuned.has(hashes) == [False] * 3 and tuned.longest_prefix(hashes) == 0
+    assert store.has(hashes) == [False] * 3  # the default model is a model too
+    assert tuned.get(hashes[0]) is None and tuned.get_buffers(hashes) == []
+    with tuned.reader() as r:
+        assert r.view(hashes[0]) is None and list(r.iter_blocks()) == []
+    assert tuned.put(other).stored == 3  # not a duplicate: another model's block
+    assert base.get(hashes[0]) != tuned.get(hashes[0])
+    assert base.get(hashes[0]) == decode(prompt).single(0)
+    assert tuned.get(hashes[0]) == decode(other).single(0)
+    base.put_sequence("chat", prompt)
+    assert tuned.get_sequence("chat") is None and tuned.sequences() == []
+    assert base.get_sequence("chat") == prompt
+    assert tuned.delete(hashes[1]) and tuned.has(hashes) == [True, False, True]
+    assert base.has(hashes) == [True, True, True]
+    check_models(store)
+
+
+def test_a_model_not_created_reads_nothing_and_is_created_by_its_first_write(
+    store: Store,
+) -> None:
+    m = store.model("later")
+    assert m.geometry is None and m.has([1, 2]) == [False, False] and m.get(1) is None
+    assert m.sequences() == [] and m.delete(1) is False and m.delete_sequence("x") is False
+    assert m.stats()["blocks"] == 0 and m.stats()["bytes"] == 0
+    assert store.models() == ["default"] and not store.has_model("later")
+    m.put(make_envelope(SMALL, 8, seed=1))
+    assert store.models() == ["default", "later"] and store.has_model("later")
+    assert store.model("later") is m  # one handle per model (and quota) per store
+    assert m.model_id == "later" and store.model_id == "default"
+    assert store.model("default") is store
+
+
+@pytest.mark.parametrize("bad", ["", "x" * 201, "a b", "ü", "a?b", "a#b", "a%2F", 7, None, b"abc"])
+def test_model_ids_are_checked(store: Store, bad: object) -> None:
+    with pytest.raises(ValueError, match="model id"):
+        store.model(bad)  # type: ignore[arg-type]
+    assert store.models() == ["default"]
+
+
+def test_a_refused_first_put_creates_no_model(store: Store) -> None:
+    m = store.model("m")
+    bad = bytearray(make_envelope(SMALL, 8, seed=1))
+    bad[-1] ^= 1
+    with pytest.raises(ValueError):
+        m.put(bytes(bad))
+    with pytest.raises(ValueError):
+        m.put(b"junk")
+    assert store.models() == ["default"]
+
+
+def test_each_model_has_its_own_geometry(store: Store) -> None:
+    a, b = store.model("a"), store.model("b")
+    a.put(make_envelope(SMALL, 8, seed=1))
+    b.put(make_envelope(OTHER, 16, seed=1))
+    assert (a.geometry, b.geometry, store.geometry) == (SMALL, OTHER, None)
+    with pytest.raises(ShapeError):
+        a.put(make_envelope(OTHER, 16, seed=2))
+    with pytest.raises(ShapeError):
+        store.model("b", geometry=SMALL)
+    store.put(make_envelope(OTHER, 16, seed=3))
+    assert store.geometry == OTHER
+    with store.model("b").reader() as r:
+        (h,) = hashes_of(make_envelope(OTHER, 8, seed=1))
+        view = r.view(h)
+        assert view is not None and view.kv.shape == OTHER.kv_shape
+    check_models(store)
+
+
+def test_geometry_and_models_survive_reopening(tmp_path: Path) -> None:
+    with Store(tmp_path / "s") as s:
+        s.model("a").put(make_envelope(SMALL, 8, seed=1))
+        s.model("b").put(make_envelope(OTHER, 16, seed=1))
+    with Store(tmp_path / "s") as s:
+        assert s.models() == ["a", "b", "default"]
+        assert s.model("a").geometry == SMALL and s.model("b").geometry == OTHER
+        assert s.model("a").stats()["blocks"] == 2 and s.model("b").stats()["blocks"] == 2
+        check_models(s)
+
+
+def test_per_model_stats(store: Store) -> None:
+    a = store.model("a")
+    store.put(make_envelope(SMALL, 4 * 2, seed=1))
+    a.put(make_envelope(SMALL, 4 * 3, seed=2))
+    a.put_sequence("s", make_envelope(SMALL, 4 * 1 + 2, seed=3))
+    sa, sd = a.stats(), store.stats()
+    assert (sd["blocks"], sd["bytes"], sd["sequences"]) == (2, 2 * SINGLE, 0)
+    assert (sa["blocks"], sa["sequences"], sa["pinned_blocks"]) == (4, 1, 1)
+    assert sa["bytes"] + sd["bytes"] == store.total_bytes()  # type: ignore[operator]
+    assert a.get(hashes_of(make_envelope(SMALL, 4 * 3, seed=2))[0]) is not None
+    assert (a.stats()["hits"], store.stats()["hits"]) == (1, 0)
+    check_models(store)
+
+
+# --- capacity, quota, eviction ------------------------------------------------------------
+
+
+def test_capacity_evicts_across_models_oldest_first(tmp_path: Path) -> None:
+    with Store(tmp_path / "s", capacity_bytes=4 * SINGLE) as s:
+        a, b = s.model("a"), s.model("b")
+        old = singles(2, seed=1)
+        for e in old:
+            a.put(e)
+        mid = singles(2, seed=2)
+        for e in mid:
+            b.put(e)
+        new = singles(2, seed=3)
+        for e in new:
+            s.put(e)  # the default model's puts evict model a's (the oldest) blocks
+        assert a.has([hashes_of(e)[0] for e in old]) == [False, False]
+        assert b.has([hashes_of(e)[0] for e in mid]) == [True, True]
+        assert a.stats()["evictions"] == 2 and b.stats()["evictions"] == 0
+        assert s.stats()["evictions"] == 0 and a.stats()["bytes"] == 0
+        check_models(s)
+
+
+def test_quota_evicts_the_models_own_blocks_only(tmp_path: Path) -> None:
+    with Store(tmp_path / "s") as s:
+        s.put(singles(1, seed=9)[0])  # the oldest block of the store, in another model
+        q = s.model("q", quota_bytes=2 * SINGLE)
+        assert q.quota_bytes == 2 * SINGLE
+        es = singles(4, seed=1)
+        for e in es:
+            q.put(e)
+        assert q.has([hashes_of(e)[0] for e in es]) == [False, False, True, True]
+        assert q.stats()["bytes"] == 2 * SINGLE and q.stats()["evictions"] == 2
+        assert s.stats()["blocks"] == 1 and s.stats()["evictions"] == 0
+        with pytest.raises(StoreFullError, match="quota_bytes"):
+            q.put(make_envelope(SMALL, 4 * 3, seed=5))  # 3 blocks > quota: nothing stored
+        assert q.stats()["blocks"] == 2
+        unbounded = s.model("q")  # the quota is the handle's: another handle may exceed it
+        unbounded.put(make_envelope(SMALL, 4 * 3, seed=5))
+        assert unbounded.stats()["blocks"] == 5
+        check_models(s)
+
+
+def test_quota_of_the_default_model(tmp_path: Path) -> None:
+    with Store(tmp_path / "s") as s:
+        s.model("a").put(singles(1, seed=9)[0])
+        d = s.model("default", quota_bytes=SINGLE)
+        for e in singles(3, seed=1):
+            d.put(e)
+        assert d.stats()["blocks"] == 1 and s.model("a").stats()["blocks"] == 1
+        check_models(s)
+
+
+def test_eviction_of_a_model_another_process_created(tmp_path: Path) -> None:
+    path = tmp_path / "s"
+    with Store(path, capacity_bytes=3 * SINGLE) as s:
+        s.put(singles(1, seed=1)[0])
+        code = textwrap.dedent(
+            f"""
+            import sys; sys.path.insert(0, {str(REPO / "tests")!r})
+            from conftest import SMALL, make_envelope
+            from kvstore import Store
+            with Store({str(path)!r}) as s:
+                s.model("theirs").put(make_envelope(SMALL, 8, seed=2))
+            """
+        )
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+        assert s.models() == ["default", "theirs"]
+        for e in singles(3, seed=3):
+            s.put(e)  # evicts the other process's model's blocks: opened on the way
+        assert s.model("theirs").stats()["blocks"] == 0
+        check_models(s)
+
+
+def test_registry_refuses_more_than_max_models(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvstore.store.registry as registry_module
+
+    monkeypatch.setattr(registry_module, "MAX_MODELS", 2)
+    store.model("a").put(make_envelope(SMALL, 8, seed=1))
+    store.model("b").put(make_envelope(SMALL, 8, seed=1))
+    with pytest.raises(StoreError, match="at most 2 models"):
+        store.model("c").put(make_envelope(SMALL, 8, seed=1))
+    assert store.models() == ["a", "b", "default"]
+
+
+def test_model_handles_close_with_the_store(tmp_path: Path) -> None:
+    s = Store(tmp_path / "s")
+    m = s.model("m")
+    m.put(make_envelope(SMALL, 8, seed=1))
+    s.close()
+    with pytest.raises(StoreError, match="closed"):
+        m.has([1])
+
+
+# --- a store written before models ------------------------------------------------------------
+
+
+def test_a_store_written_by_the_release_before_models_opens_as_default(tmp_path: Path) -> None:
+    want = json.loads((VECTORS / "format1.json").read_text())
+    path = tmp_path / "old"
+    shutil.copytree(VECTORS / "store-format1", path)
+    with Store(path) as s:
+        assert s.geometry == Geometry(*want["geometry"]) and s.models() == ["default"]
+        with s.reader() as r:
+            blocks = {f"{h:016x}": hashlib.sha256(bytes(v)).hexdigest() for h, v in r.iter_blocks()}
+        assert blocks == want["blocks"]
+        seqs = {n: hashlib.sha256(s.get_sequence(n) or b"").hexdigest() for n in s.sequences()}
+        assert seqs == want["sequences"]
+        stats = s.stats()
+        assert {k: stats[k] for k in want["stats"]} == want["stats"]
+        txn = s._begin_read(False)
+        try:
+            fmt = L.META_FORMAT_VALUE.unpack(txn.get(L.META_FORMAT, None, s._dbs.meta))[0]
+        finally:
+            s._end_read(txn)
+        assert fmt == L.STORE_FORMAT  # untouched until another model exists
+        s.model("new").put(make_envelope(SMALL, 8, seed=1))
+        txn = s._begin_read(False)
+        try:
+            fmt = L.META_FORMAT_VALUE.unpack(txn.get(L.META_FORMAT, None, s._dbs.meta))[0]
+        finally:
+            s._end_read(txn)
+        assert fmt == L.STORE_FORMAT_MODELS
+        check_models(s)
+    with Store(path) as s:
+        assert s.models() == ["default", "new"] and s.stats()["blocks"] == want["stats"]["blocks"]
+
+
+def test_a_reserved_number_taken_by_another_model_is_never_read(store: Store) -> None:
+    x, y = store.model("x"), store.model("y")
+    bad = bytearray(make_envelope(SMALL, 8, seed=1))
+    bad[-1] ^= 1
+    with pytest.raises(ValueError):
+        y.put(bytes(bad))  # y reserved the next number, then registered nothing
+    x.put(make_envelope(SMALL, 8, seed=1))  # x takes that number
+    hashes = hashes_of(make_envelope(SMALL, 8, seed=1))
+    assert x.has(hashes) == [True, True]
+    assert y.has(hashes) == [False, False] and y.get(hashes[0]) is None
+    y.put(make_envelope(SMALL, 8, seed=2))
+    assert y.has(hashes) == [False, False] and x.has(hashes) == [True, True]
+    assert store.models() == ["default", "x", "y"]
+    check_models(store)
