@@ -13,6 +13,8 @@ Store format 1: named sub-databases of one LMDB environment (``<path>/data.mdb``
 ``atime``   hash -> u64 tick of the block's last use (unpinned blocks only).
 ``lru``     (u64 tick, u64 hash) big-endian -> empty: oldest first, the eviction order.
 ``seqs``    sequence name (ASCII) -> sequence record (``SEQ_HEADER`` ... CRC-32C).
+``pending`` hash -> empty: blocks stored here and not yet uploaded to the object-store
+            tier (kept only while the store runs with a tier; never evicted meanwhile).
 ==========  =====================================================================
 
 No other module spells a format string for these values.
@@ -39,9 +41,12 @@ DB_REFS = b"refs"
 DB_ATIME = b"atime"
 DB_LRU = b"lru"
 DB_SEQS = b"seqs"
+DB_PENDING = b"pending"
 
 # blocks/refs/atime key: the u64 block hash, big-endian so LMDB's key order is numeric.
 BLOCK_KEY = struct.Struct(">Q")
+# pending key: BLOCK_KEY, value PENDING_VALUE (empty).
+PENDING_VALUE = b""
 # lru key: (u64 tick, u64 hash), big-endian, value empty: a cursor walks oldest first.
 LRU_KEY = struct.Struct(">QQ")
 # index: the one key INDEX_KEY holding every stored hash as a native-endian u64 duplicate.
@@ -86,6 +91,7 @@ class Dbs(NamedTuple):
     atime: Any
     lru: Any
     seqs: Any
+    pending: Any
 
 
 def counter(value: Any) -> int:

@@ -15,7 +15,7 @@ flushed yet are invisible to other processes.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from typing import Any
 
 from .diskformat import BLOCK_KEY, COUNTER, LRU_KEY
@@ -88,7 +88,7 @@ class LruOrder:
         if self.remove(hk, h):
             self.add(hk, h)
 
-    def evict(self, protect: set[int], enough: Callable[[], bool]) -> Iterator[int]:
+    def evict(self, protect: Container[int], enough: Callable[[], bool]) -> Iterator[int]:
         """Victims oldest first, skipping ``protect``, until ``enough()`` holds; each one's
         recency is gone when it is yielded (the caller removes the block itself)."""
         cur = self._txn.cursor(db=self._lru)

@@ -30,7 +30,17 @@ import lmdb
 import numpy as np
 
 from ..errors import StoreError, StoreFullError
-from .diskformat import DB_ATIME, DB_BLOCKS, DB_INDEX, DB_LRU, DB_META, DB_REFS, DB_SEQS, Dbs
+from .diskformat import (
+    DB_ATIME,
+    DB_BLOCKS,
+    DB_INDEX,
+    DB_LRU,
+    DB_META,
+    DB_PENDING,
+    DB_REFS,
+    DB_SEQS,
+    Dbs,
+)
 from .mapguard import MapGuard
 from .writebehind import WriteBehind
 
@@ -44,7 +54,7 @@ log = logging.getLogger("tlkv.store")
 T = TypeVar("T")
 
 MAP_ALIGN = 2 << 20
-_MAX_DBS = 8
+_MAX_DBS = 16  # named sub-databases (diskformat declares 8), with room to add
 _MAX_READERS = 512
 _SPARE_TXNS = 8
 _SPACE_SLACK = 16 << 20  # a failed write with less free disk than need + this: disk full
@@ -143,6 +153,7 @@ class LmdbEnv:
                         atime=env.open_db(DB_ATIME, txn=txn),
                         lru=env.open_db(DB_LRU, txn=txn),
                         seqs=env.open_db(DB_SEQS, txn=txn),
+                        pending=env.open_db(DB_PENDING, txn=txn),
                     )
                     check(txn, dbs)
                 return dbs

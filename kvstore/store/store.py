@@ -56,6 +56,7 @@ from ..errors import (
     UnsupportedVersionError,
 )
 from ..protocol import check_sequence_name
+from ..tier import Tier
 from .diskformat import (
     BLOCK_KEY,
     COUNTER_KEYS,
@@ -75,6 +76,7 @@ from .eviction import RecencyBuffer
 from .keyset import KeySet, hash_array
 from .lmdbenv import MAP_ALIGN, LmdbEnv
 from .reader import KvSpec, Reader, ReadSnapshot, assemble_sequence, reader_consts
+from .tiered import TierLink
 from .writetxn import CrcMismatch, WriteTxn
 
 __all__ = ["PutReport", "PutResult", "Reader", "Store"]
@@ -83,6 +85,7 @@ log = logging.getLogger("tlkv.store")
 
 _INITIAL_MAP_SIZE = 64 << 20  # LMDB map of a new store without a capacity; grows by doubling
 _FLUSH_INTERVAL = 5.0  # seconds: pending read hits are persisted at least this often
+_READ_THROUGH_BATCH = 128  # blocks fetched from the tier per round of a read-through
 
 T = TypeVar("T")
 
@@ -194,6 +197,13 @@ class Store:
             at most ``numerics.SCALE_MAX`` is refused (``FormatError``); True stores such
             envelopes verbatim, as the spec's reader rules allow, and a transcoding ``get``
             of one raises ``UnconvertibleError``.
+        tier: a shared object-store tier behind the store (``s3://bucket/prefix``,
+            ``file:///path``, or a :class:`~kvstore.tier.Tier`): new blocks are uploaded
+            in the background (a persistent pending set; pending blocks are never
+            evicted), and a local miss of ``get``/``get_many``/``read_through`` reads the
+            block through from it, validated, into the store.
+        tier_endpoint: the S3-compatible server of a ``tier`` URL (default: the
+            ``AWS_ENDPOINT_URL`` environment variable, else AWS).
 
     Raises:
         ShapeError: the store exists with another geometry.
@@ -213,6 +223,8 @@ class Store:
         sync: bool = True,
         map_bytes: int | None = None,
         allow_nonfinite: bool = False,
+        tier: str | Tier | None = None,
+        tier_endpoint: str | None = None,
     ) -> None:
         if map_bytes is not None and (
             isinstance(map_bytes, bool) or not isinstance(map_bytes, int)
@@ -258,6 +270,11 @@ class Store:
         self._closed = False
         self._pid = os.getpid()
         _open_stores.add(self)
+        self._tier: TierLink | None = None
+        if tier is not None:
+            if not isinstance(tier, Tier):
+                tier = Tier(tier, endpoint=tier_endpoint)
+            self._tier = TierLink(self, tier)
 
     def _check_meta(self, txn: Any, dbs: Dbs, geometry: Geometry | None) -> None:
         """Record or check the store format and the geometry (in the opening transaction)."""
@@ -315,6 +332,8 @@ class Store:
         if self._forked:
             self._closed = True  # the parent's environment is not ours to close
             return
+        if self._tier is not None:
+            self._tier.close()
         with self._flush_lock:
             if len(self._recency):
                 try:
@@ -400,6 +419,8 @@ class Store:
 
         def run(txn: Any) -> tuple[T, WriteTxn]:
             w = WriteTxn(txn, self._dbs, self._capacity, self._helper_pool, self._path)
+            if self._tier is not None:
+                w.pending = self._dbs.pending
             for h in taken:
                 w.touch(h)
             result = body(w)
@@ -493,10 +514,13 @@ class Store:
         """Run a put-like transaction; a CRC mismatch found while writing raises the codec's
         ``ChecksumError``."""
         try:
-            return self._write(body, need)
+            result = self._write(body, need)
         except CrcMismatch as exc:
             decode(exc.envelope.data)  # raises ChecksumError with the codec's message
             raise ChecksumError("rule 'the CRC matches' failed") from None
+        if self._tier is not None:
+            self._tier.uploader.wake()
+        return result
 
     def put(self, envelope: Any) -> PutResult:
         """Store every full block of ``envelope`` under its hash, in one transaction.
@@ -660,12 +684,18 @@ class Store:
             self._end_read(txn)
         out: list[bytes | None] = []
         corrupt: list[int] = []
+        fetched: dict[int, bytes] = {}
+        if self._tier is not None and None in values:
+            fetched = self._tier.fetch([h for h, v in zip(hs, values) if v is None])
         for h, data in zip(hs, values):
             if data is not None and not crc_matches(data):
                 corrupt.append(h)
                 data = None
             if data is None:
                 self.misses += 1
+                data = fetched.get(h)
+                if data is not None and version is not None and envelope_version(data) != version:
+                    data = transcode_stored(h, data, version)
             else:
                 self.hits += 1
                 self._recency.touch(h)
@@ -730,11 +760,13 @@ class Store:
         needs while some are held raises ``StoreError`` instead of waiting for them."""
         self._lmdb.loop_thread = ident
 
-    def has(self, hashes: Iterable[int]) -> list[bool]:
+    def has(self, hashes: Iterable[int], *, tier: bool = False) -> list[bool]:
         """Whether each hash is stored; ``hashes`` are ints or a numpy integer array.
 
         One read transaction, no write lock. Large queries are answered from a sorted copy
         of the stored hashes, re-read (a page of hashes per LMDB call) only after a write.
+        ``tier``: a hash absent here counts as present when the store's tier holds it
+        (concurrent HEADs; nothing is read through).
 
         Raises:
             ValueError: a hash is not an integer in 0..2^64-1.
@@ -744,12 +776,20 @@ class Store:
             return []
         txn = self._begin_read(True)
         try:
-            return self._keys.has(txn, queries)
+            present = self._keys.has(txn, queries)
         finally:
             self._end_read(txn)
+        if tier and self._tier is not None and not all(present):
+            missing = [i for i, here in enumerate(present) if not here]
+            remote = self._tier.present(queries[missing].tolist())
+            for i, there in zip(missing, remote):
+                present[i] = there
+        return present
 
-    def longest_prefix(self, hashes: Iterable[int]) -> int:
+    def longest_prefix(self, hashes: Iterable[int], *, tier: bool = False) -> int:
         """How many leading hashes are stored (the cached prefix of a chain); no write lock.
+
+        ``tier``: the prefix continues through blocks the store's tier holds (HEADs).
 
         Raises:
             ValueError: a hash is not an integer in 0..2^64-1.
@@ -759,9 +799,58 @@ class Store:
             return 0
         txn = self._begin_read(True)
         try:
-            return self._keys.longest_prefix(txn, queries)
+            k = self._keys.longest_prefix(txn, queries)
         finally:
             self._end_read(txn)
+        if tier and self._tier is not None and k < queries.size:
+            k += self._tier.prefix(queries[k:].tolist())
+        return k
+
+    def read_through(self, hashes: Iterable[int]) -> int:
+        """Bring the leading blocks of a chain that are missing here in from the tier
+        (validated, stored as evictable blocks), stopping at the first the tier lacks;
+        returns the length of the prefix now stored. Without a tier: ``longest_prefix``.
+
+        Raises:
+            ValueError: a hash is not an integer in 0..2^64-1.
+        """
+        queries = hash_array(hashes)
+        k = self.longest_prefix(queries)
+        if self._tier is None:
+            return k
+        while k < queries.size:
+            batch = queries[k : k + _READ_THROUGH_BATCH].tolist()
+            here = self.has(batch)
+            fetched = self._tier.fetch([h for h, ok in zip(batch, here) if not ok])
+            n = 0
+            while n < len(batch) and (here[n] or batch[n] in fetched):
+                n += 1
+            k += n
+            if n < len(batch):
+                break
+        return k
+
+    @property
+    def tier(self) -> Tier | None:
+        """The object-store tier behind the store (None without one)."""
+        return None if self._tier is None else self._tier.tier
+
+    def tier_info(self) -> dict[str, Any] | None:
+        """The tier's URL, state, counters and pending uploads (None without a tier)."""
+        return None if self._tier is None else self._tier.info()
+
+    def wait_uploaded(self, timeout: float | None = None) -> bool:
+        """Wait until no block is pending upload to the tier; False on timeout."""
+        if self._tier is None:
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._tier.pending_count():
+            self._tier.uploader.wake()
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            self._tier.uploader.wait_idle(0.05 if left is None else min(0.05, left))
+        return True
 
     def reader(self) -> Reader:
         """A read transaction for zero-copy views: ``with store.reader() as r: r.view(h)``.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -33,6 +33,7 @@ from .diskformat import (
     COUNTER_KEYS,
     INDEX_KEY,
     INDEX_VALUE,
+    PENDING_VALUE,
     REFCOUNT,
     Dbs,
     counter,
@@ -72,6 +73,20 @@ class _Staging:
         return self.consts.seal(self.buf)
 
 
+class _KeepPending:
+    """The hashes eviction skips: a transaction's own, and those pending upload."""
+
+    __slots__ = ("_pending", "_protect", "_txn")
+
+    def __init__(self, protect: set[int], txn: Any, pending: Any) -> None:
+        self._protect, self._txn, self._pending = protect, txn, pending
+
+    def __contains__(self, h: object) -> bool:
+        if h in self._protect:
+            return True
+        return self._txn.get(BLOCK_KEY.pack(h), None, self._pending) is not None
+
+
 class WriteTxn:
     """One write transaction: the block-space operations and the counters they change."""
 
@@ -92,6 +107,9 @@ class WriteTxn:
         self.bytes, tick, self.evictions, self.corrupt = self._loaded
         self.lru = LruOrder(txn, dbs.atime, dbs.lru, tick)
         self.protect: set[int] = set()  # hashes this transaction must not evict
+        # The pending-upload set while the store has a tier: new blocks join it, and its
+        # blocks are never evicted. None: no tier, or blocks read through from it.
+        self.pending: Any | None = None
         self.after_commit: list[Callable[[], None]] = []
 
     def save(self) -> None:
@@ -114,9 +132,12 @@ class WriteTxn:
         self.bytes += len(value)
         if self.txn.get(hk, None, self.dbs.refs) is None:
             self.lru.add(hk, h)
+        if self.pending is not None:
+            self.txn.put(hk, PENDING_VALUE, db=self.pending)
 
     def remove_block(self, hk: bytes, h: int, size: int) -> None:
         self.txn.delete(hk, db=self.dbs.blocks)
+        self.txn.delete(hk, db=self.dbs.pending)
         self.txn.delete(INDEX_KEY, INDEX_VALUE.pack(h), db=self.dbs.index)
         self.lru.remove(hk, h)
         self.bytes -= size
@@ -151,7 +172,10 @@ class WriteTxn:
         if cap is None or self.bytes + need <= cap:
             return
         txn, dbs = self.txn, self.dbs
-        for h in self.lru.evict(self.protect, lambda: self.bytes + need <= cap):
+        keep: Container[int] = self.protect
+        if self.pending is not None:
+            keep = _KeepPending(self.protect, txn, self.pending)
+        for h in self.lru.evict(keep, lambda: self.bytes + need <= cap):
             hk = BLOCK_KEY.pack(h)
             value = txn.get(hk, None, dbs.blocks)
             if value is not None:
@@ -163,7 +187,8 @@ class WriteTxn:
         if self.bytes + need > cap:
             raise StoreFullError(
                 f"a write of {need} bytes does not fit in capacity_bytes={cap}: "
-                f"{self.bytes} bytes stay stored (pinned by sequences or part of this write) "
+                f"{self.bytes} bytes stay stored (pinned by sequences, pending upload to the "
+                "tier, or part of this write) "
                 "after evicting every other block; nothing was stored"
             )
 

@@ -1,0 +1,157 @@
+"""A store's link to its object-store tier: the pending set, read-through, tier queries.
+
+The store calls in at a few points (``Store`` stays the one owner of transactions):
+a put's new blocks join the ``pending`` sub-database in its own write transaction
+(``WriteTxn.pending``) and wake the :class:`~kvstore.tier.uploader.Uploader`; a local miss
+of ``get``/``get_many``/``read_through`` fetches the objects concurrently, validates each
+by every reader rule, the CRC, the store's geometry and the key's hash
+(``tier.validate``), and inserts the good ones as ordinary evictable blocks (not
+pending: the tier has them). A refused object is counted and logged, never stored or
+served.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..codec.assembly import crc_matches
+from ..codec.envelope import Envelope
+from ..errors import EnvelopeError, StoreError
+from ..tier import Tier, Uploader, check_block_object
+from .diskformat import BLOCK_KEY
+from .writetxn import WriteTxn
+
+if TYPE_CHECKING:
+    from .store import Store
+
+log = logging.getLogger("tlkv.store")
+
+QUERY_BATCH = 256  # hashes per round of HEADs when a prefix is looked up in the tier
+
+
+class TierLink:
+    """The tier of one open store, and the uploader draining its pending set."""
+
+    def __init__(self, store: Store, tier: Tier) -> None:
+        self._store = store
+        self.tier = tier
+        self.uploader = Uploader(self, tier, store.path)
+
+    def close(self) -> None:
+        """Stop the uploader (what is not uploaded stays pending for the next open)."""
+        self.uploader.stop()
+
+    # --- the pending set (the uploader's source) ---------------------------------------------
+
+    def pending_batch(self, max_blocks: int, max_bytes: int) -> list[tuple[int, bytes]]:
+        """Pending blocks, copied from one snapshot; a block deleted meanwhile leaves the
+        set, a corrupt one is quarantined (never uploaded)."""
+        store, dbs = self._store, self._store._dbs
+        out: list[tuple[int, bytes]] = []
+        gone: list[int] = []
+        corrupt: list[int] = []
+        size = 0
+        txn = store._begin_read(False)
+        try:
+            for key in txn.cursor(db=dbs.pending).iternext(values=False):
+                h = BLOCK_KEY.unpack(key)[0]
+                value = txn.get(key, None, dbs.blocks)
+                if value is None:
+                    gone.append(h)
+                elif not crc_matches(value):
+                    corrupt.append(h)
+                else:
+                    out.append((h, value))
+                    size += len(value)
+                    if len(out) >= max_blocks or size >= max_bytes:
+                        break
+        finally:
+            store._end_read(txn)
+        if gone:
+            self.uploaded(gone)
+        if corrupt:
+            store._quarantine(corrupt)
+        return out
+
+    def uploaded(self, hashes: list[int]) -> None:
+        """Clear uploaded (or vanished) blocks from the pending set."""
+        if not hashes:
+            return
+
+        def body(w: WriteTxn) -> None:
+            for h in hashes:
+                w.txn.delete(BLOCK_KEY.pack(h), db=w.dbs.pending)
+
+        self._store._write(body)
+
+    def pending_count(self) -> int:
+        """Blocks waiting for upload."""
+        txn = self._store._begin_read(False)
+        try:
+            return int(txn.stat(self._store._dbs.pending)["entries"])
+        finally:
+            self._store._end_read(txn)
+
+    # --- reads -----------------------------------------------------------------------------------
+
+    def fetch(self, hashes: Sequence[int]) -> dict[int, bytes]:
+        """Read ``hashes`` through from the tier: the valid objects, inserted locally."""
+        wanted = list(dict.fromkeys(h for h in hashes if h))
+        if not wanted:
+            return {}
+        store = self._store
+        geometry = store.geometry
+        envs: list[Envelope] = []
+        for h, data in zip(wanted, self.tier.fetch(wanted)):
+            if data is None:
+                continue
+            try:
+                env = check_block_object(data, h, geometry, allow_nonfinite=store._allow_nonfinite)
+            except EnvelopeError as exc:
+                self.tier.refused += 1
+                log.warning("tier object of block %016x refused: %s", h, exc)
+                continue
+            geometry = geometry or env.geometry
+            envs.append(env)
+        if not envs:
+            return {}
+        self._insert(envs)
+        self.tier.read_hits += len(envs)
+        return {int(e.hashes[0]): bytes(e.data) for e in envs}
+
+    def _insert(self, envs: list[Envelope]) -> None:
+        """Store read-through blocks as ordinary evictable blocks (not pending)."""
+        store = self._store
+
+        def body(w: WriteTxn) -> None:
+            w.pending = None  # the tier has them
+            store._adopt_geometry(w, envs[0].geometry)
+            for env in envs:
+                w.put_blocks(env)
+
+        try:
+            store._write(body, sum(len(e.data) for e in envs))
+        except (StoreError, EnvelopeError) as exc:  # served anyway: they were validated
+            log.warning("%s: blocks read through from the tier not kept: %s", store.path, exc)
+
+    def present(self, hashes: Sequence[int]) -> list[bool]:
+        """Whether each block has an object in the tier (concurrent HEADs)."""
+        return self.tier.present(list(hashes))
+
+    def prefix(self, hashes: Sequence[int]) -> int:
+        """How many leading ``hashes`` have objects, asked ``QUERY_BATCH`` at a time."""
+        n = 0
+        for start in range(0, len(hashes), QUERY_BATCH):
+            batch = hashes[start : start + QUERY_BATCH]
+            found = self.present(batch)
+            try:
+                return n + found.index(False)
+            except ValueError:
+                n += len(batch)
+        return n
+
+    def info(self) -> dict[str, Any]:
+        """The tier's state and counters, with the number of pending uploads."""
+        return {**self.tier.info(), "pending_uploads": self.pending_count()}

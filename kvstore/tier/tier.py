@@ -1,0 +1,139 @@
+"""The tier as a store sees it: block objects of one namespace, counters and health.
+
+``Tier`` turns batches of hashes into batched concurrent object requests (reads, HEADs,
+conditional creates) and keeps what the service shows: uploads done, tier errors,
+read-through hits and refusals, and the tier's state. After a failure it is held
+``unreachable`` for a backoff (0.5 s doubling to 30 s, reset by a success): reads and
+HEADs meanwhile answer "absent" at once, so an unreachable tier never slows what is local.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import TierError
+from .layout import DEFAULT_NAMESPACE, block_key, check_namespace
+from .objects import DEFAULT_CONCURRENCY, ObjectClient
+
+log = logging.getLogger("tlkv.tier")
+
+BACKOFF_FIRST = 0.5  # seconds the tier is left alone after its first failure
+BACKOFF_MAX = 30.0
+
+STATE_OK = "ok"
+STATE_UNKNOWN = "unknown"  # no request answered yet
+STATE_UNREACHABLE = "unreachable"
+
+
+class Tier:
+    """Block objects of ``namespace`` under ``url`` (see :mod:`kvstore.tier.layout`).
+
+    Args:
+        url: ``s3://bucket/prefix`` or ``file:///path``.
+        endpoint: an S3-compatible server's URL (else ``AWS_ENDPOINT_URL`` or AWS itself).
+        namespace: the key space of this store's blocks (``default``).
+        concurrency: requests in flight per batch (reads, HEADs, uploads).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        endpoint: str | None = None,
+        namespace: str = DEFAULT_NAMESPACE,
+        concurrency: int = DEFAULT_CONCURRENCY,
+    ) -> None:
+        self.namespace = check_namespace(namespace)
+        self.client = ObjectClient(url, endpoint=endpoint, concurrency=concurrency)
+        self.url = url
+        self._lock = threading.Lock()
+        self._backoff = 0.0
+        self._down_until = 0.0
+        self.state = STATE_UNKNOWN
+        self.last_error = ""
+        self.uploads = 0
+        self.errors = 0
+        self.read_hits = 0
+        self.refused = 0
+
+    def __repr__(self) -> str:
+        return f"Tier({self.url!r}, namespace={self.namespace!r}, {self.state})"
+
+    def key(self, block_hash: int) -> str:
+        """The object key of a block of this namespace."""
+        return block_key(self.namespace, block_hash)
+
+    # --- health -----------------------------------------------------------------------------
+
+    def available(self) -> bool:
+        """False while the tier is backed off after a failure."""
+        return time.monotonic() >= self._down_until
+
+    def retry_in(self) -> float:
+        """Seconds until the tier is tried again (0 when available)."""
+        return max(0.0, self._down_until - time.monotonic())
+
+    def _record(self, results: Sequence[Any]) -> None:
+        failures = [r for r in results if isinstance(r, TierError)]
+        with self._lock:
+            if not failures:
+                if results:
+                    self.state, self._backoff = STATE_OK, 0.0
+                return
+            self.errors += len(failures)
+            self.last_error = str(failures[0])
+            if len(failures) < len(results):
+                return  # some answered: a per-object failure, not a down tier
+            self._backoff = min(BACKOFF_MAX, max(BACKOFF_FIRST, 2 * self._backoff))
+            self._down_until = time.monotonic() + self._backoff
+            if self.state != STATE_UNREACHABLE:
+                log.warning("tier %s unreachable: %s", self.url, self.last_error)
+            self.state = STATE_UNREACHABLE
+
+    def info(self) -> dict[str, Any]:
+        """The tier's state and counters (the service's /v1/info and /metrics)."""
+        return {
+            "url": self.url,
+            "namespace": self.namespace,
+            "state": self.state,
+            "last_error": self.last_error or None,
+            "uploads": self.uploads,
+            "errors": self.errors,
+            "read_through_hits": self.read_hits,
+            "refused": self.refused,
+        }
+
+    # --- batches ----------------------------------------------------------------------------
+
+    def fetch(self, hashes: Sequence[int]) -> list[Any | None]:
+        """The raw (unvalidated) objects of ``hashes``, concurrently; None where absent or
+        the tier failed (failures are counted)."""
+        if not hashes or not self.available():
+            return [None] * len(hashes)
+        results = self.client.get_many([self.key(h) for h in hashes])
+        self._record(results)
+        return [None if isinstance(r, TierError) else r for r in results]
+
+    def present(self, hashes: Sequence[int]) -> list[bool]:
+        """Whether each block has an object (concurrent HEADs); False where the tier failed."""
+        if not hashes or not self.available():
+            return [False] * len(hashes)
+        results = self.client.exists_many([self.key(h) for h in hashes])
+        self._record(results)
+        return [r is True for r in results]
+
+    def upload(self, items: Sequence[tuple[int, Any]]) -> list[bool]:
+        """Create each block's object unless present (first writer wins), concurrently;
+        True where the object exists now."""
+        if not items:
+            return []
+        results = self.client.put_new_many([(self.key(h), data) for h, data in items])
+        self._record(results)
+        done = [not isinstance(r, TierError) for r in results]
+        with self._lock:
+            self.uploads += sum(r is True for r in results)
+        return done
