@@ -27,6 +27,8 @@ ENV_GRPC = "TLKV_GRPC"  # host:port of the tl.kv.v1 gRPC server; absent: no gRPC
 ENV_GRPC_MAX_STREAM = "TLKV_GRPC_MAX_STREAM"
 ENV_MAX_INFLIGHT = "TLKV_MAX_INFLIGHT"
 ENV_ALLOW_NONFINITE = "TLKV_ALLOW_NONFINITE"
+ENV_TIER = "TLKV_TIER"  # s3://bucket/prefix or file:///path
+ENV_TIER_ENDPOINT = "TLKV_TIER_ENDPOINT"
 ENV_FORMATS = "TLKV_FORMATS"  # envelope versions this server reads, e.g. "1" or "1,2"
 
 DEFAULT_DATA = "./tlkv-data"
@@ -94,6 +96,8 @@ class Settings:
     formats: tuple[int, ...] = SUPPORTED_VERSIONS
     max_inflight: int | None = None  # None: DEFAULT_INFLIGHT_BODIES * max_body
     allow_nonfinite: bool = False  # store NaN/Inf and out-of-range v2 scales verbatim
+    tier: str | None = None  # s3://bucket/prefix or file:///path: the shared object-store tier
+    tier_endpoint: str | None = None  # an S3-compatible server's URL
 
     def __post_init__(self) -> None:
         if self.max_inflight is None:
@@ -137,4 +141,6 @@ class Settings:
             formats=parse_formats(formats) if formats else SUPPORTED_VERSIONS,
             max_inflight=parse_size(max_inflight) if max_inflight else None,
             allow_nonfinite=env.get(ENV_ALLOW_NONFINITE, "") == "1",
+            tier=env.get(ENV_TIER) or None,
+            tier_endpoint=env.get(ENV_TIER_ENDPOINT) or None,
         )
