@@ -63,7 +63,9 @@ def test_two_nodes_share_a_bucket(tmp_path: Path, s3_server: S3Server, bucket_ur
     with _store(tmp_path / "b", bucket_url, s3_server) as b:
         assert b.stats()["blocks"] == 0
         assert b.get(hashes[0]) == originals[0]
+        assert b.wait_uploaded(20)
         assert b.get_many(hashes) == originals
+        assert b.wait_uploaded(20)  # the local copies are committed in the background
         info = b.tier_info()
         assert info["read_through_hits"] == len(hashes)
         assert info["pending_uploads"] == 0  # read-through blocks are not uploaded again
@@ -211,6 +213,7 @@ def test_file_tier(tmp_path: Path) -> None:
         assert (tmp_path / "shared" / block_key("default", h)).read_bytes() == data
     with Store(tmp_path / "b", tier=url) as b:
         assert b.get_many(hashes) == originals
+        assert b.wait_uploaded(20)
         assert b.tier_info()["read_through_hits"] == len(hashes)
 
 

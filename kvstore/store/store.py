@@ -684,7 +684,7 @@ class Store:
             self._end_read(txn)
         out: list[bytes | None] = []
         corrupt: list[int] = []
-        fetched: dict[int, bytes] = {}
+        fetched: dict[int, Envelope] = {}
         if self._tier is not None and None in values:
             fetched = self._tier.fetch([h for h, v in zip(hs, values) if v is None])
         for h, data in zip(hs, values):
@@ -693,9 +693,11 @@ class Store:
                 data = None
             if data is None:
                 self.misses += 1
-                data = fetched.get(h)
-                if data is not None and version is not None and envelope_version(data) != version:
-                    data = transcode_stored(h, data, version)
+                env = fetched.get(h)
+                if env is not None:
+                    data = bytes(env.data)
+                    if version is not None and env.version != version:
+                        data = transcode_stored(h, data, version)
             else:
                 self.hits += 1
                 self._recency.touch(h)
@@ -815,13 +817,15 @@ class Store:
             ValueError: a hash is not an integer in 0..2^64-1.
         """
         queries = hash_array(hashes)
+        if self._tier is not None:
+            self._tier.filler.flush()  # blocks read through by get are local first
         k = self.longest_prefix(queries)
         if self._tier is None:
             return k
         while k < queries.size:
             batch = queries[k : k + _READ_THROUGH_BATCH].tolist()
             here = self.has(batch)
-            fetched = self._tier.fetch([h for h, ok in zip(batch, here) if not ok])
+            fetched = self._tier.fetch([h for h, ok in zip(batch, here) if not ok], wait=True)
             n = 0
             while n < len(batch) and (here[n] or batch[n] in fetched):
                 n += 1
@@ -840,9 +844,11 @@ class Store:
         return None if self._tier is None else self._tier.info()
 
     def wait_uploaded(self, timeout: float | None = None) -> bool:
-        """Wait until no block is pending upload to the tier; False on timeout."""
+        """Wait until the blocks read through are committed here and no block is pending
+        upload to the tier; False on timeout."""
         if self._tier is None:
             return True
+        self._tier.filler.flush()
         deadline = None if timeout is None else time.monotonic() + timeout
         while self._tier.pending_count():
             self._tier.uploader.wake()

@@ -8,12 +8,18 @@ by every reader rule, the CRC, the store's geometry and the key's hash
 (``tier.validate``), and inserts the good ones as ordinary evictable blocks (not
 pending: the tier has them). A refused object is counted and logged, never stored or
 served.
+
+The local copy of a read-through block is committed by a filler thread (``_Filler``), so
+``get`` serves the validated bytes without waiting for a durable local write of a block
+the tier holds anyway (measured: the durable commit of 128 x 2 MiB took longer than
+fetching them). ``read_through``, whose callers serve from LMDB's map, waits for it.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..codec.assembly import crc_matches
@@ -29,6 +35,62 @@ if TYPE_CHECKING:
 log = logging.getLogger("tlkv.store")
 
 QUERY_BATCH = 256  # hashes per round of HEADs when a prefix is looked up in the tier
+FILL_QUEUE_BYTES = 512 << 20  # read-through bytes awaiting their local commit, at most
+
+
+class _Filler:
+    """Commits read-through blocks on a thread of its own, in batches; ``submit`` waits
+    only while ``FILL_QUEUE_BYTES`` are queued already."""
+
+    def __init__(self, insert: Callable[[list[Envelope]], None]) -> None:
+        self._insert = insert
+        self._cv = threading.Condition()
+        self._queue: list[Envelope] = []
+        self._bytes = 0
+        self._busy = False
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    def submit(self, envs: list[Envelope]) -> None:
+        size = sum(len(e.data) for e in envs)
+        with self._cv:
+            self._cv.wait_for(lambda: self._bytes == 0 or self._bytes + size <= FILL_QUEUE_BYTES)
+            self._queue.extend(envs)
+            self._bytes += size
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="tlkv-tier-fill", daemon=True
+                )
+                self._thread.start()
+            self._cv.notify_all()
+
+    def flush(self) -> None:
+        """Wait until every submitted block is committed (or given up)."""
+        with self._cv:
+            self._cv.wait_for(lambda: not self._queue and not self._busy)
+
+    def close(self) -> None:
+        self.flush()
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._queue or self._stopping)
+                if not self._queue:
+                    return
+                batch, self._queue, self._busy = self._queue, [], True
+            try:
+                self._insert(batch)
+            finally:
+                with self._cv:
+                    self._bytes -= sum(len(e.data) for e in batch)
+                    self._busy = False
+                    self._cv.notify_all()
 
 
 class TierLink:
@@ -37,10 +99,13 @@ class TierLink:
     def __init__(self, store: Store, tier: Tier) -> None:
         self._store = store
         self.tier = tier
+        self.filler = _Filler(self._insert)
         self.uploader = Uploader(self, tier, store.path)
 
     def close(self) -> None:
-        """Stop the uploader (what is not uploaded stays pending for the next open)."""
+        """Commit the read-through blocks in flight; stop the uploader (what is not
+        uploaded stays pending for the next open)."""
+        self.filler.close()
         self.uploader.stop()
 
     # --- the pending set (the uploader's source) ---------------------------------------------
@@ -96,8 +161,9 @@ class TierLink:
 
     # --- reads -----------------------------------------------------------------------------------
 
-    def fetch(self, hashes: Sequence[int]) -> dict[int, bytes]:
-        """Read ``hashes`` through from the tier: the valid objects, inserted locally."""
+    def fetch(self, hashes: Sequence[int], *, wait: bool = False) -> dict[int, Envelope]:
+        """Read ``hashes`` through from the tier: the valid objects, decoded, queued for
+        their local commit (committed when this returns with ``wait``)."""
         wanted = list(dict.fromkeys(h for h in hashes if h))
         if not wanted:
             return {}
@@ -117,9 +183,11 @@ class TierLink:
             envs.append(env)
         if not envs:
             return {}
-        self._insert(envs)
+        self.filler.submit(envs)
+        if wait:
+            self.filler.flush()
         self.tier.read_hits += len(envs)
-        return {int(e.hashes[0]): bytes(e.data) for e in envs}
+        return {int(e.hashes[0]): e for e in envs}
 
     def _insert(self, envs: list[Envelope]) -> None:
         """Store read-through blocks as ordinary evictable blocks (not pending)."""
