@@ -8,8 +8,10 @@ ours and the baseline alternating, and the spread (min-max) is printed:
 - read-through: ``Store.get_many`` of 128 blocks on a fresh store whose tier holds them
   (fetch, every reader rule + CRC, durable local insert) vs ``ObjectClient.get_many`` of
   the same 128 objects (16 in flight);
-- upload drain: 1 GiB of puts (512 blocks; 128 with --quick) into a store with a tier,
-  timed until the pending set is empty, vs a raw concurrent put of as many objects;
+- upload drain: 1 GiB (512 blocks; 128 with --quick) put into a store whose tier bucket
+  does not exist yet, then timed from the bucket's creation until the pending set is
+  empty; and the same puts with the uploader running, timed from the first put until
+  drained; both vs a raw concurrent put of as many objects (``put_new_many``);
 - archive create to ``s3://`` vs create to a local file + a raw multipart upload of it.
 """
 
@@ -127,13 +129,15 @@ def _row(name: str, nbytes: int, ours: list[float], base: list[float], what: str
 def run(args: argparse.Namespace) -> list[Row]:
     os.environ.update(CREDENTIALS)
     rounds = 1 if args.quick else 3
-    scratch = Path(tempfile.mkdtemp(prefix="tlkv-bench-tier-", dir=os.environ.get("TLKV_BENCH_DIR")))
+    scratch = Path(
+        tempfile.mkdtemp(prefix="tlkv-bench-tier-", dir=os.environ.get("TLKV_BENCH_DIR"))
+    )
     moto = _Moto()
     os.environ["AWS_ENDPOINT_URL"] = moto.endpoint
     rows = []
     try:
         rows.append(_read_through(moto, scratch, rounds))
-        rows.append(_drain(moto, scratch, rounds, 128 if args.quick else 512))
+        rows.extend(_drain(moto, scratch, rounds, 128 if args.quick else 512))
         rows.append(_archive(moto, scratch, rounds))
     finally:
         moto.stop()
@@ -160,33 +164,50 @@ def _read_through(moto: _Moto, scratch: Path, rounds: int) -> Row:
     return _row("read-through 128 x 2 MiB", 128 * len(blocks[0]), ours, base, "raw get")
 
 
-def _drain(moto: _Moto, scratch: Path, rounds: int, n: int) -> Row:
-    bucket = moto.bucket("bench-drain")
-    ours, base = [], []
+def _drain(moto: _Moto, scratch: Path, rounds: int, n: int) -> list[Row]:
+    ours, both, base = [], [], []
     for r in range(rounds):
         blocks = _blocks(n, seed=10 + r)
-        raw = ObjectClient(f"s3://{bucket}/raw{r}")
         keys = [block_key("default", _hash(b)) for b in blocks]
+        raw = ObjectClient(f"s3://{moto.bucket(f'bench-raw-{r}')}")
         base.append(_timed(lambda: raw.put_new_many(list(zip(keys, blocks)))))  # noqa: B023
-        for k in keys:
-            raw.delete(k)
-        url = f"s3://{bucket}/tier{r}"
+        # the pending set alone: puts while the bucket does not exist yet, then the drain
+        url = f"s3://bench-drain-{r}/t"
         path = scratch / f"drain-{r}"
+        with Store(path, tier=url) as store:
+            for b in blocks:
+                store.put(b)
+        moto.bucket(f"bench-drain-{r}")
+        with Store(path, tier=url) as store:
+            ours.append(_timed(lambda: store.wait_uploaded(600)))
+            assert store.tier_info()["uploads"] == n  # type: ignore[index]
+        shutil.rmtree(path)
+        # puts with the uploader running, until the pending set is empty
+        url = f"s3://{moto.bucket(f'bench-both-{r}')}/t"
         with Store(path, tier=url) as store:
 
             def puts_and_drain() -> None:
                 for b in blocks:  # noqa: B023
-                    store.put(b)  # noqa: B023
-                assert store.wait_uploaded(600)  # noqa: B023
+                    store.put(b)
+                assert store.wait_uploaded(600)
 
-            ours.append(_timed(puts_and_drain))
+            both.append(_timed(puts_and_drain))
             assert store.tier_info()["uploads"] == n  # type: ignore[index]
-        tier = ObjectClient(url)
-        for k in keys:
-            tier.delete(k)
         shutil.rmtree(path)
+        for bucket in (f"bench-raw-{r}", f"bench-drain-{r}", f"bench-both-{r}"):
+            client = ObjectClient(f"s3://{bucket}")
+            client.delete_many(keys if bucket.endswith(f"raw-{r}") else [f"t/{k}" for k in keys])
     nbytes = n * len(blocks[0])
-    return _row(f"upload drain {nbytes >> 20} MiB of puts", nbytes, ours, base, "raw put")
+    return [
+        _row(f"upload drain of {nbytes >> 20} MiB pending", nbytes, ours, base, "raw put"),
+        _row(
+            f"{nbytes >> 20} MiB of puts, uploader running, to drained",
+            nbytes,
+            both,
+            base,
+            "raw put",
+        ),
+    ]
 
 
 def _archive(moto: _Moto, scratch: Path, rounds: int) -> Row:

@@ -77,6 +77,10 @@ HashPath = Annotated[str, Path(pattern=HASH_PATTERN, description="16 lowercase h
 FormatQuery = Annotated[
     int | None, Query(ge=1, le=2, description="transcode to this format version")
 ]
+TierQuery = Annotated[
+    int | None,
+    Query(ge=0, le=1, description="1: a hash absent here counts when the object-store tier has it"),
+]
 
 
 async def _read(store: Store, h: int, version: int | None) -> bytes | None:
@@ -310,11 +314,12 @@ def _present_json(present: list[bool], prefix: int) -> bytes:
 
 
 @router.post("/v1/has-blocks", openapi_extra=HASHES_BODY)
-async def has_blocks(request: Request) -> Response:
-    """Which of the hashes are stored, and how many leading ones (``prefix``)."""
+async def has_blocks(request: Request, tier: TierQuery = None) -> Response:
+    """Which of the hashes are stored, and how many leading ones (``prefix``); with
+    ``tier=1`` also those the object-store tier holds (HEADs, nothing read through)."""
     store = store_of(request)
     hashes = await request_hashes(request, store)
-    if request.query_params.get("tier") == "1" and store.tier is not None and len(hashes):
+    if tier == 1 and store.tier is not None and len(hashes):
         present = await run_in_threadpool(functools.partial(store.has, hashes, tier=True))
     else:
         present = store.has(hashes) if len(hashes) else []

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..codec.assembly import crc_matches
 from ..codec.envelope import Envelope
+from ..codec.layout import U64_MAX
 from ..errors import EnvelopeError, StoreError
 from ..tier import Tier, Uploader, check_block_object
 from .diskformat import BLOCK_KEY
@@ -86,6 +87,8 @@ class _Filler:
                 batch, self._queue, self._busy = self._queue, [], True
             try:
                 self._insert(batch)
+            except Exception as exc:  # the filler must outlive any one batch
+                log.warning("read-through blocks not kept: %s: %s", type(exc).__name__, exc)
             finally:
                 with self._cv:
                     self._bytes -= sum(len(e.data) for e in batch)
@@ -110,9 +113,12 @@ class TierLink:
 
     # --- the pending set (the uploader's source) ---------------------------------------------
 
-    def pending_batch(self, max_blocks: int, max_bytes: int) -> list[tuple[int, bytes]]:
-        """Pending blocks, copied from one snapshot; a block deleted meanwhile leaves the
-        set, a corrupt one is quarantined (never uploaded)."""
+    def pending_batch(
+        self, max_blocks: int, max_bytes: int, after: int = -1
+    ) -> list[tuple[int, bytes]]:
+        """Pending blocks with hashes above ``after``, in hash order, copied from one
+        snapshot; a block deleted meanwhile leaves the set, a corrupt one is quarantined
+        (never uploaded)."""
         store, dbs = self._store, self._store._dbs
         out: list[tuple[int, bytes]] = []
         gone: list[int] = []
@@ -120,7 +126,12 @@ class TierLink:
         size = 0
         txn = store._begin_read(False)
         try:
-            for key in txn.cursor(db=dbs.pending).iternext(values=False):
+            cursor = txn.cursor(db=dbs.pending)
+            if after >= U64_MAX or not (
+                cursor.set_range(BLOCK_KEY.pack(after + 1)) if after >= 0 else cursor.first()
+            ):
+                return out
+            for key in cursor.iternext(values=False):
                 h = BLOCK_KEY.unpack(key)[0]
                 value = txn.get(key, None, dbs.blocks)
                 if value is None:

@@ -16,6 +16,7 @@ Failures of the server or the network become :class:`~kvstore.errors.TierError`.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import threading
 from collections.abc import Awaitable, Callable, Sequence
@@ -121,6 +122,7 @@ class ObjectClient:
         self.parsed = parse_url(url)
         self.concurrency = concurrency
         self.store = _make_store(self.parsed, endpoint)
+        self._sem: asyncio.Semaphore | None = None  # submit_put_new's, made on the loop
 
     def __repr__(self) -> str:
         return f"ObjectClient({self.url!r})"
@@ -220,6 +222,21 @@ class ObjectClient:
         except Exception as exc:
             raise _tier_error(f"put {key}", exc) from None
 
+    def submit_put_new(self, key: str, data: Any) -> concurrent.futures.Future[bool | TierError]:
+        """``put_new`` started on the loop without waiting; at most ``concurrency`` of
+        these run at once (the rest queue). The future's result is the value or the error."""
+
+        async def one() -> bool | TierError:
+            if self._sem is None:
+                self._sem = asyncio.Semaphore(self.concurrency)
+            async with self._sem:
+                try:
+                    return await self._put_new(key, data)
+                except TierError as exc:
+                    return exc
+
+        return asyncio.run_coroutine_threadsafe(one(), _Loop.get())
+
     # --- batches, ``concurrency`` in flight; each result is a value or the TierError ------
 
     def _gather(
@@ -246,6 +263,19 @@ class ObjectClient:
     def get_many(self, keys: Sequence[str]) -> list[Any | TierError | None]:
         """``get`` of every key, concurrently."""
         return self._gather(self._get, keys)
+
+    def delete_many(self, keys: Sequence[str]) -> list[TierError | None]:
+        """Remove every key (absent is fine), concurrently."""
+
+        async def one(key: str) -> None:
+            try:
+                await obstore.delete_async(self.store, key)
+            except (NotFoundError, FileNotFoundError):
+                pass
+            except Exception as exc:
+                raise _tier_error(f"delete {key}", exc) from None
+
+        return self._gather(one, keys)
 
     def exists_many(self, keys: Sequence[str]) -> list[bool | TierError]:
         """Whether each key exists (HEAD requests), concurrently."""

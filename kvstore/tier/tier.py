@@ -9,10 +9,11 @@ HEADs meanwhile answer "absent" at once, so an unreachable tier never slows what
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..errors import TierError
@@ -88,6 +89,8 @@ class Tier:
             self.last_error = str(failures[0])
             if len(failures) < len(results):
                 return  # some answered: a per-object failure, not a down tier
+            if time.monotonic() < self._down_until:
+                return  # requests started before the backoff began: no longer one
             self._backoff = min(BACKOFF_MAX, max(BACKOFF_FIRST, 2 * self._backoff))
             self._down_until = time.monotonic() + self._backoff
             if self.state != STATE_UNREACHABLE:
@@ -126,14 +129,16 @@ class Tier:
         self._record(results)
         return [r is True for r in results]
 
-    def upload(self, items: Sequence[tuple[int, Any]]) -> list[bool]:
-        """Create each block's object unless present (first writer wins), concurrently;
-        True where the object exists now."""
-        if not items:
-            return []
-        results = self.client.put_new_many([(self.key(h), data) for h, data in items])
-        self._record(results)
-        done = [not isinstance(r, TierError) for r in results]
-        with self._lock:
-            self.uploads += sum(r is True for r in results)
-        return done
+    def submit_upload(self, block_hash: int, data: Any, done: Callable[[int, bool], None]) -> None:
+        """Start creating a block's object (at most ``concurrency`` at once); ``done(hash,
+        ok)`` is called on the I/O thread when it ends (ok: the object exists now)."""
+
+        def finished(future: concurrent.futures.Future[bool | TierError]) -> None:
+            result = future.result()
+            self._record([result])
+            if result is True:
+                with self._lock:
+                    self.uploads += 1
+            done(block_hash, not isinstance(result, TierError))
+
+        self.client.submit_put_new(self.key(block_hash), data).add_done_callback(finished)
