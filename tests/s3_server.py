@@ -1,13 +1,18 @@
 """A real S3 API on loopback for the tier's tests: moto's server mode on a free port.
 
-``S3Server`` owns one ``ThreadedMotoServer``; ``stop`` and ``start`` (same port, same
-in-memory buckets, which moto keeps per process) model an unreachable tier coming back.
+``S3Server`` owns one ``ThreadedMotoServer`` (in this process). ``S3Process`` runs moto
+in a subprocess whose ``kill`` drops every connection at once (a stopped in-process
+server keeps serving its open keep-alive connections): an unreachable tier; ``start``
+brings it back on the same port, empty.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 import uuid
 
@@ -75,6 +80,32 @@ class S3Server:
         name = f"tlkv-{uuid.uuid4().hex[:16]}"
         self.client().create_bucket(Bucket=name)  # type: ignore[attr-defined]
         return name
+
+
+class S3Process(S3Server):
+    """moto's S3 server in a subprocess on ``127.0.0.1:port``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        cmd = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
+        self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                self.client().list_buckets()  # type: ignore[attr-defined]
+                return
+            except Exception:
+                time.sleep(0.05)
+        raise RuntimeError("moto did not start")
+
+    def stop(self) -> None:
+        if self._proc is not None:
+            self._proc.send_signal(signal.SIGKILL)
+            self._proc.wait(10)
+            self._proc = None
 
 
 def set_credentials() -> None:

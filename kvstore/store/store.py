@@ -684,7 +684,7 @@ class Store:
             self._end_read(txn)
         out: list[bytes | None] = []
         corrupt: list[int] = []
-        fetched: dict[int, Envelope] = {}
+        fetched: dict[int, bytes] = {}
         if self._tier is not None and None in values:
             fetched = self._tier.fetch([h for h, v in zip(hs, values) if v is None])
         for h, data in zip(hs, values):
@@ -693,11 +693,9 @@ class Store:
                 data = None
             if data is None:
                 self.misses += 1
-                env = fetched.get(h)
-                if env is not None:
-                    data = bytes(env.data)
-                    if version is not None and env.version != version:
-                        data = transcode_stored(h, data, version)
+                data = fetched.get(h)
+                if data is not None and version is not None and envelope_version(data) != version:
+                    data = transcode_stored(h, data, version)
             else:
                 self.hits += 1
                 self._recency.touch(h)

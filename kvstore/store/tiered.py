@@ -172,8 +172,8 @@ class TierLink:
 
     # --- reads -----------------------------------------------------------------------------------
 
-    def fetch(self, hashes: Sequence[int], *, wait: bool = False) -> dict[int, Envelope]:
-        """Read ``hashes`` through from the tier: the valid objects, decoded, queued for
+    def fetch(self, hashes: Sequence[int], *, wait: bool = False) -> dict[int, bytes]:
+        """Read ``hashes`` through from the tier: the valid objects' bytes, queued for
         their local commit (committed when this returns with ``wait``)."""
         wanted = list(dict.fromkeys(h for h in hashes if h))
         if not wanted:
@@ -181,6 +181,7 @@ class TierLink:
         store = self._store
         geometry = store.geometry
         envs: list[Envelope] = []
+        valid: dict[int, bytes] = {}
         for h, data in zip(wanted, self.tier.fetch(wanted)):
             if data is None:
                 continue
@@ -192,13 +193,14 @@ class TierLink:
                 continue
             geometry = geometry or env.geometry
             envs.append(env)
+            valid[h] = data
         if not envs:
             return {}
         self.filler.submit(envs)
         if wait:
             self.filler.flush()
         self.tier.read_hits += len(envs)
-        return {int(e.hashes[0]): e for e in envs}
+        return valid
 
     def _insert(self, envs: list[Envelope]) -> None:
         """Store read-through blocks as ordinary evictable blocks (not pending)."""

@@ -145,14 +145,15 @@ class ObjectClient:
             raise _tier_error(f"put {key}", exc) from None
         return True
 
-    def get(self, key: str) -> Any | None:
-        """The object's bytes (a buffer), or None when absent."""
+    def get(self, key: str) -> bytes | None:
+        """The object's bytes, or None when absent."""
         return _run(self._get(key))
 
-    async def _get(self, key: str) -> Any | None:
+    async def _get(self, key: str) -> bytes | None:
         try:
             result = await obstore.get_async(self.store, key)
-            return await result.bytes_async()
+            # Copied into a Python object here, while the other requests still transfer.
+            return bytes(await result.bytes_async())
         except (NotFoundError, FileNotFoundError):
             return None
         except Exception as exc:
@@ -260,7 +261,7 @@ class ObjectClient:
         """``put_new`` of every ``(key, data)``, concurrently."""
         return self._gather(lambda kv: self._put_new(kv[0], kv[1]), items)
 
-    def get_many(self, keys: Sequence[str]) -> list[Any | TierError | None]:
+    def get_many(self, keys: Sequence[str]) -> list[bytes | TierError | None]:
         """``get`` of every key, concurrently."""
         return self._gather(self._get, keys)
 

@@ -112,7 +112,7 @@ class Tier:
 
     # --- batches ----------------------------------------------------------------------------
 
-    def fetch(self, hashes: Sequence[int]) -> list[Any | None]:
+    def fetch(self, hashes: Sequence[int]) -> list[bytes | None]:
         """The raw (unvalidated) objects of ``hashes``, concurrently; None where absent or
         the tier failed (failures are counted)."""
         if not hashes or not self.available():
