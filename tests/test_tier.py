@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -233,3 +235,48 @@ def test_object_client_errors(tmp_path: Path, s3_server: S3Server) -> None:
     assert local.put_new("k", b"one") and not local.put_new("k", b"two")
     assert bytes(local.get("k")) == b"one"
     assert np.frombuffer(local.get_range("k", 1, 2), np.uint8).tobytes() == b"ne"
+
+
+def test_read_through_blocks_are_evictable(
+    tmp_path: Path, s3_server: S3Server, bucket_url: str
+) -> None:
+    envs = split(make_envelope(SMALL, 4 * 8, seed=13))
+    hashes = [_hashes(e)[0] for e in envs]
+    with _store(tmp_path / "a", bucket_url, s3_server) as a:
+        for e in envs:
+            a.put(e)
+        assert a.wait_uploaded(20)
+    with _store(tmp_path / "b", bucket_url, s3_server, capacity_bytes=4 * len(envs[0])) as b:
+        for h, e in zip(hashes, envs):
+            assert b.get(h) == e
+            assert b.wait_uploaded(20)
+        stats = b.stats()
+        assert stats["blocks"] == 4 and stats["evictions"] == 4
+        assert b.tier_info()["pending_uploads"] == 0
+
+
+@pytest.mark.slow  # a second process
+def test_one_uploader_per_store_directory(
+    tmp_path: Path, s3_server: S3Server, bucket_url: str
+) -> None:
+    envelope = make_envelope(SMALL, 4 * 12, seed=14)
+    n = len(_hashes(envelope))
+    (tmp_path / "e.tlkv").write_bytes(envelope)
+    child = (
+        "import sys; from kvstore import Store\n"
+        "with Store(sys.argv[1], tier=sys.argv[2], tier_endpoint=sys.argv[3]) as s:\n"
+        "    s.put(open(sys.argv[4], 'rb').read())\n"
+        "    assert s.wait_uploaded(30)\n"
+        "    print(s.tier_info()['uploads'])\n"
+    )
+    with _store(tmp_path / "a", bucket_url, s3_server) as first:
+        first.tier_info()  # its uploader holds the store's lock from its first round
+        time.sleep(0.2)
+        args = [str(tmp_path / "a"), bucket_url, s3_server.endpoint, str(tmp_path / "e.tlkv")]
+        out = subprocess.run(
+            [sys.executable, "-c", child, *args], capture_output=True, text=True, timeout=60
+        )
+        assert out.returncode == 0, out.stderr
+        assert int(out.stdout) == 0  # the second process found the lock taken
+        assert first.wait_uploaded(20)
+        assert first.tier_info()["uploads"] == n
