@@ -85,7 +85,8 @@ log = logging.getLogger("tlkv.store")
 
 _INITIAL_MAP_SIZE = 64 << 20  # LMDB map of a new store without a capacity; grows by doubling
 _FLUSH_INTERVAL = 5.0  # seconds: pending read hits are persisted at least this often
-_READ_THROUGH_BATCH = 128  # blocks fetched from the tier per round of a read-through
+_READ_THROUGH_FIRST = 16  # blocks fetched from the tier in a read-through's first round
+_READ_THROUGH_BATCH = 128  # ... and at most per later round (each round doubles)
 
 T = TypeVar("T")
 
@@ -820,8 +821,10 @@ class Store:
         k = self.longest_prefix(queries)
         if self._tier is None:
             return k
+        size = _READ_THROUGH_FIRST  # a chain usually ends soon after the local prefix
         while k < queries.size:
-            batch = queries[k : k + _READ_THROUGH_BATCH].tolist()
+            batch = queries[k : k + size].tolist()
+            size = min(2 * size, _READ_THROUGH_BATCH)
             here = self.has(batch)
             fetched = self._tier.fetch([h for h, ok in zip(batch, here) if not ok], wait=True)
             n = 0
