@@ -47,6 +47,13 @@ def test_layout_and_urls() -> None:
         Tier("file:///tmp/x", namespace="../up")
 
 
+def test_a_bad_tier_url_leaves_the_store_closed(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="s3://bucket/prefix"):
+        Store(tmp_path / "s", tier="gs://elsewhere/x")
+    with Store(tmp_path / "s") as s:  # not left open by the failed attempt
+        assert s.tier is None and s.tier_info() is None
+
+
 def test_two_nodes_share_a_bucket(tmp_path: Path, s3_server: S3Server, bucket_url: str) -> None:
     envelope = make_envelope(SMALL, 4 * 12, seed=1)
     hashes = _hashes(envelope)

@@ -32,7 +32,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
-from typing import Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -56,7 +56,6 @@ from ..errors import (
     UnsupportedVersionError,
 )
 from ..protocol import check_sequence_name
-from ..tier import Tier
 from .diskformat import (
     BLOCK_KEY,
     COUNTER_KEYS,
@@ -76,8 +75,11 @@ from .eviction import RecencyBuffer
 from .keyset import KeySet, hash_array
 from .lmdbenv import MAP_ALIGN, LmdbEnv
 from .reader import KvSpec, Reader, ReadSnapshot, assemble_sequence, reader_consts
-from .tiered import TierLink
 from .writetxn import CrcMismatch, WriteTxn
+
+if TYPE_CHECKING:  # imported when a store gets a tier: obstore and asyncio load only then
+    from ..tier import Tier
+    from .tiered import TierLink
 
 __all__ = ["PutReport", "PutResult", "Reader", "Store"]
 
@@ -273,9 +275,16 @@ class Store:
         _open_stores.add(self)
         self._tier: TierLink | None = None
         if tier is not None:
-            if not isinstance(tier, Tier):
-                tier = Tier(tier, endpoint=tier_endpoint)
-            self._tier = TierLink(self, tier)
+            from ..tier import Tier
+            from .tiered import TierLink
+
+            try:
+                if not isinstance(tier, Tier):
+                    tier = Tier(tier, endpoint=tier_endpoint)
+                self._tier = TierLink(self, tier)
+            except BaseException:
+                self.close()  # a bad tier URL leaves nothing open
+                raise
 
     def _check_meta(self, txn: Any, dbs: Dbs, geometry: Geometry | None) -> None:
         """Record or check the store format and the geometry (in the opening transaction)."""
