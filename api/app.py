@@ -60,6 +60,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             geometry=settings.geometry,
             capacity_bytes=settings.capacity_bytes,
             allow_nonfinite=settings.allow_nonfinite,
+            tier=settings.tier,
+            tier_endpoint=settings.tier_endpoint,
         )
         app.state.store = store
         # The loop releases zero-copy bodies: a remap there must not wait for them.

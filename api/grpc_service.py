@@ -444,7 +444,11 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
             hashes = chain_hashes(list(request.tokens), geometry.block_tokens)
         else:
             hashes = list(request.block_hashes)
-        k = store.longest_prefix(hashes) if hashes else 0
+        loop = asyncio.get_running_loop()
+        if store.tier is not None and hashes:  # local misses read through, in order
+            k = await loop.run_in_executor(None, store.read_through, hashes)
+        else:
+            k = store.longest_prefix(hashes) if hashes else 0
         if not k:
             return
         loop = asyncio.get_running_loop()

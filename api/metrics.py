@@ -70,6 +70,12 @@ _STORE_METRICS = (
     ("sequences", "gauge", "Named sequences."),
     ("evictions", "counter", "Blocks evicted to stay within capacity."),
     ("corrupt", "counter", "Blocks quarantined because their CRC failed."),
+    ("tier_up", "gauge", "1 while the object-store tier answers, 0 while it is unreachable."),
+    ("tier_pending_uploads", "gauge", "Blocks stored here and not yet uploaded to the tier."),
+    ("tier_uploads", "counter", "Block objects this worker created in the tier."),
+    ("tier_errors", "counter", "Requests to the tier that failed (this worker)."),
+    ("tier_read_through_hits", "counter", "Local misses served from the tier (this worker)."),
+    ("tier_refused", "counter", "Tier objects refused by a reader rule (this worker)."),
 )
 # Per model (label ``model``), for the models the scraping token may read.
 _MODEL_METRICS = (
@@ -77,6 +83,21 @@ _MODEL_METRICS = (
     ("bytes", "Stored bytes of the model (block envelopes and sequence records)."),
     ("sequences", "Named sequences of the model."),
 )
+
+
+def tier_stats(info: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The ``tier_*`` entries of the store metrics from ``Store.tier_info()`` (none
+    without a tier)."""
+    if info is None:
+        return {}
+    return {
+        "tier_up": int(info["state"] != "unreachable"),
+        "tier_pending_uploads": info["pending_uploads"],
+        "tier_uploads": info["uploads"],
+        "tier_errors": info["errors"],
+        "tier_read_through_hits": info["read_through_hits"],
+        "tier_refused": info["refused"],
+    }
 
 
 def _forget_dead_workers(path: str) -> None:

@@ -32,6 +32,16 @@ def _size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _tier_arg(text: str) -> str:
+    from kvstore.tier import parse_url
+
+    try:
+        parse_url(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     # Set before anything imports prometheus_client, which chooses between memory and
     # files at import. One process keeps its metrics in memory (and uvicorn ends it by
@@ -71,6 +81,10 @@ def _serve(args: argparse.Namespace, metrics_dir: str | None) -> int:
         host = f"[{grpc_host}]" if ":" in grpc_host else grpc_host
         env[s.ENV_GRPC] = f"{host}:{args.grpc_port}"
         env[s.ENV_GRPC_MAX_STREAM] = str(args.grpc_max_stream)
+    if args.tier is not None:
+        env[s.ENV_TIER] = args.tier
+    if args.tier_endpoint is not None:
+        env[s.ENV_TIER_ENDPOINT] = args.tier_endpoint
     if args.formats is not None:
         env[s.ENV_FORMATS] = args.formats  # checked by Settings.from_env below
     if args.quota:
@@ -86,8 +100,9 @@ def _serve(args: argparse.Namespace, metrics_dir: str | None) -> int:
     auth = "on" if settings.tokens is not None else "off"
     grpc = f", grpc://{settings.grpc_address}" if settings.grpc_address else ""
     metrics = "" if metrics_dir is None else f"metrics {metrics_dir}, "
+    tier = f", tier {settings.tier}" if settings.tier else ""
     print(
-        f"tlkv serve: data {settings.data}, auth {auth}, {args.workers} worker(s), "
+        f"tlkv serve: data {settings.data}{tier}, auth {auth}, {args.workers} worker(s), "
         f"{metrics}http://{args.host}:{args.port}{grpc}",
         file=sys.stderr,
     )
@@ -150,5 +165,14 @@ def register(sub: Any) -> None:
         default=[],
         metavar="MODEL=SIZE",
         help="bound a model's stored bytes (its puts evict its own oldest blocks); repeatable",
+    )
+    p.add_argument(
+        "--tier",
+        type=_tier_arg,
+        default=None,
+        help="shared object-store tier: s3://bucket/prefix (AWS_* env) or file:///path",
+    )
+    p.add_argument(
+        "--tier-endpoint", default=None, help="S3-compatible server URL (else AWS_ENDPOINT_URL)"
     )
     p.set_defaults(func=_cmd_serve)

@@ -29,6 +29,8 @@ ENV_GRPC = "TLKV_GRPC"  # host:port of the tl.kv.v1 gRPC server; absent: no gRPC
 ENV_GRPC_MAX_STREAM = "TLKV_GRPC_MAX_STREAM"
 ENV_MAX_INFLIGHT = "TLKV_MAX_INFLIGHT"
 ENV_ALLOW_NONFINITE = "TLKV_ALLOW_NONFINITE"
+ENV_TIER = "TLKV_TIER"  # s3://bucket/prefix or file:///path
+ENV_TIER_ENDPOINT = "TLKV_TIER_ENDPOINT"
 ENV_FORMATS = "TLKV_FORMATS"  # envelope versions this server reads, e.g. "1" or "1,2"
 ENV_QUOTAS = "TLKV_QUOTAS"  # per-model byte quotas: "model=SIZE,other/model=SIZE"
 
@@ -114,6 +116,8 @@ class Settings:
     max_inflight: int | None = None  # None: DEFAULT_INFLIGHT_BODIES * max_body
     allow_nonfinite: bool = False  # store NaN/Inf and out-of-range v2 scales verbatim
     quotas: tuple[tuple[str, int], ...] = ()  # (model, quota_bytes) pairs
+    tier: str | None = None  # s3://bucket/prefix or file:///path: the shared object-store tier
+    tier_endpoint: str | None = None  # an S3-compatible server's URL
 
     def __post_init__(self) -> None:
         if self.tokens is None and self.token is not None:
@@ -162,4 +166,6 @@ class Settings:
             max_inflight=parse_size(max_inflight) if max_inflight else None,
             allow_nonfinite=env.get(ENV_ALLOW_NONFINITE, "") == "1",
             quotas=parse_quotas(env.get(ENV_QUOTAS, "")),
+            tier=env.get(ENV_TIER) or None,
+            tier_endpoint=env.get(ENV_TIER_ENDPOINT) or None,
         )

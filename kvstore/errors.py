@@ -97,6 +97,14 @@ class UnsafeArchiveError(ArchiveError):
     """An archive member would escape its destination or exceed the allowed sizes."""
 
 
+class TierError(StoreError):
+    """The object-store tier could not be reached or refused a request (local data is
+    unaffected; the operation that needed the tier can be retried)."""
+
+    kind = "tier"
+    http_status = 503
+
+
 # --- errors of the HTTP service and its client ---------------------------------------
 
 

@@ -42,3 +42,15 @@ def make_envelope(
 def buffer_type(request: pytest.FixtureRequest) -> type:
     """Parametrizes a test over the three buffer types inputs may come as."""
     return request.param
+
+
+@pytest.fixture(scope="session")
+def s3_server():  # type: ignore[no-untyped-def]
+    """moto's S3 server on a free loopback port for the whole session (tests/s3_server.py)."""
+    from s3_server import S3Server, set_credentials
+
+    set_credentials()
+    server = S3Server()
+    server.start()
+    yield server
+    server.stop()

@@ -66,8 +66,10 @@ def test_info(http: httpx.Client) -> None:
         "bytes",
         "capacity_bytes",
         "corrupt",
+        "tier",
     }
     assert info["corrupt"] == 0
+    assert info["tier"] is None  # no --tier
     assert info["crc32c_kernel"] == checksum.KERNEL
     assert info["geometry"] == {"block_tokens": 4, "n_layers": 2, "n_kv_heads": 2, "head_dim": 8}
     assert info["formats"] == [1, 2]

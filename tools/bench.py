@@ -1,6 +1,7 @@
 """Benchmarks with ratios against baselines measured in the same run.
 
-Usage: python tools/bench.py {codec,store,http,archive,client,engine,grpc} [--quick] [--markdown]
+Usage: python tools/bench.py {codec,store,http,archive,client,engine,grpc,tier}
+       [--quick] [--markdown]
 
 Each suite lives in tools/bench_<suite>.py and exposes ``run(args) -> list[Row]``;
 this script prints them as one table (Markdown with --markdown, for the README).
@@ -18,7 +19,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # the repo, whe
 
 from bench_common import print_table
 
-SUITES = ("codec", "store", "http", "archive", "client", "engine", "grpc")
+SUITES = ("codec", "store", "http", "archive", "client", "engine", "grpc", "tier")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -79,12 +79,16 @@ HashPath = Annotated[str, Path(pattern=HASH_PATTERN, description="16 lowercase h
 FormatQuery = Annotated[
     int | None, Query(ge=1, le=2, description="transcode to this format version")
 ]
+TierQuery = Annotated[
+    int | None,
+    Query(ge=0, le=1, description="1: a hash absent here counts when the object-store tier has it"),
+]
 
 
 async def _read(store: Store, h: int, version: int | None) -> bytes | None:
     """``store.get``: on the event loop when plain, in the thread pool with a ``version``
-    (transcoding quantizes or widens 2 MiB)."""
-    if version is None:
+    (transcoding quantizes or widens 2 MiB) or a tier (a miss reads through)."""
+    if version is None and store.tier is None:
         return store.get(h)
     return await run_in_threadpool(functools.partial(store.get, h, version=version))
 
@@ -267,6 +271,8 @@ class BlockReadFastPath:
                 found = store.get_buffers([h])
             except StoreError:  # a remap this thread may not wait for: read in the pool
                 found = [memoryview(b) for b in [await run_in_threadpool(store.get, h)] if b]
+            if not found and store.tier is not None:  # a local miss reads through, off the loop
+                found = [memoryview(b) for b in [await run_in_threadpool(store.get, h)] if b]
         except TlkvError as exc:
             await send_error(send, exc)
             return
@@ -315,11 +321,15 @@ def _present_json(present: list[bool], prefix: int) -> bytes:
 
 
 @router.post("/v1/has-blocks", openapi_extra=HASHES_BODY)
-async def has_blocks(request: Request) -> Response:
-    """Which of the hashes are stored, and how many leading ones (``prefix``)."""
+async def has_blocks(request: Request, tier: TierQuery = None) -> Response:
+    """Which of the hashes are stored, and how many leading ones (``prefix``); with
+    ``tier=1`` also those the object-store tier holds (HEADs, nothing read through)."""
     store = store_of(request)
     hashes = await request_hashes(request, store)
-    present = store.has(hashes) if len(hashes) else []
+    if tier == 1 and store.tier is not None and len(hashes):
+        present = await run_in_threadpool(functools.partial(store.has, hashes, tier=True))
+    else:
+        present = store.has(hashes) if len(hashes) else []
     try:
         prefix = present.index(False)
     except ValueError:
@@ -401,7 +411,10 @@ async def prefix(request: Request, format: FormatQuery = None) -> Response:
     format = read_version(format, request.app.state.settings.formats)
     store = store_of(request)
     hashes = await request_hashes(request, store)
-    k = store.longest_prefix(hashes) if len(hashes) else 0
+    if store.tier is not None and len(hashes):  # local misses read through, in order
+        k = await run_in_threadpool(store.read_through, hashes)
+    else:
+        k = store.longest_prefix(hashes) if len(hashes) else 0
     geometry = store.geometry
     if k and geometry is not None and geometry.envelope_bytes(k, VERSION_V1) <= PREFIX_BUFFER_BYTES:
         # Off the event loop: up to 64 MiB of reads and CRC checks; sent from LMDB's map.

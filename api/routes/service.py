@@ -10,6 +10,7 @@ from kvstore.codec.checksum import KERNEL
 
 from ..access import EVERYTHING
 from ..access import SCOPE_KEY as ACCESS_KEY
+from ..metrics import tier_stats
 from .common import json_response, store_of
 
 router = APIRouter()
@@ -18,9 +19,15 @@ PROMETHEUS_MEDIA_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 @router.get("/healthz", tags=["service"])
-async def healthz() -> Response:
-    """Liveness: 200 while the worker runs (no auth)."""
-    return json_response({"status": "ok"})
+async def healthz(request: Request) -> Response:
+    """Liveness: 200 while the worker runs (no auth); ``tier`` names the object-store
+    tier's state (``ok``, ``unknown`` before its first answer, ``unreachable``) when the
+    store has one: readiness detail, never a failure (local data is served regardless)."""
+    store = request.app.state.store
+    tier = None if store is None else store.tier
+    if tier is None:
+        return json_response({"status": "ok"})
+    return json_response({"status": "ok", "tier": tier.state})
 
 
 @router.get(
@@ -44,6 +51,7 @@ async def metrics(request: Request) -> Response:
         if access.can_read(model):
             per_model[model] = model_stats
     stats["hits"], stats["misses"] = hits, misses
+    stats.update(tier_stats(store.tier_info()))
     request.app.state.metrics.observe_snapshots(store.held_snapshots())
     text = request.app.state.metrics.render(stats, per_model)
     return Response(text, media_type=PROMETHEUS_MEDIA_TYPE)
@@ -52,7 +60,9 @@ async def metrics(request: Request) -> Response:
 @router.get("/v1/info", tags=["service"])
 async def info(request: Request) -> Response:
     """Version, geometry (null until the first put or --geometry), formats, size, capacity,
-    and ``corrupt``: blocks quarantined because their CRC failed (never served)."""
+    ``corrupt``: blocks quarantined because their CRC failed (never served), and ``tier``:
+    the object-store tier's URL, state, pending uploads and this worker's counters (null
+    without a tier)."""
     store = store_of(request)
     stats = store.stats()
     g = store.geometry
@@ -67,5 +77,6 @@ async def info(request: Request) -> Response:
             "bytes": stats.get("bytes"),
             "capacity_bytes": stats.get("capacity_bytes"),
             "corrupt": stats.get("corrupt"),
+            "tier": store.tier_info(),
         }
     )

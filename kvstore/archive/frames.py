@@ -22,6 +22,7 @@ import zstandard
 from ..codec.checksum import crc32c
 from ..errors import ArchiveError, TruncatedArchiveError, UnsafeArchiveError
 from ..pipeline import OrderedPipeline
+from .sources import FileSource, Source, open_source, read_exact
 from .tar import TAR_BLOCK, member_prefix, member_size, padding
 
 # --- zstd frames (RFC 8878) ---------------------------------------------------------------
@@ -109,24 +110,18 @@ def encode_index(
     return body + INDEX_FOOTER.pack(crc32c(body), size, INDEX_MAGIC)
 
 
-def _read_exact(fd: int, size: int, offset: int, what: str) -> bytes:
-    data = os.pread(fd, size, offset)
-    if len(data) != size:
-        raise TruncatedArchiveError(
-            f"{what}: expected {size} bytes at offset {offset}, found {len(data)} (truncated)"
-        )
-    return data
-
-
-def read_index(fd: int, file_size: int) -> Index:
-    """Locate, check and parse the index frame at the end of the file (ARCHIVE.md 4)."""
+def read_index(source: Source | int, file_size: int) -> Index:
+    """Locate, check and parse the index frame at the end of the file (ARCHIVE.md 4);
+    ``source`` is a :class:`~kvstore.archive.sources.Source` or a file descriptor."""
+    if isinstance(source, int):
+        source = FileSource(fd=source)
     min_size = INDEX_HEADER.size + INDEX_FOOTER.size
     if file_size < min_size:
         raise TruncatedArchiveError(
             f"archive is {file_size} bytes, shorter than an empty index ({min_size}): truncated"
         )
     crc, size, magic = INDEX_FOOTER.unpack(
-        _read_exact(fd, INDEX_FOOTER.size, file_size - INDEX_FOOTER.size, "index footer")
+        read_exact(source, INDEX_FOOTER.size, file_size - INDEX_FOOTER.size, "index footer")
     )
     if magic != INDEX_MAGIC:
         raise TruncatedArchiveError(
@@ -136,7 +131,7 @@ def read_index(fd: int, file_size: int) -> Index:
     start = file_size - SKIPPABLE_HEADER.size - size
     if start < 0 or size < min_size - SKIPPABLE_HEADER.size:
         raise ArchiveError(f"index footer: frame size {size} does not fit a {file_size}-byte file")
-    raw = _read_exact(fd, size + SKIPPABLE_HEADER.size, start, "index frame")
+    raw = bytes(read_exact(source, size + SKIPPABLE_HEADER.size, start, "index frame"))
     body = memoryview(raw)[: -INDEX_FOOTER.size]
     if crc32c(body) != crc:
         raise ArchiveError(
@@ -197,21 +192,19 @@ class FrameReader:
     """
 
     def __init__(self, path: str | os.PathLike[str], max_frame_bytes: int) -> None:
-        self.fd = os.open(path, os.O_RDONLY)
+        self.source = open_source(path)
         try:
-            self.file_size = os.fstat(self.fd).st_size
-            self.index = read_index(self.fd, self.file_size)
+            self.file_size = self.source.size
+            self.index = read_index(self.source, self.file_size)
         except BaseException:
-            os.close(self.fd)
+            self.source.close()
             raise
         self.offsets = self.index.offsets
         self.max_frame_bytes = max_frame_bytes
 
     def close(self) -> None:
         """Close the file."""
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        self.source.close()
 
     def __enter__(self) -> FrameReader:
         return self
@@ -237,9 +230,9 @@ class FrameReader:
         comp = int(self.index.comp_sizes[i])
         decomp = int(self.index.decomp_sizes[i])
         where = f"frame {i} at offset {offset}"
-        raw = _read_exact(self.fd, comp, offset, where)
-        if raw[:4] != ZSTD_FRAME_MAGIC:
-            raise ArchiveError(f"{where}: not a zstd frame (magic {raw[:4].hex()})")
+        raw = read_exact(self.source, comp, offset, where)
+        if bytes(raw[:4]) != ZSTD_FRAME_MAGIC:
+            raise ArchiveError(f"{where}: not a zstd frame (magic {bytes(raw[:4]).hex()})")
         try:
             params = zstandard.get_frame_parameters(raw)
         except zstandard.ZstdError as exc:

@@ -63,6 +63,7 @@ from .manifest import (
     tail_member,
 )
 from .reader import ArchiveBlock, ArchiveReader, ArchiveSequence
+from .sources import open_output
 from .writer import WriteSummary, write_archive
 
 
@@ -148,7 +149,7 @@ def _create_once(
     skipped: list[str] = []
     skipped_names: set[str] = set()
     wanted = None if names is None else set(names)
-    with atomic_file(path) as out, store.reader() as r:
+    with open_output(path) as out, store.reader() as r:
         geometry = store.geometry
         keys = array("Q")
         for h, value in r.iter_blocks():  # the snapshot's hashes (pages dropped as we go)

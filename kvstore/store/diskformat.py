@@ -17,14 +17,17 @@ refuses it instead of evicting blocks it cannot see.
 ``atime``   hash -> u64 tick of the block's last use (unpinned blocks only).
 ``lru``     (u64 tick, u64 hash) big-endian -> empty: oldest first, the eviction order.
 ``seqs``    sequence name (ASCII) -> sequence record (``SEQ_HEADER`` ... CRC-32C).
+``pending`` hash -> empty: blocks stored here and not yet uploaded to the object-store
+            tier (kept only while the store runs with a tier; never evicted meanwhile).
 ``models``  model id (UTF-8) -> ``MODEL_VALUE``: the namespace's number and geometry.
 ``empty``   and ``empty-index``: never written (what a model not created yet reads).
 ==========  =====================================================================
 
 Namespaces: the ``default`` model is number 0 and owns the sub-databases above, byte for
 byte as in format 1 (its geometry is ``meta``'s). Model ``n`` > 0 owns its own ``blocks``,
-``index``, ``refs``, ``atime`` and ``seqs``, named ``<name>@<n>`` (``blocks@3``), with the
-same keys and values: every data path is the one of the default model over other handles.
+``index``, ``refs``, ``atime``, ``seqs`` and ``pending``, named ``<name>@<n>``
+(``blocks@3``), with the same keys and values: every data path is the one of the default
+model over other handles.
 ``meta``, ``lru`` and ``models`` are shared: the LRU order is store-wide (its value names
 the model of a non-default entry), the ``bytes``/``evictions``/``corrupt`` counters are
 store totals, and model ``n`` > 0 has its own beside them (key ``bytes@`` + ``n`` as a
@@ -60,20 +63,23 @@ DB_REFS = b"refs"
 DB_ATIME = b"atime"
 DB_LRU = b"lru"
 DB_SEQS = b"seqs"
+DB_PENDING = b"pending"
 DB_MODELS = b"models"
 # Two sub-databases never written: what a model not created yet reads (no blocks, no
 # sequences) through the same code as any other.
 DB_EMPTY = b"empty"
 DB_EMPTY_INDEX = b"empty-index"
 # The sub-databases every model has a copy of (model 0: the names above).
-MODEL_DBS = (DB_BLOCKS, DB_INDEX, DB_REFS, DB_ATIME, DB_SEQS)
+MODEL_DBS = (DB_BLOCKS, DB_INDEX, DB_REFS, DB_ATIME, DB_SEQS, DB_PENDING)
 # Models beside the default one a store may hold (LMDB fixes its number of sub-databases
-# when the environment opens: 8 shared + 5 per model).
+# when the environment opens: the shared ones + 6 per model).
 MAX_MODELS = 200
 MAX_DBS = 10 + len(MODEL_DBS) * MAX_MODELS
 
 # blocks/refs/atime key: the u64 block hash, big-endian so LMDB's key order is numeric.
 BLOCK_KEY = struct.Struct(">Q")
+# pending key: BLOCK_KEY, value PENDING_VALUE (empty).
+PENDING_VALUE = b""
 # lru key: (u64 tick, u64 hash), big-endian, value empty: a cursor walks oldest first.
 LRU_KEY = struct.Struct(">QQ")
 # index: the one key INDEX_KEY holding every stored hash as a native-endian u64 duplicate.
@@ -141,6 +147,7 @@ class Dbs(NamedTuple):
     atime: Any
     lru: Any
     seqs: Any
+    pending: Any
     models: Any = None
     number: int = 0  # the model's number (0: default; -1: a model not created yet)
 

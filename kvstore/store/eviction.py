@@ -105,25 +105,39 @@ class LruOrder:
         if self.remove(hk, h):
             self.add(hk, h)
 
-    def evict(self, protect: set[int], enough: Callable[[], bool]) -> Iterator[int]:
+    def evict(
+        self,
+        protect: set[int],
+        enough: Callable[[], bool],
+        keep: Callable[[int, int], bool] | None = None,
+    ) -> Iterator[int]:
         """Victims of this order's model oldest first, skipping ``protect``, until
         ``enough()`` holds; each one's recency is gone when it is yielded (the caller
         removes the block itself)."""
-        for _model, h in self.evict_any(protect, enough, only=self._model):
+        for _model, h in self.evict_any(protect, enough, only=self._model, keep=keep):
             yield h
 
     def evict_any(
-        self, protect: set[int], enough: Callable[[], bool], only: int | None = None
+        self,
+        protect: set[int],
+        enough: Callable[[], bool],
+        only: int | None = None,
+        keep: Callable[[int, int], bool] | None = None,
     ) -> Iterator[tuple[int, int]]:
         """``(model, hash)`` victims of every model (or of model ``only``) oldest first;
-        ``protect`` holds hashes of this order's model that must stay."""
+        ``protect`` holds hashes of this order's model that must stay, and ``keep(model,
+        hash)`` says which others must (blocks pending upload to a tier)."""
         cur = self._txn.cursor(db=self._lru)
         ok = cur.first()
         while ok and not enough():
             key = bytes(cur.key())
             h = LRU_KEY.unpack(key)[1]
             model = lru_model(cur.value())
-            if (only is not None and model != only) or (model == self._model and h in protect):
+            if (
+                (only is not None and model != only)
+                or (model == self._model and h in protect)
+                or (keep is not None and keep(model, h))
+            ):
                 ok = cur.next()
                 continue
             atime = self._atime if model == self._model else self._atime_of(model)  # type: ignore[misc]

@@ -39,6 +39,7 @@ from .diskformat import (
     DB_LRU,
     DB_META,
     DB_MODELS,
+    DB_PENDING,
     DB_REFS,
     DB_SEQS,
     MAX_DBS,
@@ -161,6 +162,7 @@ class LmdbEnv:
                         atime=env.open_db(DB_ATIME, txn=txn),
                         lru=env.open_db(DB_LRU, txn=txn),
                         seqs=env.open_db(DB_SEQS, txn=txn),
+                        pending=env.open_db(DB_PENDING, txn=txn),
                         models=env.open_db(DB_MODELS, txn=txn),
                     )
                     empty = env.open_db(DB_EMPTY, txn=txn)
@@ -172,6 +174,7 @@ class LmdbEnv:
                         refs=empty,
                         atime=empty,
                         seqs=empty,
+                        pending=empty,
                         number=-1,
                     )
                     check(txn, dbs)
@@ -198,6 +201,7 @@ class LmdbEnv:
                 refs=db(DB_REFS),
                 atime=db(DB_ATIME),
                 seqs=db(DB_SEQS),
+                pending=db(DB_PENDING),
                 number=number,
             )
 

@@ -37,7 +37,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
-from typing import Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -87,12 +87,18 @@ from .reader import KvSpec, Reader, ReadSnapshot, assemble_sequence, reader_cons
 from .registry import Reclaim, Registry, UnknownModel
 from .writetxn import CrcMismatch, WriteTxn
 
+if TYPE_CHECKING:  # imported when a store gets a tier: obstore and asyncio load only then
+    from ..tier import Tier
+    from .tiered import TierLink
+
 __all__ = ["PutReport", "PutResult", "Reader", "Store"]
 
 log = logging.getLogger("tlkv.store")
 
 _INITIAL_MAP_SIZE = 64 << 20  # LMDB map of a new store without a capacity; grows by doubling
 _FLUSH_INTERVAL = 5.0  # seconds: pending read hits are persisted at least this often
+_READ_THROUGH_FIRST = 16  # blocks fetched from the tier in a read-through's first round
+_READ_THROUGH_BATCH = 128  # ... and at most per later round (each round doubles)
 
 T = TypeVar("T")
 
@@ -212,6 +218,13 @@ class Store:
             at most ``numerics.SCALE_MAX`` is refused (``FormatError``); True stores such
             envelopes verbatim, as the spec's reader rules allow, and a transcoding ``get``
             of one raises ``UnconvertibleError``.
+        tier: a shared object-store tier behind the store (``s3://bucket/prefix``,
+            ``file:///path``, or a :class:`~kvstore.tier.Tier`): new blocks are uploaded
+            in the background (a persistent pending set; pending blocks are never
+            evicted), and a local miss of ``get``/``get_many``/``read_through`` reads the
+            block through from it, validated, into the store.
+        tier_endpoint: the S3-compatible server of a ``tier`` URL (default: the
+            ``AWS_ENDPOINT_URL`` environment variable, else AWS).
 
     Raises:
         ShapeError: the store exists with another geometry.
@@ -231,6 +244,8 @@ class Store:
         sync: bool = True,
         map_bytes: int | None = None,
         allow_nonfinite: bool = False,
+        tier: str | Tier | None = None,
+        tier_endpoint: str | None = None,
     ) -> None:
         if map_bytes is not None and (
             isinstance(map_bytes, bool) or not isinstance(map_bytes, int)
@@ -279,7 +294,22 @@ class Store:
         self._closed = False
         self._pid = os.getpid()
         _open_stores.add(self)
+        self._tier: TierLink | None = None
+        if tier is not None:
+            from ..tier import Tier
+            from .tiered import TierLink
+
+            try:
+                if not isinstance(tier, Tier):
+                    tier = Tier(tier, endpoint=tier_endpoint)
+                self._tier = TierLink(self, tier)
+            except BaseException:
+                self.close()  # a bad tier URL leaves nothing open
+                raise
         self._roll_back_killed_restores()
+        if self._tier is not None:
+            for model in self.models():  # every model's uploads resume (their handles)
+                self.model(model)
 
     def _check_meta(self, txn: Any, dbs: Dbs, geometry: Geometry | None) -> None:
         """Record or check the store format and the geometry (in the opening transaction)."""
@@ -379,6 +409,9 @@ class Store:
         else:
             h._dbs, h._keys = root._registry.nothing, KeySet(root._registry.nothing)
             h._resolve(create=False)
+        h._tier = None
+        if root._tier is not None:  # the model's own namespace of the root's tier
+            h._tier = type(root._tier)(h, root._tier.tier)
         _open_stores.add(h)
         return h
 
@@ -479,6 +512,8 @@ class Store:
         if self._forked:
             self._closed = True  # the parent's environment is not ours to close
             return
+        if self._tier is not None:
+            self._tier.close()
         if self._root is not self:
             with self._flush_lock:
                 if len(self._recency) and not self._root._closed:
@@ -592,6 +627,8 @@ class Store:
             )
             if self._pending is not None:
                 self._registry.claim(txn, self._model, self._pending)
+            if self._tier is not None:
+                w.pending = w.keep_pending = True
             for h in taken:
                 w.touch(h)
             result = body(w)
@@ -697,10 +734,13 @@ class Store:
         """Run a put-like transaction; a CRC mismatch found while writing raises the codec's
         ``ChecksumError``."""
         try:
-            return self._write(body, need)
+            result = self._write(body, need)
         except CrcMismatch as exc:
             decode(exc.envelope.data)  # raises ChecksumError with the codec's message
             raise ChecksumError("rule 'the CRC matches' failed") from None
+        if self._tier is not None:
+            self._tier.uploader.wake()
+        return result
 
     def put(self, envelope: Any) -> PutResult:
         """Store every full block of ``envelope`` under its hash, in one transaction.
@@ -944,12 +984,18 @@ class Store:
             self._end_read(txn)
         out: list[bytes | None] = []
         corrupt: list[int] = []
+        fetched: dict[int, bytes] = {}
+        if self._tier is not None and None in values:
+            fetched = self._tier.fetch([h for h, v in zip(hs, values) if v is None])
         for h, data in zip(hs, values):
             if data is not None and not crc_matches(data):
                 corrupt.append(h)
                 data = None
             if data is None:
                 self.misses += 1
+                data = fetched.get(h)
+                if data is not None and version is not None and envelope_version(data) != version:
+                    data = transcode_stored(h, data, version)
             else:
                 self.hits += 1
                 self._recency.touch(h)
@@ -1014,11 +1060,13 @@ class Store:
         needs while some are held raises ``StoreError`` instead of waiting for them."""
         self._lmdb.loop_thread = ident
 
-    def has(self, hashes: Iterable[int]) -> list[bool]:
+    def has(self, hashes: Iterable[int], *, tier: bool = False) -> list[bool]:
         """Whether each hash is stored; ``hashes`` are ints or a numpy integer array.
 
         One read transaction, no write lock. Large queries are answered from a sorted copy
         of the stored hashes, re-read (a page of hashes per LMDB call) only after a write.
+        ``tier``: a hash absent here counts as present when the store's tier holds it
+        (concurrent HEADs; nothing is read through).
 
         Raises:
             ValueError: a hash is not an integer in 0..2^64-1.
@@ -1028,12 +1076,20 @@ class Store:
             return []
         txn = self._begin_read(True)
         try:
-            return self._keys.has(txn, queries)
+            present = self._keys.has(txn, queries)
         finally:
             self._end_read(txn)
+        if tier and self._tier is not None and not all(present):
+            missing = [i for i, here in enumerate(present) if not here]
+            remote = self._tier.present(queries[missing].tolist())
+            for i, there in zip(missing, remote):
+                present[i] = there
+        return present
 
-    def longest_prefix(self, hashes: Iterable[int]) -> int:
+    def longest_prefix(self, hashes: Iterable[int], *, tier: bool = False) -> int:
         """How many leading hashes are stored (the cached prefix of a chain); no write lock.
+
+        ``tier``: the prefix continues through blocks the store's tier holds (HEADs).
 
         Raises:
             ValueError: a hash is not an integer in 0..2^64-1.
@@ -1043,9 +1099,64 @@ class Store:
             return 0
         txn = self._begin_read(True)
         try:
-            return self._keys.longest_prefix(txn, queries)
+            k = self._keys.longest_prefix(txn, queries)
         finally:
             self._end_read(txn)
+        if tier and self._tier is not None and k < queries.size:
+            k += self._tier.prefix(queries[k:].tolist())
+        return k
+
+    def read_through(self, hashes: Iterable[int]) -> int:
+        """Bring the leading blocks of a chain that are missing here in from the tier
+        (validated, stored as evictable blocks), stopping at the first the tier lacks;
+        returns the length of the prefix now stored. Without a tier: ``longest_prefix``.
+
+        Raises:
+            ValueError: a hash is not an integer in 0..2^64-1.
+        """
+        queries = hash_array(hashes)
+        if self._tier is not None:
+            self._tier.filler.flush()  # blocks read through by get are local first
+        k = self.longest_prefix(queries)
+        if self._tier is None:
+            return k
+        size = _READ_THROUGH_FIRST  # a chain usually ends soon after the local prefix
+        while k < queries.size:
+            batch = queries[k : k + size].tolist()
+            size = min(2 * size, _READ_THROUGH_BATCH)
+            here = self.has(batch)
+            fetched = self._tier.fetch([h for h, ok in zip(batch, here) if not ok], wait=True)
+            n = 0
+            while n < len(batch) and (here[n] or batch[n] in fetched):
+                n += 1
+            k += n
+            if n < len(batch):
+                break
+        return k
+
+    @property
+    def tier(self) -> Tier | None:
+        """The object-store tier behind the store (None without one)."""
+        return None if self._tier is None else self._tier.tier
+
+    def tier_info(self) -> dict[str, Any] | None:
+        """The tier's URL, state, counters and pending uploads (None without a tier)."""
+        return None if self._tier is None else self._tier.info()
+
+    def wait_uploaded(self, timeout: float | None = None) -> bool:
+        """Wait until the blocks read through are committed here and no block is pending
+        upload to the tier; False on timeout."""
+        if self._tier is None:
+            return True
+        self._tier.filler.flush()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._tier.pending_count():
+            self._tier.uploader.wake()
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            self._tier.uploader.wait_idle(0.05 if left is None else min(0.05, left))
+        return True
 
     def reader(self) -> Reader:
         """A read transaction for zero-copy views: ``with store.reader() as r: r.view(h)``.

@@ -40,6 +40,7 @@ from .diskformat import (
     INDEX_VALUE,
     META_BYTES,
     MODEL_COUNTER_KEYS,
+    PENDING_VALUE,
     REFCOUNT,
     Dbs,
     counter,
@@ -105,6 +106,11 @@ class WriteTxn:
         self.bytes, tick, self.evictions, self.corrupt = self._loaded
         self.lru = LruOrder(txn, dbs.atime, dbs.lru, tick, dbs.number, self._atime_of)
         self.protect: set[int] = set()  # hashes this transaction must not evict
+        # While the store has a tier: new blocks join their model's pending-upload set
+        # (``pending``: False for blocks read through from the tier), and no model's
+        # pending blocks are evicted (``keep_pending``).
+        self.pending = False
+        self.keep_pending = False
         self.after_commit: list[Callable[[], None]] = []
         # model number -> changes of its (bytes, evictions, corrupt) in this transaction
         self._deltas: dict[int, list[int]] = {}
@@ -174,9 +180,12 @@ class WriteTxn:
         self._count(self.dbs.number, 0, len(value))
         if self.txn.get(hk, None, self.dbs.refs) is None:
             self.lru.add(hk, h)
+        if self.pending:
+            self.txn.put(hk, PENDING_VALUE, db=self.dbs.pending)
 
     def remove_block(self, hk: bytes, h: int, size: int) -> None:
         self.txn.delete(hk, db=self.dbs.blocks)
+        self.txn.delete(hk, db=self.dbs.pending)
         self.txn.delete(INDEX_KEY, INDEX_VALUE.pack(h), db=self.dbs.index)
         self.lru.remove(hk, h)
         self.bytes -= size
@@ -214,7 +223,10 @@ class WriteTxn:
             used = [self.model_bytes()]  # a cell: the predicate reads it as victims go
             if used[0] + need > quota:
                 victims = self.lru.evict_any(
-                    self.protect, lambda: used[0] + need <= quota, only=self.dbs.number
+                    self.protect,
+                    lambda: used[0] + need <= quota,
+                    only=self.dbs.number,
+                    keep=self._keep_pending(),
                 )
                 for m, h in victims:
                     used[0] -= self._evict(m, h)
@@ -228,14 +240,28 @@ class WriteTxn:
         cap = self.capacity
         if cap is None or self.bytes + need <= cap:
             return
-        for m, h in self.lru.evict_any(self.protect, lambda: self.bytes + need <= cap):
+        for m, h in self.lru.evict_any(
+            self.protect, lambda: self.bytes + need <= cap, keep=self._keep_pending()
+        ):
             self._evict(m, h)
         if self.bytes + need > cap:
             raise StoreFullError(
                 f"a write of {need} bytes does not fit in capacity_bytes={cap}: "
-                f"{self.bytes} bytes stay stored (pinned by sequences or part of this write) "
+                f"{self.bytes} bytes stay stored (pinned by sequences, pending upload to the "
+                "tier, or part of this write) "
                 "after evicting every other block; nothing was stored"
             )
+
+    def _keep_pending(self) -> Callable[[int, int], bool] | None:
+        """Eviction's test of the blocks pending upload (None without a tier)."""
+        if not self.keep_pending:
+            return None
+        get = self.txn.get
+
+        def pending(model: int, h: int) -> bool:
+            return get(BLOCK_KEY.pack(h), None, self._other(model).pending) is not None
+
+        return pending
 
     def _evict(self, model: int, h: int) -> int:
         """Remove an LRU victim of ``model`` (its recency is gone already); its size."""
@@ -246,6 +272,7 @@ class WriteTxn:
             return 0
         size = len(value)  # before any write moves pages
         txn.delete(hk, db=dbs.blocks)
+        txn.delete(hk, db=dbs.pending)  # a store opened without its tier may evict them
         txn.delete(INDEX_KEY, INDEX_VALUE.pack(h), db=dbs.index)
         self.bytes -= size
         self.evictions += 1

@@ -1,0 +1,245 @@
+"""A store's link to its object-store tier: the pending set, read-through, tier queries.
+
+The store calls in at a few points (``Store`` stays the one owner of transactions):
+a put's new blocks join the ``pending`` sub-database in its own write transaction
+(``WriteTxn.pending``) and wake the :class:`~kvstore.tier.uploader.Uploader`; a local miss
+of ``get``/``get_many``/``read_through`` fetches the objects concurrently, validates each
+by every reader rule, the CRC, the store's geometry and the key's hash
+(``tier.validate``), and inserts the good ones as ordinary evictable blocks (not
+pending: the tier has them). A refused object is counted and logged, never stored or
+served.
+
+The local copy of a read-through block is committed by a filler thread (``_Filler``), so
+``get`` serves the validated bytes without waiting for a durable local write of a block
+the tier holds anyway (measured: the durable commit of 128 x 2 MiB took longer than
+fetching them). ``read_through``, whose callers serve from LMDB's map, waits for it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..codec.assembly import crc_matches
+from ..codec.envelope import Envelope
+from ..codec.layout import U64_MAX
+from ..errors import EnvelopeError, StoreError
+from ..tier import Tier, Uploader, check_block_object, namespace_of
+from .diskformat import BLOCK_KEY
+from .writetxn import WriteTxn
+
+if TYPE_CHECKING:
+    from .store import Store
+
+log = logging.getLogger("tlkv.store")
+
+QUERY_BATCH = 256  # hashes per round of HEADs when a prefix is looked up in the tier
+FILL_QUEUE_BYTES = 512 << 20  # read-through bytes awaiting their local commit, at most
+
+
+class _Filler:
+    """Commits read-through blocks on a thread of its own, in batches; ``submit`` waits
+    only while ``FILL_QUEUE_BYTES`` are queued already."""
+
+    def __init__(self, insert: Callable[[list[Envelope]], None]) -> None:
+        self._insert = insert
+        self._cv = threading.Condition()
+        self._queue: list[Envelope] = []
+        self._bytes = 0
+        self._busy = False
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    def submit(self, envs: list[Envelope]) -> None:
+        size = sum(len(e.data) for e in envs)
+        with self._cv:
+            self._cv.wait_for(lambda: self._bytes == 0 or self._bytes + size <= FILL_QUEUE_BYTES)
+            self._queue.extend(envs)
+            self._bytes += size
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="tlkv-tier-fill", daemon=True
+                )
+                self._thread.start()
+            self._cv.notify_all()
+
+    def flush(self) -> None:
+        """Wait until every submitted block is committed (or given up)."""
+        with self._cv:
+            self._cv.wait_for(lambda: not self._queue and not self._busy)
+
+    def close(self) -> None:
+        self.flush()
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._queue or self._stopping)
+                if not self._queue:
+                    return
+                batch, self._queue, self._busy = self._queue, [], True
+            try:
+                self._insert(batch)
+            except Exception as exc:  # the filler must outlive any one batch
+                log.warning("read-through blocks not kept: %s: %s", type(exc).__name__, exc)
+            finally:
+                with self._cv:
+                    self._bytes -= sum(len(e.data) for e in batch)
+                    self._busy = False
+                    self._cv.notify_all()
+
+
+class TierLink:
+    """The tier of one open store, and the uploader draining its pending set."""
+
+    def __init__(self, store: Store, tier: Tier) -> None:
+        self._store = store
+        self.tier = tier
+        # The store's model is its namespace in the tier (one Tier serves every model).
+        self.namespace = namespace_of(store.model_id)
+        self.filler = _Filler(self._insert)
+        self.uploader = Uploader(self, tier, store.path, self.namespace)
+
+    def close(self) -> None:
+        """Commit the read-through blocks in flight; stop the uploader (what is not
+        uploaded stays pending for the next open)."""
+        self.filler.close()
+        self.uploader.stop()
+
+    # --- the pending set (the uploader's source) ---------------------------------------------
+
+    def pending_batch(
+        self, max_blocks: int, max_bytes: int, after: int = -1
+    ) -> list[tuple[int, bytes]]:
+        """Pending blocks with hashes above ``after``, in hash order, copied from one
+        snapshot; a block deleted meanwhile leaves the set, a corrupt one is quarantined
+        (never uploaded)."""
+        store, dbs = self._store, self._store._dbs
+        out: list[tuple[int, bytes]] = []
+        gone: list[int] = []
+        corrupt: list[int] = []
+        size = 0
+        txn = store._begin_read(False)
+        try:
+            cursor = txn.cursor(db=dbs.pending)
+            if after >= U64_MAX or not (
+                cursor.set_range(BLOCK_KEY.pack(after + 1)) if after >= 0 else cursor.first()
+            ):
+                return out
+            for key in cursor.iternext(values=False):
+                h = BLOCK_KEY.unpack(key)[0]
+                value = txn.get(key, None, dbs.blocks)
+                if value is None:
+                    gone.append(h)
+                elif not crc_matches(value):
+                    corrupt.append(h)
+                else:
+                    out.append((h, value))
+                    size += len(value)
+                    if len(out) >= max_blocks or size >= max_bytes:
+                        break
+        finally:
+            store._end_read(txn)
+        if gone:
+            self.uploaded(gone)
+        if corrupt:
+            store._quarantine(corrupt)
+        return out
+
+    def uploaded(self, hashes: list[int]) -> None:
+        """Clear uploaded (or vanished) blocks from the pending set."""
+        if not hashes:
+            return
+
+        def body(w: WriteTxn) -> None:
+            for h in hashes:
+                w.txn.delete(BLOCK_KEY.pack(h), db=w.dbs.pending)
+
+        self._store._write(body)
+
+    def pending_count(self) -> int:
+        """Blocks waiting for upload."""
+        txn = self._store._begin_read(False)
+        try:
+            return int(txn.stat(self._store._dbs.pending)["entries"])
+        finally:
+            self._store._end_read(txn)
+
+    # --- reads -----------------------------------------------------------------------------------
+
+    def fetch(self, hashes: Sequence[int], *, wait: bool = False) -> dict[int, bytes]:
+        """Read ``hashes`` through from the tier: the valid objects' bytes, queued for
+        their local commit (committed when this returns with ``wait``)."""
+        wanted = list(dict.fromkeys(h for h in hashes if h))
+        if not wanted:
+            return {}
+        store = self._store
+        geometry = store.geometry
+        envs: list[Envelope] = []
+        valid: dict[int, bytes] = {}
+        for h, data in zip(wanted, self.tier.fetch(wanted, self.namespace)):
+            if data is None:
+                continue
+            try:
+                env = check_block_object(data, h, geometry, allow_nonfinite=store._allow_nonfinite)
+            except EnvelopeError as exc:
+                self.tier.refused += 1
+                log.warning("tier object of block %016x refused: %s", h, exc)
+                continue
+            geometry = geometry or env.geometry
+            envs.append(env)
+            valid[h] = data
+        if not envs:
+            return {}
+        self.filler.submit(envs)
+        if wait:
+            self.filler.flush()
+        self.tier.read_hits += len(envs)
+        return valid
+
+    def _insert(self, envs: list[Envelope]) -> None:
+        """Store read-through blocks as ordinary evictable blocks (not pending)."""
+        store = self._store
+
+        def body(w: WriteTxn) -> None:
+            w.pending = False  # the tier has them
+            store._adopt_geometry(w, envs[0].geometry)
+            for env in envs:
+                w.put_blocks(env)
+
+        try:
+            store._write(body, sum(len(e.data) for e in envs))
+        except (StoreError, EnvelopeError) as exc:  # served anyway: they were validated
+            log.warning("%s: blocks read through from the tier not kept: %s", store.path, exc)
+
+    def present(self, hashes: Sequence[int]) -> list[bool]:
+        """Whether each block has an object in the tier (concurrent HEADs)."""
+        return self.tier.present(list(hashes), self.namespace)
+
+    def prefix(self, hashes: Sequence[int]) -> int:
+        """How many leading ``hashes`` have objects, asked ``QUERY_BATCH`` at a time."""
+        n = 0
+        for start in range(0, len(hashes), QUERY_BATCH):
+            batch = hashes[start : start + QUERY_BATCH]
+            found = self.present(batch)
+            try:
+                return n + found.index(False)
+            except ValueError:
+                n += len(batch)
+        return n
+
+    def info(self) -> dict[str, Any]:
+        """The tier's state and counters (shared by the store's models), with this model's
+        namespace and number of pending uploads."""
+        return {
+            **self.tier.info(),
+            "namespace": self.namespace,
+            "pending_uploads": self.pending_count(),
+        }
