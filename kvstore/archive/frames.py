@@ -72,9 +72,7 @@ class Index:
             ArchiveError: the counts do not add up, or a run is not strictly ascending.
         """
         if sum(counts) != len(self.blocks):
-            raise ArchiveError(
-                f"index lists {len(self.blocks)} blocks, the manifest {sum(counts)}"
-            )
+            raise ArchiveError(f"index lists {len(self.blocks)} blocks, the manifest {sum(counts)}")
         runs = np.zeros(len(counts) + 1, dtype=np.int64)
         np.cumsum(np.asarray(counts, dtype=np.int64), out=runs[1:])
         hashes = self.blocks["hash"]

@@ -167,7 +167,9 @@ class Manifest:
         one model, version 3 (members under ``models/<n>/``) for several."""
         if len(sections) == 1:
             one = sections[0]
-            return cls(one.geometry, one.blocks, one.sequences, tool or tool_version(), 2, one.model)
+            return cls(
+                one.geometry, one.blocks, one.sequences, tool or tool_version(), 2, one.model
+            )
         parts = tuple(
             Section(x.model, x.geometry, x.blocks, x.sequences, MODEL_DIR.format(n))
             for n, x in enumerate(sections)
@@ -246,7 +248,7 @@ class Manifest:
         models = obj["models"]
         if not isinstance(models, list) or not 2 <= len(models) <= MAX_MODELS:
             raise ArchiveError(f"manifest: models must be a list of 2..{MAX_MODELS} entries")
-        parts = []
+        parts: list[Section] = []
         for n, entry in enumerate(models):
             what = f"manifest: models[{n}]"
             if not isinstance(entry, dict) or tuple(sorted(entry)) != MODEL_KEYS:
@@ -255,9 +257,10 @@ class Manifest:
             if parts and x.model <= parts[-1].model:
                 raise ArchiveError(f"{what}: model ids must be strictly ascending")
             parts.append(Section(x.model, x.geometry, x.blocks, x.sequences, MODEL_DIR.format(n)))
-        if sum(x.blocks for x in parts) != obj["blocks"] or sum(
-            x.sequences for x in parts
-        ) != obj["sequences"]:
+        if (
+            sum(x.blocks for x in parts) != obj["blocks"]
+            or sum(x.sequences for x in parts) != obj["sequences"]
+        ):
             raise ArchiveError("manifest: blocks and sequences must be the models' totals")
         return cls(
             None,

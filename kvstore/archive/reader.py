@@ -388,9 +388,7 @@ class _Scan:
         self, reader: ArchiveReader, verify_crc: bool, finite: bool, partial: bool
     ) -> None:
         self.sections = reader.sections
-        self.states = [
-            _ScanState(reader, n, verify_crc, finite) for n in range(len(self.sections))
-        ]
+        self.states = [_ScanState(reader, n, verify_crc, finite) for n in range(len(self.sections))]
         self.current = 0
         self.partial = partial
         self.problems: list[Problem] = []
@@ -398,7 +396,9 @@ class _Scan:
     def member(self, m: Member) -> Item | None:
         n, rest = split_member(m.name, self.sections)
         if n < self.current:
-            raise ArchiveError(f"member {m.name!r} out of place (after the members of model {self.current})")
+            raise ArchiveError(
+                f"member {m.name!r} out of place (after the members of model {self.current})"
+            )
         while self.current < n:
             self._close(self.current)
             self.current += 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -112,7 +113,7 @@ def write_models(
     several. Arguments and errors as :func:`write_archive`'s."""
     if not parts:
         raise ValueError("an archive holds at least one model")
-    for prev, part in zip(parts, parts[1:]):
+    for prev, part in pairwise(parts):
         if part.model <= prev.model:
             raise ValueError(f"models must be in ascending order: {part.model!r}")
     for part in parts:
