@@ -300,3 +300,37 @@ def test_manifest_v3_rules(edit: Any, match: str) -> None:
     edit(obj)
     with pytest.raises(ArchiveError, match=match):
         Manifest.from_json(canonical_json(obj))
+
+
+def test_a_restore_of_several_models_dying_before_its_last_commit_is_undone_in_all(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every model's blocks and sequences are committed, then the process "dies" before
+    the one commit that keeps them all: the next open removes them from every model."""
+    from kvstore.archive.importer import Importer
+
+    with Store(tmp_path / "src") as src:
+        two_models(src)
+        create(src, tmp_path / "all.tar.zst", models=["base", "ft", "wide"])
+    with Store(tmp_path / "dst") as dst:
+        dst.model("ft").put(encode(SMALL, make_blocks(SMALL, 4, seed=9)))
+        before = {m: snapshot(dst.model(m)) for m in ("base", "ft", "wide")}
+    committed = {}
+
+    def die(self: Store, journals: Any) -> None:
+        committed.update({m: snapshot(self.model(m)) for m in ("base", "ft", "wide")})
+        raise KeyboardInterrupt  # stands for SIGKILL: nothing after this runs
+
+    def dead(self: Importer) -> None:
+        self._join()
+        self.journal.release(unlink=False)  # the kernel drops a dead process's lock
+
+    monkeypatch.setattr(Store, "keep_restores", die)
+    monkeypatch.setattr(Importer, "undo", dead)
+    with Store(tmp_path / "dst") as dst, pytest.raises(KeyboardInterrupt):
+        restore(tmp_path / "all.tar.zst", dst)
+    assert all(committed[m] != before[m] for m in before)  # every model had been written
+    monkeypatch.undo()
+    with Store(tmp_path / "dst") as dst:
+        assert {m: snapshot(dst.model(m)) for m in before} == before
+    assert not list((tmp_path / "dst").glob("restore-*.lock"))
