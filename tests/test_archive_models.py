@@ -334,3 +334,22 @@ def test_a_restore_of_several_models_dying_before_its_last_commit_is_undone_in_a
     with Store(tmp_path / "dst") as dst:
         assert {m: snapshot(dst.model(m)) for m in before} == before
     assert not list((tmp_path / "dst").glob("restore-*.lock"))
+
+
+def test_partial_restore_of_several_models_skips_only_the_refused_members(
+    tmp_path: Path,
+) -> None:
+    _, b, s = valid_members(seed=1)
+    damaged = bytearray(b[1].data)
+    damaged[-5] ^= 1  # a payload byte: the envelope's CRC fails
+    b_members = under(1, [b[0], Raw(b[1].name, bytes(damaged)), *b[2:]])
+    path = craft_models(
+        tmp_path / "p.tar.zst", [("a", SMALL, under(0, [*b, *s])), ("b", SMALL, b_members)]
+    )
+    with Store(tmp_path / "dst") as dst:
+        report = restore(path, dst, partial=True)
+        assert [p.where for p in report.problems] == [b_members[1].name]
+        bad = int(BLOCK_NAME.fullmatch(b[1].name).group(1), 16)  # type: ignore[union-attr]
+        assert dst.model("a").has([bad]) == [True] and dst.model("b").has([bad]) == [False]
+        assert dst.model("b").stats()["blocks"] == len(b) - 1
+        assert dst.model("a").sequences() == ["s"] and dst.model("b").sequences() == []
