@@ -9,8 +9,9 @@ Layers: ``tar`` (member headers), ``frames`` (zstd frames + seek index), ``manif
 writer and validator, no store), ``importer`` (restore's batched import), and this module,
 which ties them to the store:
 
-- ``create`` reads one consistent snapshot (one LMDB read transaction) and writes a
-  sibling temp file that is fsynced and renamed into place.
+- ``create`` reads one consistent snapshot of each model it archives (one LMDB read
+  transaction each, all open together) and writes a sibling temp file that is fsynced and
+  renamed into place: format version 2 for one model, 3 for several.
 - ``restore`` validates and imports in one pass: each block is checked by every reader
   rule and committed in durable batches of bounded size as the archive streams by (one
   batch committing while the next is decompressed and checked); sequences, which replace
@@ -20,7 +21,8 @@ which ties them to the store:
   next process to open the store remove them. When committing could evict (a store with
   a capacity the archive might exceed), a refused archive could not give evicted blocks
   back: restore then validates the whole archive first, writing nothing, and imports in a
-  second pass.
+  second pass. Each of an archive's models goes to its own model of the store (one
+  importer and journal each), and one commit keeps them all.
   Memory stays bounded whatever the archive's size.
 - ``verify``, ``iter_blocks``, ``list_archive``, ``extract``, ``extract_all`` read only.
 """
@@ -331,8 +333,9 @@ def verify(
 def iter_blocks(
     path: str | os.PathLike[str], *, threads: int = 0
 ) -> Iterator[tuple[int, memoryview]]:
-    """``(hash, verbatim envelope)`` of every block, validated as it streams (an error
-    raises when reached: blocks before it have been yielded already)."""
+    """``(hash, verbatim envelope)`` of every block (of every model, in member order),
+    validated as it streams (an error raises when reached: blocks before it have been
+    yielded already)."""
     with ArchiveReader(path, threads=threads) as ar:
         for item in ar.scan():
             if isinstance(item, ArchiveBlock):

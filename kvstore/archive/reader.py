@@ -122,9 +122,10 @@ class ArchiveReader:
         self._env_max = [x.max_envelope() for x in self.sections]
         env_max = manifest.max_envelope()
         if env_max > MAX_BLOCK_BYTES:
+            big = self.sections[self._env_max.index(env_max)]
             raise UnsafeArchiveError(
-                f"manifest: geometry {manifest.geometry} means {env_max}-byte blocks, "
-                f"more than the {MAX_BLOCK_BYTES} an archive may hold"
+                f"manifest: geometry {big.geometry} (model {big.model!r}) means "
+                f"{env_max}-byte blocks, more than the {MAX_BLOCK_BYTES} an archive may hold"
             )
         self.env_max = env_max
         biggest = max(padded(env_max), padded(MAX_SEQUENCE_BYTES), FRAME_TARGET)

@@ -236,8 +236,8 @@ def _cmd_extract(args: argparse.Namespace) -> int:
     from ..archive.operations import extract_all, extract_checked
 
     if args.all:
-        if args.hashes:
-            raise ValueError("give block hashes or --all, not both")
+        if args.hashes or args.model is not None:
+            raise ValueError("give block hashes (and --model) or --all, not both")
         n = extract_all(args.file, args.output)
         if not args.quiet:
             print(f"extracted {n} members into {args.output}")
