@@ -243,7 +243,13 @@ def test_crafted_two_model_archive_is_valid(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "case",
-    ["unknown model number", "model 0 after model 1", "geometry of another model", "late refusal"],
+    [
+        "unknown model number",
+        "model directory not a canonical number",
+        "model 0 after model 1",
+        "geometry of another model",
+        "late refusal",
+    ],
 )
 def test_hostile_multi_model_archive_leaves_the_store_unchanged(case: str, tmp_path: Path) -> None:
     _, b, s = valid_members(seed=1)
@@ -253,6 +259,10 @@ def test_hostile_multi_model_archive_leaves_the_store_unchanged(case: str, tmp_p
     bad, error = {
         "unknown model number": (
             [("a", SMALL, a_members), ("b", SMALL, [*b_members, *under(2, s)])],
+            UnsafeArchiveError,
+        ),
+        "model directory not a canonical number": (
+            [("a", SMALL, a_members), ("b", SMALL, [Raw("models/01/" + b[0].name, b[0].data)])],
             UnsafeArchiveError,
         ),
         "model 0 after model 1": (
