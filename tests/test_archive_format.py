@@ -12,7 +12,7 @@ from conftest import SMALL, make_envelope
 
 from kvstore import decode, split
 from kvstore.archive.frames import encode_index
-from kvstore.archive.manifest import Manifest, SequenceRecord
+from kvstore.archive.manifest import Manifest, Section, SequenceRecord
 from kvstore.archive.reader import ArchiveBlock, ArchiveReader, ArchiveSequence
 from kvstore.archive.tar import member_prefix, ustar_header
 from kvstore.archive.writer import write_archive
@@ -159,3 +159,23 @@ def test_golden_manifest_v2_records_the_model() -> None:
     v1_with_model = manifest.replace(b'"archive_version":2', b'"archive_version":1')
     with pytest.raises(ArchiveError, match="keys"):
         Manifest.from_json(v1_with_model)
+
+
+def test_golden_manifest_v3_lists_the_models() -> None:
+    sections = [Section("base", SMALL, 3, 1), Section("ft", SMALL, 2, 0)]
+    manifest = Manifest.of_models(sections, tool="tlkv 0.1.0")
+    g = b'{"block_tokens":4,"head_dim":8,"n_kv_heads":2,"n_layers":2}'
+    assert manifest.to_json() == (
+        b'{"archive_version":3,"blocks":5,"format":"tlkv-archive","models":[{"blocks":3,'
+        b'"geometry":'
+        + g
+        + b',"model":"base","sequences":1},{"blocks":2,"geometry":'
+        + g
+        + b',"model":"ft","sequences":0}],"sequences":1,"tool":"tlkv 0.1.0"}\n'
+    )
+    parsed = Manifest.from_json(manifest.to_json())
+    assert [(x.model, x.prefix) for x in parsed.sections()] == [
+        ("base", "models/0/"),
+        ("ft", "models/1/"),
+    ]
+    assert Manifest.of_models(sections[:1]).archive_version == 2  # one model: version 2

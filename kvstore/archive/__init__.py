@@ -5,7 +5,14 @@ verbatim in a tar stream cut into independent zstd frames, with a seek index at 
 """
 
 from .importer import RestoreReport
-from .manifest import ARCHIVE_FORMAT, ARCHIVE_VERSION, Manifest, SequenceRecord
+from .manifest import (
+    ARCHIVE_FORMAT,
+    ARCHIVE_VERSION,
+    ARCHIVE_VERSION_MODELS,
+    Manifest,
+    Section,
+    SequenceRecord,
+)
 from .operations import (
     CreateSummary,
     Listing,
@@ -20,20 +27,23 @@ from .operations import (
     verify,
 )
 from .reader import ArchiveBlock, ArchiveReader, ArchiveSequence, Problem
-from .writer import write_archive
+from .writer import ModelContent, write_archive, write_models
 
 __all__ = [
     "ARCHIVE_FORMAT",
     "ARCHIVE_VERSION",
+    "ARCHIVE_VERSION_MODELS",
     "ArchiveBlock",
     "ArchiveReader",
     "ArchiveSequence",
     "CreateSummary",
     "Listing",
     "Manifest",
+    "ModelContent",
     "Problem",
     "Progress",
     "RestoreReport",
+    "Section",
     "SequenceRecord",
     "VerifyReport",
     "create",
@@ -44,4 +54,5 @@ __all__ = [
     "restore",
     "verify",
     "write_archive",
+    "write_models",
 ]

@@ -13,7 +13,7 @@ import struct
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -41,7 +41,8 @@ INDEX_HEADER = struct.Struct("<IIHHII")
 INDEX_VERSION = 1
 # per data frame: u32 compressed size, u32 decompressed size
 INDEX_FRAME = struct.Struct("<II")
-# per block member, ascending hash: u64 hash, u32 frame, u32 offset of its tar header in the frame
+# per block member (per model in member order, ascending hash): u64 hash, u32 frame,
+# u32 offset of its tar header in the frame
 INDEX_BLOCK = struct.Struct("<QII")
 INDEX_BLOCK_DTYPE = np.dtype([("hash", "<u8"), ("frame", "<u4"), ("offset", "<u4")])
 assert INDEX_BLOCK_DTYPE.itemsize == INDEX_BLOCK.size
@@ -60,7 +61,33 @@ class Index:
 
     comp_sizes: np.ndarray  # u4 per frame
     decomp_sizes: np.ndarray  # u4 per frame
-    blocks: np.ndarray  # INDEX_BLOCK_DTYPE, ascending hash
+    blocks: np.ndarray  # INDEX_BLOCK_DTYPE: per model, in member order, ascending hash
+    # where each model's entries start, plus the end (one model: the whole table)
+    runs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+    def set_runs(self, counts: Sequence[int]) -> None:
+        """Cut the block table into the models' runs of ``counts`` entries (ARCHIVE.md 4),
+        each strictly ascending by hash.
+
+        Raises:
+            ArchiveError: the counts do not add up, or a run is not strictly ascending.
+        """
+        if sum(counts) != len(self.blocks):
+            raise ArchiveError(f"index lists {len(self.blocks)} blocks, the manifest {sum(counts)}")
+        runs = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(np.asarray(counts, dtype=np.int64), out=runs[1:])
+        hashes = self.blocks["hash"]
+        rising = hashes[1:] > hashes[:-1]
+        rising[runs[1:-1][(runs[1:-1] > 0) & (runs[1:-1] < len(hashes))] - 1] = True
+        if not bool(np.all(rising)):
+            raise ArchiveError("index: block hashes are not strictly ascending")
+        self.runs = runs
+
+    def run(self, model: int = 0) -> slice:
+        """The entries of the ``model``-th model (all of them before ``set_runs``)."""
+        if not len(self.runs):
+            return slice(0, len(self.blocks))
+        return slice(int(self.runs[model]), int(self.runs[model + 1]))
 
     @property
     def n_frames(self) -> int:
@@ -79,12 +106,13 @@ class Index:
         """Decompressed bytes of every data frame together (the tar stream's length)."""
         return int(self.decomp_sizes.sum(dtype=np.uint64))
 
-    def find(self, block_hash: int) -> tuple[int, int] | None:
-        """``(frame, offset)`` of a block member, or None."""
-        hashes = self.blocks["hash"]
+    def find(self, block_hash: int, model: int = 0) -> tuple[int, int] | None:
+        """``(frame, offset)`` of a block member of the ``model``-th model, or None."""
+        entries = self.blocks[self.run(model)]
+        hashes = entries["hash"]
         i = int(np.searchsorted(hashes, np.uint64(block_hash)))
         if i < len(hashes) and int(hashes[i]) == block_hash:
-            return int(self.blocks["frame"][i]), int(self.blocks["offset"][i])
+            return int(entries["frame"][i]), int(entries["offset"][i])
         return None
 
 
@@ -164,8 +192,6 @@ def read_index(source: Source | int, file_size: int) -> Index:
             f"index: the data frames' sizes add up to {int(index.comp_sizes.sum())} bytes, "
             f"but the index frame starts at offset {start}"
         )
-    if n_blocks > 1 and not bool(np.all(blocks["hash"][1:] > blocks["hash"][:-1])):
-        raise ArchiveError("index: block hashes are not strictly ascending")
     if n_blocks and int(blocks["frame"].max()) >= n_frames:
         raise ArchiveError("index: a block entry names a frame that does not exist")
     return index

@@ -67,8 +67,13 @@ class Importer:
         report: RestoreReport,
         *,
         defer_sequences: bool = False,
+        section: int = 0,
     ) -> None:
+        """``store`` is the handle of the model that the archive's ``section``-th model
+        goes to."""
         self.store = store
+        self.section = section
+        self.geometry = archive.sections[section].geometry
         self.defer_sequences = defer_sequences
         # (name, hashes, has a tail, version) of each sequence, in archive order
         self.deferred: list[tuple[str, array[int], bool, int]] = []
@@ -135,7 +140,7 @@ class Importer:
 
     def _import_deferred(self) -> None:
         """Import the noted sequences, their tails read again (and checked again)."""
-        tails = self.archive.sequence_tails()
+        tails = self.archive.sequence_tails(self.section)
         for name, hashes, has_tail, version in self.deferred:
             tail = None
             if has_tail:
@@ -158,7 +163,7 @@ class Importer:
     def _assemble(self, item: ArchiveSequence) -> bytes:
         """The sequence's whole envelope: its blocks from the store when the stored copy
         has the sequence's format version, else from the archive, then the tail."""
-        g = self.archive.geometry
+        g = self.geometry
         assert g is not None
         version = item.version
         n = len(item.hashes) + (item.tail is not None)
@@ -173,7 +178,7 @@ class Importer:
                     continue
                 parts.append(bytes(record_of(stored)))
         for i in fallback:  # read_block checks every rule, the CRC included
-            parts[1 + i] = record_of(self.archive.read_block(item.hashes[i]))
+            parts[1 + i] = record_of(self.archive.read_block(item.hashes[i], self.section))
         if item.tail is not None:
             decode(item.tail, g)  # the CRC, which the second pass does not check
             parts.append(record_of(item.tail))
@@ -188,10 +193,18 @@ class Importer:
 
     def finish(self) -> None:
         """Import what is left, then keep the restore (the commit that makes it whole)."""
+        self.complete()
+        self.keep()
+
+    def complete(self) -> None:
+        """Import what is left (blocks, then sequences), journaled, not yet kept."""
         self.flush_blocks()
         if self.deferred:
             self._import_deferred()
         self.flush_sequences()
+
+    def keep(self) -> None:
+        """Keep the restore: the commit that deletes its journal."""
         self.store.end_restore(self.journal, keep=True)
 
     def abort(self) -> None:

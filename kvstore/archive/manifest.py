@@ -1,7 +1,8 @@
 """The tlkv archive format's names and records (ARCHIVE.md 1): member names, the manifest
-(version 2 names the model of the members; a version-1 archive is the model ``default``),
-sequence records, and the rules a member envelope must meet, shared by the writer and the
-reader. Sans-IO: bytes and values in, checked values or ArchiveError out.
+(version 2 names the one model of the members, version 3 lists several models whose members
+sit under ``models/<n>/``; a version-1 archive is the model ``default``), sequence records,
+and the rules a member envelope must meet, shared by the writer and the reader. Sans-IO:
+bytes and values in, checked values or ArchiveError out.
 """
 
 from __future__ import annotations
@@ -34,14 +35,23 @@ from ..protocol import (
 )
 
 ARCHIVE_FORMAT = "tlkv-archive"
-ARCHIVE_VERSION = 2  # what the writer writes
-ARCHIVE_VERSIONS = (1, 2)  # what the reader reads
+ARCHIVE_VERSION = 2  # what the writer writes for one model
+ARCHIVE_VERSION_MODELS = 3  # what the writer writes for several models
+ARCHIVE_VERSIONS = (1, 2, 3)  # what the reader reads
 MANIFEST_NAME = "manifest.json"
 BLOCK_NAME = re.compile(rf"blocks/({HASH_HEX_REGEX})\.tlkv")
 SEQUENCE_JSON_NAME = re.compile(rf"sequences/({SEQUENCE_NAME_REGEX})\.json")
 SEQUENCE_TAIL_NAME = re.compile(rf"sequences/({SEQUENCE_NAME_REGEX})\.tail\.tlkv")
 MANIFEST_KEYS_V1 = ("archive_version", "blocks", "format", "geometry", "sequences", "tool")
 MANIFEST_KEYS = ("archive_version", "blocks", "format", "geometry", "model", "sequences", "tool")
+MANIFEST_KEYS_V3 = ("archive_version", "blocks", "format", "models", "sequences", "tool")
+MODEL_KEYS = ("blocks", "geometry", "model", "sequences")
+# Version 3: the members of the n-th model of the manifest's "models" sit under this
+# directory (n in decimal without leading zeros): a model id may hold "/" or "..", a
+# number never does.
+MODEL_DIR = "models/{}/"
+MODEL_DIR_NAME = re.compile(r"models/(0|[1-9][0-9]{0,5})/(.+)", re.DOTALL)
+MAX_MODELS = 1024  # the 64 KiB manifest holds no more entries anyway
 GEOMETRY_KEYS = tuple(sorted(Geometry.FIELDS))
 SEQUENCE_KEYS = ("hashes", "name", "tail")
 TOOL_NAME = re.compile(r"[ -~]{1,64}")
@@ -89,19 +99,19 @@ def _is_int(value: Any, low: int, high: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
-def block_member(block_hash: int) -> str:
-    """Member name of a block: ``blocks/<16 lowercase hex>.tlkv``."""
-    return f"blocks/{block_hash:016x}.tlkv"
+def block_member(block_hash: int, prefix: str = "") -> str:
+    """Member name of a block: ``[prefix]blocks/<16 lowercase hex>.tlkv``."""
+    return f"{prefix}blocks/{block_hash:016x}.tlkv"
 
 
-def sequence_member(name: str) -> str:
+def sequence_member(name: str, prefix: str = "") -> str:
     """Member name of a sequence record."""
-    return f"sequences/{name}.json"
+    return f"{prefix}sequences/{name}.json"
 
 
-def tail_member(name: str) -> str:
+def tail_member(name: str, prefix: str = "") -> str:
     """Member name of a sequence's tail envelope."""
-    return f"sequences/{name}.tail.tlkv"
+    return f"{prefix}sequences/{name}.tail.tlkv"
 
 
 def escapes(name: str) -> bool:
@@ -110,9 +120,38 @@ def escapes(name: str) -> bool:
 
 
 @dataclass(frozen=True)
+class Section:
+    """One model's part of an archive: its id, geometry, member counts and the directory
+    its members sit in (``""`` in versions 1 and 2, ``models/<n>/`` in version 3)."""
+
+    model: str
+    geometry: Geometry | None
+    blocks: int
+    sequences: int
+    prefix: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The section's entry in a version-3 manifest's ``models``."""
+        g = self.geometry
+        return {
+            "blocks": self.blocks,
+            "geometry": None if g is None else g.as_dict(),
+            "model": self.model,
+            "sequences": self.sequences,
+        }
+
+    def max_envelope(self) -> int:
+        """The largest single-block envelope the geometry allows (either version)."""
+        if self.geometry is None:
+            return 0
+        return max(self.geometry.envelope_bytes(1, v) for v in SUPPORTED_VERSIONS)
+
+
+@dataclass(frozen=True)
 class Manifest:
     """The first member: format version, geometry, member counts, the writing tool and
-    (version 2) the model the members belong to."""
+    (version 2) the model the members belong to, or (version 3, ``parts``) several
+    models, each with its geometry and counts (``blocks``/``sequences`` are the totals)."""
 
     geometry: Geometry | None
     blocks: int
@@ -120,9 +159,44 @@ class Manifest:
     tool: str = field(default_factory=tool_version)
     archive_version: int = ARCHIVE_VERSION
     model: str = DEFAULT_MODEL
+    parts: tuple[Section, ...] = ()
+
+    @classmethod
+    def of_models(cls, sections: Sequence[Section], tool: str | None = None) -> Manifest:
+        """The manifest of an archive of ``sections`` (ascending model ids): version 2 for
+        one model, version 3 (members under ``models/<n>/``) for several."""
+        if len(sections) == 1:
+            one = sections[0]
+            return cls(
+                one.geometry, one.blocks, one.sequences, tool or tool_version(), 2, one.model
+            )
+        parts = tuple(
+            Section(x.model, x.geometry, x.blocks, x.sequences, MODEL_DIR.format(n))
+            for n, x in enumerate(sections)
+        )
+        blocks = sum(x.blocks for x in parts)
+        sequences = sum(x.sequences for x in parts)
+        return cls(
+            None, blocks, sequences, tool or tool_version(), ARCHIVE_VERSION_MODELS, parts=parts
+        )
+
+    def sections(self) -> tuple[Section, ...]:
+        """The archive's models in member order (one for versions 1 and 2)."""
+        if self.archive_version >= ARCHIVE_VERSION_MODELS:
+            return self.parts
+        return (Section(self.model, self.geometry, self.blocks, self.sequences),)
 
     def to_dict(self) -> dict[str, Any]:
         """The manifest as a JSON-ready dict."""
+        if self.archive_version >= ARCHIVE_VERSION_MODELS:
+            return {
+                "archive_version": self.archive_version,
+                "blocks": self.blocks,
+                "format": ARCHIVE_FORMAT,
+                "models": [x.to_dict() for x in self.parts],
+                "sequences": self.sequences,
+                "tool": self.tool,
+            }
         g = self.geometry
         out = {
             "archive_version": self.archive_version,
@@ -156,35 +230,92 @@ class Manifest:
             raise UnsupportedVersionError(
                 f"manifest: archive_version {version!r}; this reader reads {ARCHIVE_VERSIONS}"
             )
-        keys = MANIFEST_KEYS_V1 if version == 1 else MANIFEST_KEYS
+        keys = {1: MANIFEST_KEYS_V1, 2: MANIFEST_KEYS}.get(version, MANIFEST_KEYS_V3)
         if tuple(sorted(obj)) != keys:
             raise ArchiveError(f"manifest: keys must be {keys}, found {sorted(obj)}")
-        model = obj.get("model", DEFAULT_MODEL)  # version 1: the store had one model
-        if not is_model_id(model):
-            raise ArchiveError("manifest: model must be 1-200 characters of [A-Za-z0-9._:@/+-]")
         for key in ("blocks", "sequences"):
             if not _is_int(obj[key], 0, U32_MAX):
                 raise ArchiveError(f"manifest: {key} must be an integer in 0..{U32_MAX}")
         if not isinstance(obj["tool"], str) or not TOOL_NAME.fullmatch(obj["tool"]):
             raise ArchiveError("manifest: tool must be 1-64 printable ASCII characters")
-        g = obj["geometry"]
-        geometry = None
-        if g is None:
-            if obj["blocks"] or obj["sequences"]:
-                raise ArchiveError("manifest: geometry is null but the archive is not empty")
-        else:
-            if not isinstance(g, dict) or tuple(sorted(g)) != GEOMETRY_KEYS:
-                raise ArchiveError(f"manifest: geometry must have the keys {GEOMETRY_KEYS}")
-            if not all(_is_int(g[k], 1, U32_MAX) for k in GEOMETRY_KEYS):
-                raise ArchiveError(f"manifest: geometry values must be in 1..{U32_MAX}")
-            geometry = Geometry.from_dict(g)
-        return cls(geometry, obj["blocks"], obj["sequences"], obj["tool"], version, model)
+        if version >= ARCHIVE_VERSION_MODELS:
+            return cls._from_v3(obj)
+        one = _section(obj, "manifest", obj.get("model", DEFAULT_MODEL))
+        return cls(one.geometry, one.blocks, one.sequences, obj["tool"], version, one.model)
+
+    @classmethod
+    def _from_v3(cls, obj: dict[str, Any]) -> Manifest:
+        models = obj["models"]
+        if not isinstance(models, list) or not 2 <= len(models) <= MAX_MODELS:
+            raise ArchiveError(f"manifest: models must be a list of 2..{MAX_MODELS} entries")
+        parts: list[Section] = []
+        for n, entry in enumerate(models):
+            what = f"manifest: models[{n}]"
+            if not isinstance(entry, dict) or tuple(sorted(entry)) != MODEL_KEYS:
+                raise ArchiveError(f"{what}: keys must be {MODEL_KEYS}")
+            x = _section(entry, what, entry["model"])
+            if parts and x.model <= parts[-1].model:
+                raise ArchiveError(f"{what}: model ids must be strictly ascending")
+            parts.append(Section(x.model, x.geometry, x.blocks, x.sequences, MODEL_DIR.format(n)))
+        if (
+            sum(x.blocks for x in parts) != obj["blocks"]
+            or sum(x.sequences for x in parts) != obj["sequences"]
+        ):
+            raise ArchiveError("manifest: blocks and sequences must be the models' totals")
+        return cls(
+            None,
+            obj["blocks"],
+            obj["sequences"],
+            obj["tool"],
+            ARCHIVE_VERSION_MODELS,
+            parts=tuple(parts),
+        )
 
     def max_envelope(self) -> int:
-        """The largest single-block envelope the geometry allows (either version)."""
-        if self.geometry is None:
-            return 0
-        return max(self.geometry.envelope_bytes(1, v) for v in SUPPORTED_VERSIONS)
+        """The largest single-block envelope any of its geometries allows (either version)."""
+        return max(x.max_envelope() for x in self.sections())
+
+
+def _section(obj: dict[str, Any], what: str, model: Any) -> Section:
+    """The model, geometry and counts of a manifest (or of one of its ``models``)."""
+    if not isinstance(model, str) or not is_model_id(model):
+        raise ArchiveError(f"{what}: model must be 1-200 characters of [A-Za-z0-9._:@/+-]")
+    for key in ("blocks", "sequences"):
+        if not _is_int(obj[key], 0, U32_MAX):
+            raise ArchiveError(f"{what}: {key} must be an integer in 0..{U32_MAX}")
+    g = obj["geometry"]
+    geometry = None
+    if g is None:
+        if obj["blocks"] or obj["sequences"]:
+            raise ArchiveError(f"{what}: geometry is null but the archive is not empty")
+    else:
+        if not isinstance(g, dict) or tuple(sorted(g)) != GEOMETRY_KEYS:
+            raise ArchiveError(f"{what}: geometry must have the keys {GEOMETRY_KEYS}")
+        if not all(_is_int(g[k], 1, U32_MAX) for k in GEOMETRY_KEYS):
+            raise ArchiveError(f"{what}: geometry values must be in 1..{U32_MAX}")
+        geometry = Geometry.from_dict(g)
+    return Section(model, geometry, obj["blocks"], obj["sequences"])
+
+
+def split_member(name: str, sections: Sequence[Section]) -> tuple[int, str]:
+    """``(model number, name inside its model's directory)`` of a member name.
+
+    Raises:
+        UnsafeArchiveError: a version-3 name outside ``models/<n>/`` of a listed model.
+    """
+    if not sections or not sections[0].prefix:
+        return 0, name
+    found = MODEL_DIR_NAME.fullmatch(name)
+    if found is None:
+        if escapes(name):
+            raise UnsafeArchiveError(f"member name {name!r} would escape the destination")
+        raise UnsafeArchiveError(f"unexpected member name {name!r} (not under models/<n>/)")
+    n = int(found.group(1))
+    if n >= len(sections):
+        raise UnsafeArchiveError(
+            f"member {name!r} claims model {n}; the manifest lists {len(sections)} models"
+        )
+    return n, found.group(2)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from .manifest import (
     SEQUENCE_JSON_NAME,
     SEQUENCE_TAIL_NAME,
     Manifest,
+    Section,
     block_member,
     check_member_envelope,
     escapes,
@@ -39,6 +40,7 @@ from .manifest import (
     parse_sequence_json,
     sequence_member,
     sequence_version,
+    split_member,
     tail_member,
 )
 from .tar import END_OF_ARCHIVE, TAR_BLOCK, Member, iter_members, member_size, padded
@@ -48,21 +50,24 @@ from .tar import END_OF_ARCHIVE, TAR_BLOCK, Member, iter_members, member_size, p
 
 @dataclass(frozen=True)
 class ArchiveBlock:
-    """A validated block member: its hash and its verbatim single-block envelope."""
+    """A validated block member: its hash, its verbatim single-block envelope, and the
+    number of its model in the manifest (``ArchiveReader.sections``)."""
 
     hash: int
     envelope: memoryview
+    section: int = 0
 
 
 @dataclass(frozen=True)
 class ArchiveSequence:
     """A validated sequence: name, ordered hashes (all archived), the tail envelope, and
-    the format version its blocks and tail share."""
+    the format version its blocks and tail share, and the number of its model."""
 
     name: str
     hashes: list[int]
     tail: memoryview | None
     version: int
+    section: int = 0
 
 
 @dataclass(frozen=True)
@@ -113,30 +118,33 @@ class ArchiveReader:
         if len(members) != 1 or members[0].name != MANIFEST_NAME:
             raise ArchiveError(f"frame 0 must hold exactly {MANIFEST_NAME}")
         manifest = Manifest.from_json(members[0].data)
+        self.sections: tuple[Section, ...] = manifest.sections()
+        self._env_max = [x.max_envelope() for x in self.sections]
         env_max = manifest.max_envelope()
         if env_max > MAX_BLOCK_BYTES:
+            big = self.sections[self._env_max.index(env_max)]
             raise UnsafeArchiveError(
-                f"manifest: geometry {manifest.geometry} means {env_max}-byte blocks, "
-                f"more than the {MAX_BLOCK_BYTES} an archive may hold"
+                f"manifest: geometry {big.geometry} (model {big.model!r}) means "
+                f"{env_max}-byte blocks, more than the {MAX_BLOCK_BYTES} an archive may hold"
             )
         self.env_max = env_max
         biggest = max(padded(env_max), padded(MAX_SEQUENCE_BYTES), FRAME_TARGET)
         self._frames.max_frame_bytes = biggest + 4 * TAR_BLOCK
+        if len(self.sections) > 1:
+            index.set_runs([x.blocks for x in self.sections])  # a model's entries are a run
+        else:
+            index.set_runs([len(index.blocks)])
         if len(index.blocks) != manifest.blocks:
             found = f"index lists {len(index.blocks)} blocks, the manifest {manifest.blocks}"
             if self.strict:
                 raise ArchiveError(found)
             self.findings.append(found)
-        bound = (
-            member_size(MANIFEST_NAME, MAX_MANIFEST_BYTES)
-            + manifest.blocks * member_size(block_member(1), env_max)
-            + manifest.sequences
-            * (
-                member_size(sequence_member("x" * 128), MAX_SEQUENCE_BYTES)
-                + member_size(tail_member("x" * 128), env_max)
+        bound = member_size(MANIFEST_NAME, MAX_MANIFEST_BYTES) + len(END_OF_ARCHIVE)
+        for x, env in zip(self.sections, self._env_max):
+            bound += x.blocks * member_size(block_member(1, x.prefix), env) + x.sequences * (
+                member_size(sequence_member("x" * 128, x.prefix), MAX_SEQUENCE_BYTES)
+                + member_size(tail_member("x" * 128, x.prefix), env)
             )
-            + len(END_OF_ARCHIVE)
-        )
         if index.data_bytes > bound:
             raise UnsafeArchiveError(
                 f"index declares {index.data_bytes} decompressed bytes, more than the "
@@ -154,20 +162,32 @@ class ArchiveReader:
 
     def _limit(self, name: str) -> int:
         """Largest data size of a member name; refuses names outside ARCHIVE.md 1.1."""
-        if BLOCK_NAME.fullmatch(name) or SEQUENCE_TAIL_NAME.fullmatch(name):
-            return self.env_max
-        if SEQUENCE_JSON_NAME.fullmatch(name):
-            return MAX_SEQUENCE_BYTES
         if name == MANIFEST_NAME:
             raise ArchiveError(f"duplicate member {name!r}")
+        n, rest = split_member(name, self.sections)
+        if BLOCK_NAME.fullmatch(rest) or SEQUENCE_TAIL_NAME.fullmatch(rest):
+            return self._env_max[n]
+        if SEQUENCE_JSON_NAME.fullmatch(rest):
+            return MAX_SEQUENCE_BYTES
         if escapes(name):
             raise UnsafeArchiveError(f"member name {name!r} would escape the destination")
         raise UnsafeArchiveError(f"unexpected member name {name!r}")
 
     @property
     def geometry(self) -> Geometry | None:
-        """The archive's geometry (None for an empty archive)."""
+        """The archive's geometry (None for an empty archive, or one of several models)."""
         return self.manifest.geometry
+
+    def section_of(self, model: str) -> int:
+        """The number of the model ``model`` in this archive.
+
+        Raises:
+            KeyError: the archive holds no such model.
+        """
+        for n, x in enumerate(self.sections):
+            if x.model == model:
+                return n
+        raise KeyError(f"the archive holds no model {model!r}")
 
     def close(self) -> None:
         """Close the file."""
@@ -188,92 +208,127 @@ class ArchiveReader:
         """Size of the archive file."""
         return self._frames.file_size
 
-    def sequence_records(self) -> Iterator[tuple[str, list[int], bool]]:
-        """``(name, hashes, has_tail)`` of every sequence record, reading only the frames
-        after the last block's (the blocks themselves are not checked: see ``scan``)."""
+    def _record_frames(self) -> list[int]:
+        """The data frames that may hold sequence members: all but those strictly inside
+        one model's run of block frames (and, for one model, those before its last)."""
         index = self.index
-        first = int(index.blocks["frame"].max()) if len(index.blocks) else 1
-        for i in range(max(first, 1), index.n_frames - 1):
+        keep = np.ones(index.n_frames, dtype=bool)
+        keep[0] = keep[-1] = False
+        frames = index.blocks["frame"]
+        for n in range(len(self.sections)):
+            run = frames[index.run(n)]
+            if len(run):
+                low = 0 if len(self.sections) == 1 else int(run.min()) + 1
+                keep[low : int(run.max())] = False
+        return np.flatnonzero(keep).tolist()
+
+    def sequence_records(self) -> Iterator[tuple[str, list[int], bool]]:
+        """``(name, hashes, has_tail)`` of every sequence record (of every model), reading
+        only the frames after the blocks' (the blocks are not checked: see ``scan``)."""
+        for name, hashes, tail, _ in self.model_sequence_records():
+            yield name, hashes, tail
+
+    def model_sequence_records(self) -> Iterator[tuple[str, list[int], bool, int]]:
+        """``(name, hashes, has_tail, model number)`` of every sequence record, reading
+        only the frames that may hold records (the blocks are not checked: see ``scan``)."""
+        for i in self._record_frames():
             frame = memoryview(self._frames.read_frame(i))
             for m in iter_members(frame, i, self._limit):
-                found = SEQUENCE_JSON_NAME.fullmatch(m.name)
+                n, rest = split_member(m.name, self.sections)
+                found = SEQUENCE_JSON_NAME.fullmatch(rest)
                 if found:
                     hashes, tail = parse_sequence_json(m.data, found.group(1))
-                    yield found.group(1), hashes, tail
+                    yield found.group(1), hashes, tail, n
 
-    def sequence_tails(self) -> Iterator[tuple[str, memoryview]]:
-        """``(name, tail envelope)`` of every sequence tail member, in archive (name) order,
-        each checked by every reader rule, the CRC included; reads only the frames after
-        the last block's (the order and reference rules are ``scan``'s)."""
+    def sequence_tails(self, section: int = 0) -> Iterator[tuple[str, memoryview]]:
+        """``(name, tail envelope)`` of every sequence tail member of the ``section``-th
+        model, in archive (name) order, each checked by every reader rule, the CRC
+        included; reads only the frames from its model's last block's on (the order and
+        reference rules are ``scan``'s)."""
         index = self.index
-        assert self.geometry is not None
-        first = int(index.blocks["frame"].max()) if len(index.blocks) else 1
+        geometry = self.sections[section].geometry
+        assert geometry is not None
+        before = index.blocks["frame"][: index.run(section).stop]
+        first = int(before.max()) if len(before) else 1
         for i in range(max(first, 1), index.n_frames - 1):
             frame = memoryview(self._frames.read_frame(i))
             for m in iter_members(frame, i, self._limit):
-                found = SEQUENCE_TAIL_NAME.fullmatch(m.name)
-                if found:
-                    check_member_envelope(m.data, self.geometry, m.name, None)
+                n, rest = split_member(m.name, self.sections)
+                if n > section:
+                    return
+                found = SEQUENCE_TAIL_NAME.fullmatch(rest)
+                if found and n == section:
+                    check_member_envelope(m.data, geometry, m.name, None)
                     yield found.group(1), m.data
 
-    def read_block(self, block_hash: int) -> bytes:
-        """The verbatim envelope of one block, validated; reads only its frame.
+    def read_block(self, block_hash: int, section: int = 0) -> bytes:
+        """The verbatim envelope of one block of the ``section``-th model, validated; reads
+        only its frame.
 
         Raises:
             KeyError: the archive holds no such block.
         """
-        return self.read_block_checked(block_hash)[0]
+        return self.read_block_checked(block_hash, section)[0]
 
-    def read_block_checked(self, block_hash: int) -> tuple[bytes, list[str]]:
+    def read_block_checked(self, block_hash: int, section: int = 0) -> tuple[bytes, list[str]]:
         """:meth:`read_block`, and what is inconsistent where it looked: the archive's
         findings so far (``strict=False``) and every disagreement between the index and the
         members of the frame it read (a block the index places elsewhere or not at all, an
         index entry with no member, a member that does not parse). The block itself is
         valid by every rule, or this raises as :meth:`read_block` does.
         """
-        where = self.index.find(block_hash)
+        where = self.index.find(block_hash, section)
         if where is None:
             raise KeyError(f"block {block_hash:016x} is not in the archive")
+        prefix = self.sections[section].prefix
         frame_no, offset = where
         if frame_no == 0 or frame_no == self.index.n_frames - 1:
             raise ArchiveError(f"index: block {block_hash:016x} points at frame {frame_no}")
         frame = memoryview(self._frames.read_frame(frame_no))
         member = next(iter_members(frame[offset:], frame_no, self._limit), None)
-        if member is None or member.name != block_member(block_hash):
+        if member is None or member.name != block_member(block_hash, prefix):
             raise ArchiveError(
                 f"index: frame {frame_no} offset {offset} does not hold block {block_hash:016x}"
             )
-        assert self.geometry is not None
-        check_member_envelope(member.data, self.geometry, member.name, block_hash)
+        geometry = self.sections[section].geometry
+        assert geometry is not None
+        check_member_envelope(member.data, geometry, member.name, block_hash)
         return bytes(member.data), [*self.findings, *self._frame_findings(frame_no, frame)]
 
     def _frame_findings(self, frame_no: int, frame: memoryview) -> list[str]:
         """Where the index and frame ``frame_no``'s block members disagree."""
         blocks = self.index.blocks
-        mine = blocks[blocks["frame"] == frame_no]
-        listed = dict(zip(mine["hash"].tolist(), mine["offset"].tolist()))
-        held: dict[int, int] = {}
+        here = np.flatnonzero(blocks["frame"] == frame_no)
+        runs = self.index.runs
+        models = np.searchsorted(runs[1:], here, side="right").tolist() if len(runs) else []
+        listed = dict(
+            zip(zip(models, blocks["hash"][here].tolist()), blocks["offset"][here].tolist())
+        )
+        held: dict[tuple[int, int], int] = {}
         findings = []
         try:
             for m in iter_members(frame, frame_no, self._limit):
-                name = BLOCK_NAME.fullmatch(m.name)
+                n, rest = split_member(m.name, self.sections)
+                name = BLOCK_NAME.fullmatch(rest)
                 if name is not None:
-                    held[int(name.group(1), 16)] = m.offset
+                    held[n, int(name.group(1), 16)] = m.offset
         except (ArchiveError, EnvelopeError) as exc:
             findings.append(f"frame {frame_no}: {exc}")
-        for h, off in listed.items():
-            if h not in held:
+        for key, off in listed.items():
+            h = key[1]
+            if key not in held:
                 findings.append(
                     f"index: block {h:016x} at frame {frame_no} offset {off}: no such member"
                 )
-            elif held[h] != off:
+            elif held[key] != off:
                 findings.append(
                     f"index: block {h:016x} at frame {frame_no} offset {off}, "
-                    f"but the member is at offset {held[h]}"
+                    f"but the member is at offset {held[key]}"
                 )
-        for h, off in held.items():
-            if h not in listed:
-                other = self.index.find(h)
+        for key, off in held.items():
+            if key not in listed:
+                h = key[1]
+                other = self.index.find(h, key[0])
                 said = "does not list it" if other is None else f"says frame {other[0]}"
                 findings.append(
                     f"frame {frame_no} offset {off} holds block {h:016x}: the index {said}"
@@ -294,7 +349,7 @@ class ArchiveReader:
         ``finite=True`` applies the finite-values rule too (``envelope.check_finite``, a
         store's rule unless it allows non-finite data) to every block and tail.
         """
-        state = _ScanState(self, verify_crc, finite)
+        state = _Scan(self, verify_crc, finite, partial)
         last = self.index.n_frames - 1
         frames = range(1, last)
         for i, data in self._frames.iter_frames(frames, self.threads):
@@ -307,8 +362,10 @@ class ArchiveReader:
                     except (ArchiveError, EnvelopeError) as exc:
                         if not partial:
                             raise
+                        yield from state.take_problems()
                         yield Problem(member.name, exc)
                         continue
+                    yield from state.take_problems()
                     if item is not None:
                         yield item
             except (ArchiveError, EnvelopeError) as exc:
@@ -324,16 +381,68 @@ class ArchiveReader:
             yield Problem("end of archive", exc)
 
 
-class _ScanState:
-    """The order, reference and count rules across members (ARCHIVE.md 1.1, 5)."""
+class _Scan:
+    """Hands each member to its model's rules: the models' members come in manifest order,
+    each model's complete (its counts checked) before the next one's begin."""
 
     def __init__(
-        self, reader: ArchiveReader, verify_crc: bool = True, finite: bool = False
+        self, reader: ArchiveReader, verify_crc: bool, finite: bool, partial: bool
+    ) -> None:
+        self.sections = reader.sections
+        self.states = [_ScanState(reader, n, verify_crc, finite) for n in range(len(self.sections))]
+        self.current = 0
+        self.partial = partial
+        self.problems: list[Problem] = []
+
+    def member(self, m: Member) -> Item | None:
+        n, rest = split_member(m.name, self.sections)
+        if n < self.current:
+            raise ArchiveError(
+                f"member {m.name!r} out of place (after the members of model {self.current})"
+            )
+        while self.current < n:
+            self._close(self.current)
+            self.current += 1
+        return self.states[n].member(m, rest)
+
+    def _close(self, n: int) -> None:
+        try:
+            self.states[n].close()
+        except (ArchiveError, EnvelopeError) as exc:
+            if not self.partial:
+                raise
+            self.problems.append(Problem(f"model {self.sections[n].model!r}", exc))
+
+    def take_problems(self) -> list[Problem]:
+        """The problems found closing a model (``partial``), once."""
+        out, self.problems = self.problems, []
+        return out
+
+    def lost_frame(self) -> None:
+        """A frame could not be read (partial mode)."""
+        self.states[self.current].lost_frame()
+
+    def finish(self, eoa: bytes) -> None:
+        """The end-of-archive frame, and the rules of every model not closed yet."""
+        if eoa != END_OF_ARCHIVE:
+            raise ArchiveError("the last data frame is not the end-of-archive marker")
+        for n in range(self.current, len(self.states)):
+            self.states[n].close()
+
+
+class _ScanState:
+    """The order, reference and count rules across the members of one model (ARCHIVE.md
+    1.1, 5)."""
+
+    def __init__(
+        self, reader: ArchiveReader, section: int, verify_crc: bool = True, finite: bool = False
     ) -> None:
         self.verify_crc = verify_crc
         self.finite = finite
         self.reader = reader
-        self.geometry = reader.geometry
+        self.section = section
+        self.info = reader.sections[section]
+        self.geometry = self.info.geometry
         self.index = reader.index
         self.last_hash = NO_HASH
         self.valid = array("Q")
@@ -346,17 +455,17 @@ class _ScanState:
         self.pending: tuple[str, list[int], np.ndarray, bool] | None = None
         self.sequences_seen = 0
 
-    def member(self, m: Member) -> Item | None:
-        name = m.name
+    def member(self, m: Member, rest: str) -> Item | None:
+        """Check the member ``m`` (``rest``: its name inside its model's directory)."""
         if self.pending is not None:
             return self._tail(m)
-        found = BLOCK_NAME.fullmatch(name)
+        found = BLOCK_NAME.fullmatch(rest)
         if found:
             return self._block(m, int(found.group(1), 16))
-        found = SEQUENCE_JSON_NAME.fullmatch(name)
+        found = SEQUENCE_JSON_NAME.fullmatch(rest)
         if found:
             return self._sequence(m, found.group(1))
-        raise ArchiveError(f"member {name!r} out of place (a tail follows its record)")
+        raise ArchiveError(f"member {m.name!r} out of place (a tail follows its record)")
 
     def _block(self, m: Member, block_hash: int) -> Item:
         if self.present is not None:
@@ -366,7 +475,7 @@ class _ScanState:
             raise ArchiveError(f"{kind} block member {m.name!r}")
         self.last_hash = block_hash
         self.blocks_seen += 1
-        listed = self.index.find(block_hash)
+        listed = self.index.find(block_hash, self.section)
         if listed != (m.frame, m.offset):
             said = "no entry" if listed is None else f"frame {listed[0]} offset {listed[1]}"
             raise ArchiveError(
@@ -377,7 +486,7 @@ class _ScanState:
         self._check_finite(env, m.name)
         self.valid.append(block_hash)
         self.valid_versions.append(env.version)
-        return ArchiveBlock(block_hash, m.data)
+        return ArchiveBlock(block_hash, m.data, self.section)
 
     def _check_finite(self, env: Envelope, what: str) -> None:
         if not self.finite:
@@ -406,35 +515,35 @@ class _ScanState:
         if tail:
             return None
         version = sequence_version(m.name, self.present_versions, positions, None)
-        return ArchiveSequence(name, hashes, None, version)
+        return ArchiveSequence(name, hashes, None, version, self.section)
 
     def _tail(self, m: Member) -> Item | None:
         assert self.pending is not None
         name, hashes, positions, refused = self.pending
         self.pending = None
-        if m.name != tail_member(name):
-            raise ArchiveError(f"expected {tail_member(name)!r}, found {m.name!r}")
+        want = tail_member(name, self.info.prefix)
+        if m.name != want:
+            raise ArchiveError(f"expected {want!r}, found {m.name!r}")
         assert self.geometry is not None
         env = check_member_envelope(m.data, self.geometry, m.name, None, self.verify_crc)
         self._check_finite(env, m.name)
         if refused:
             return None
         version = sequence_version(m.name, self.present_versions, positions, env.version)
-        return ArchiveSequence(name, hashes, m.data, version)
+        return ArchiveSequence(name, hashes, m.data, version, self.section)
 
     def lost_frame(self) -> None:
         """A frame could not be read (partial mode)."""
         self.pending = None
 
-    def finish(self, eoa: bytes) -> None:
-        """The end-of-archive frame and the count rules."""
-        if eoa != END_OF_ARCHIVE:
-            raise ArchiveError("the last data frame is not the end-of-archive marker")
+    def close(self) -> None:
+        """The model's members are over: a pending tail and the count rules."""
         if self.pending is not None:
             raise ArchiveError(f"sequence {self.pending[0]!r}: its tail member is missing")
-        m = self.reader.manifest
+        m = self.info
         if self.blocks_seen != m.blocks or self.sequences_seen != m.sequences:
+            where = f" for model {m.model!r}" if m.prefix else ""
             raise ArchiveError(
-                f"manifest counts {m.blocks} blocks and {m.sequences} sequences; the archive "
-                f"holds {self.blocks_seen} and {self.sequences_seen}"
+                f"manifest counts {m.blocks} blocks and {m.sequences} sequences{where}; the "
+                f"archive holds {self.blocks_seen} and {self.sequences_seen}"
             )

@@ -8,19 +8,21 @@ from __future__ import annotations
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Any, BinaryIO
 
 import numpy as np
 
 from ..codec.geometry import Geometry
 from ..codec.layout import NO_HASH, U64_MAX
-from ..protocol import DEFAULT_MODEL, check_sequence_name
+from ..protocol import DEFAULT_MODEL, check_model_id, check_sequence_name
 from .frames import FrameWriter
 from .manifest import (
     DEFAULT_LEVEL,
     FRAME_TARGET,
     MANIFEST_NAME,
     Manifest,
+    Section,
     SequenceRecord,
     block_member,
     check_member_envelope,
@@ -44,6 +46,20 @@ class WriteSummary:
     frames: int
 
 
+@dataclass
+class ModelContent:
+    """One model's part of an archive to write: its id and geometry (None only when it
+    has no blocks or sequences), ``(hash, envelope)`` in strictly ascending hash order,
+    sequence records in strictly ascending name order, and their counts."""
+
+    model: str
+    geometry: Geometry | None
+    blocks: Iterable[tuple[int, Any]]
+    sequences: Iterable[SequenceRecord | tuple[str, Sequence[int], Any]]
+    n_blocks: int
+    n_sequences: int
+
+
 def write_archive(
     out: BinaryIO,
     geometry: Geometry | None,
@@ -58,7 +74,8 @@ def write_archive(
     release: Callable[[list[Any]], None] | None = None,
     model: str = DEFAULT_MODEL,
 ) -> WriteSummary:
-    """Write an archive of ``blocks`` and ``sequences`` to the binary file ``out``.
+    """Write an archive of one model's ``blocks`` and ``sequences`` to the binary file
+    ``out`` (archive version 2).
 
     Args:
         out: a file opened for writing (sequential writes only).
@@ -76,9 +93,36 @@ def write_archive(
         ValueError: the inputs break an ordering, count or reference rule.
         EnvelopeError: an envelope fails a reader rule (the archive would be refused).
     """
-    if geometry is None and (n_blocks or n_sequences):
-        raise ValueError("an archive with blocks or sequences needs a geometry")
-    manifest = Manifest(geometry, n_blocks, n_sequences, model=model)
+    part = ModelContent(model, geometry, blocks, sequences, n_blocks, n_sequences)
+    return write_models(
+        out, [part], level=level, threads=threads, progress=progress, release=release
+    )
+
+
+def write_models(
+    out: BinaryIO,
+    parts: Sequence[ModelContent],
+    *,
+    level: int = DEFAULT_LEVEL,
+    threads: int = 0,
+    progress: Callable[[int, int], None] | None = None,
+    release: Callable[[list[Any]], None] | None = None,
+) -> WriteSummary:
+    """Write an archive of the models ``parts`` (strictly ascending ids) to ``out``:
+    version 2 for one model, version 3 (each model's members under ``models/<n>/``) for
+    several. Arguments and errors as :func:`write_archive`'s."""
+    if not parts:
+        raise ValueError("an archive holds at least one model")
+    for prev, part in pairwise(parts):
+        if part.model <= prev.model:
+            raise ValueError(f"models must be in ascending order: {part.model!r}")
+    for part in parts:
+        check_model_id(part.model)
+        if part.geometry is None and (part.n_blocks or part.n_sequences):
+            raise ValueError("an archive with blocks or sequences needs a geometry")
+    manifest = Manifest.of_models(
+        [Section(p.model, p.geometry, p.n_blocks, p.n_sequences) for p in parts]
+    )
     done = [0, 0]
 
     def on_frame(size: int, n: int) -> None:
@@ -93,51 +137,8 @@ def write_archive(
     try:
         writer.add(MANIFEST_NAME, manifest.to_json())
         writer.seal()
-        written = array("Q")
-        versions = array("B")
-        previous = NO_HASH
-        for block_hash, envelope in blocks:
-            if not NO_HASH < block_hash <= U64_MAX or block_hash <= previous:
-                raise ValueError(f"block hashes must be ascending and non-zero: {block_hash:#x}")
-            assert geometry is not None
-            env = check_member_envelope(envelope, geometry, block_member(block_hash), block_hash)
-            writer.add(block_member(block_hash), envelope, block_hash)
-            written.append(block_hash)
-            versions.append(env.version)
-            previous = block_hash
-        if len(written) != n_blocks:
-            raise ValueError(f"n_blocks is {n_blocks} but {len(written)} blocks were given")
-        present = np.array(written, dtype=np.uint64)
-        present_versions = np.array(versions, dtype=np.uint8)
-        count = 0
-        last_name = ""
-        for item in sequences:
-            record = item if isinstance(item, SequenceRecord) else SequenceRecord(*item)
-            check_sequence_name(record.name)
-            if record.name <= last_name:
-                raise ValueError(f"sequence names must be ascending: {record.name!r}")
-            positions, missing = find_positions(present, record.hashes)
-            if missing is not None:
-                raise ValueError(f"sequence {record.name!r}: block {missing:016x} is not archived")
-            if not len(record.hashes) and record.tail is None:
-                raise ValueError(f"sequence {record.name!r} has neither blocks nor a tail")
-            tail_version = None
-            if record.tail is not None:
-                assert geometry is not None
-                tail_env = check_member_envelope(
-                    record.tail, geometry, tail_member(record.name), None
-                )
-                tail_version = tail_env.version
-            sequence_version(
-                sequence_member(record.name), present_versions, positions, tail_version
-            )
-            writer.add(sequence_member(record.name), record.to_json())
-            if record.tail is not None:
-                writer.add(tail_member(record.name), record.tail)
-            last_name = record.name
-            count += 1
-        if count != n_sequences:
-            raise ValueError(f"n_sequences is {n_sequences} but {count} were given")
+        for part, section in zip(parts, manifest.sections()):
+            _write_model(writer, part, section.prefix)
         writer.add_raw_frame(END_OF_ARCHIVE)
         size = writer.finish()
     except BaseException:
@@ -145,3 +146,54 @@ def write_archive(
         raise
     data_bytes = sum(d for _, d in writer.frames)
     return WriteSummary(manifest, size, data_bytes, len(writer.frames))
+
+
+def _write_model(writer: FrameWriter, part: ModelContent, prefix: str) -> None:
+    """One model's members, each checked by every reader rule, names under ``prefix``."""
+    geometry = part.geometry
+    written = array("Q")
+    versions = array("B")
+    previous = NO_HASH
+    for block_hash, envelope in part.blocks:
+        if not NO_HASH < block_hash <= U64_MAX or block_hash <= previous:
+            raise ValueError(f"block hashes must be ascending and non-zero: {block_hash:#x}")
+        assert geometry is not None
+        name = block_member(block_hash, prefix)
+        env = check_member_envelope(envelope, geometry, name, block_hash)
+        writer.add(name, envelope, block_hash)
+        written.append(block_hash)
+        versions.append(env.version)
+        previous = block_hash
+    if len(written) != part.n_blocks:
+        raise ValueError(f"n_blocks is {part.n_blocks} but {len(written)} blocks were given")
+    present = np.array(written, dtype=np.uint64)
+    present_versions = np.array(versions, dtype=np.uint8)
+    count = 0
+    last_name = ""
+    for item in part.sequences:
+        record = item if isinstance(item, SequenceRecord) else SequenceRecord(*item)
+        check_sequence_name(record.name)
+        if record.name <= last_name:
+            raise ValueError(f"sequence names must be ascending: {record.name!r}")
+        positions, missing = find_positions(present, record.hashes)
+        if missing is not None:
+            raise ValueError(f"sequence {record.name!r}: block {missing:016x} is not archived")
+        if not len(record.hashes) and record.tail is None:
+            raise ValueError(f"sequence {record.name!r} has neither blocks nor a tail")
+        tail_version = None
+        if record.tail is not None:
+            assert geometry is not None
+            tail_env = check_member_envelope(
+                record.tail, geometry, tail_member(record.name, prefix), None
+            )
+            tail_version = tail_env.version
+        sequence_version(
+            sequence_member(record.name, prefix), present_versions, positions, tail_version
+        )
+        writer.add(sequence_member(record.name, prefix), record.to_json())
+        if record.tail is not None:
+            writer.add(tail_member(record.name, prefix), record.tail)
+        last_name = record.name
+        count += 1
+    if count != part.n_sequences:
+        raise ValueError(f"n_sequences is {part.n_sequences} but {count} were given")

@@ -97,11 +97,11 @@ def _cmd_create(args: argparse.Namespace) -> int:
 
     bar = ProgressBar("create", enabled=not args.quiet)
     with _open_store(args.data, must_exist=True) as root:
-        store = root if args.model is None else root.model(args.model)
         try:
             summary = create(
-                store,
+                root,
                 args.output,
+                models=args.model,
                 level=args.level,
                 sequences=args.sequence or None,
                 threads=args.threads,
@@ -109,18 +109,36 @@ def _cmd_create(args: argparse.Namespace) -> int:
             )
         finally:
             bar.close()
+    for line in summary.skipped:
+        print(f"tlkv archive create: skipped {line}", file=sys.stderr)
     if not args.quiet:
         m = summary.manifest
+        ids = ", ".join(x.model for x in m.sections())
         print(
-            f"wrote {args.output}: {m.blocks} blocks, {m.sequences} sequences, "
+            f"wrote {args.output}: {m.blocks} blocks, {m.sequences} sequences of {ids}, "
             f"{summary.archive_bytes} bytes ({summary.data_bytes} uncompressed)"
         )
     return EXIT_OK
 
 
+def _renames(values: list[tuple[str | None, str]] | None) -> tuple[str | None, dict[str, str]]:
+    """``--as NEW`` (the archive's only model) and ``--as OLD=NEW`` options."""
+    single: str | None = None
+    renames: dict[str, str] = {}
+    for old, new in values or []:
+        if old is None:
+            if single is not None:
+                raise ValueError("--as NEW may be given once")
+            single = new
+        elif renames.setdefault(old, new) != new:
+            raise ValueError(f"--as renames the model {old!r} twice")
+    return single, renames
+
+
 def _cmd_restore(args: argparse.Namespace) -> int:
     from ..archive.operations import restore
 
+    single, renames = _renames(args.rename)
     bar = ProgressBar("restore", enabled=not args.quiet)
     created = not os.path.exists(args.data)
     try:
@@ -134,7 +152,8 @@ def _cmd_restore(args: argparse.Namespace) -> int:
                     partial=args.partial,
                     threads=args.threads,
                     progress=bar,
-                    model=args.rename,
+                    model=single,
+                    renames=renames,
                 )
             finally:
                 bar.close()
@@ -170,9 +189,12 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         bar.close()
     if not args.quiet:
         m = report.manifest
+        models = "; ".join(
+            f"model {x.model}: {x.blocks} blocks, {x.sequences} sequences" for x in m.sections()
+        )
         print(
             f"ok: {m.blocks} blocks, {m.sequences} sequences, "
-            f"{report.data_bytes} bytes in {report.frames} frames"
+            f"{report.data_bytes} bytes in {report.frames} frames ({models})"
         )
     return EXIT_OK
 
@@ -186,18 +208,27 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         return EXIT_OK
     m = listing.manifest
-    g = m.geometry
-    dims = (
-        "-" if g is None else f"B={g.block_tokens} L={g.n_layers} Hkv={g.n_kv_heads} D={g.head_dim}"
-    )
-    print(f"# {m.tool}, archive v{m.archive_version}, model {m.model}, {dims}, ", end="")
-    print(f"{m.blocks} blocks, {m.sequences} sequences")
+    sections = m.sections()
+    several = len(sections) > 1
+    if several:
+        print(f"# {m.tool}, archive v{m.archive_version}, {len(sections)} models, ", end="")
+        print(f"{m.blocks} blocks, {m.sequences} sequences")
+    for x in sections:
+        g = x.geometry
+        dims = (
+            "-"
+            if g is None
+            else f"B={g.block_tokens} L={g.n_layers} Hkv={g.n_kv_heads} D={g.head_dim}"
+        )
+        head = f"# {x.prefix}: " if several else f"# {m.tool}, archive v{m.archive_version}, "
+        print(f"{head}model {x.model}, {dims}, {x.blocks} blocks, {x.sequences} sequences")
     out = sys.stdout
-    for h in listing.hashes:
-        out.write(f"blocks/{h:016x}.tlkv\n")
+    prefix = {x.model: x.prefix for x in sections}
+    for h, model_id in zip(listing.hashes.tolist(), listing.model_of()):
+        out.write(f"{prefix[model_id]}blocks/{h:016x}.tlkv\n")
     for s in listing.sequences:
         tail = " +tail" if s.tail else ""
-        out.write(f"sequences/{s.name}.json  {len(s.hashes)} blocks{tail}\n")
+        out.write(f"{prefix[s.model]}sequences/{s.name}.json  {len(s.hashes)} blocks{tail}\n")
     return EXIT_OK
 
 
@@ -205,8 +236,8 @@ def _cmd_extract(args: argparse.Namespace) -> int:
     from ..archive.operations import extract_all, extract_checked
 
     if args.all:
-        if args.hashes:
-            raise ValueError("give block hashes or --all, not both")
+        if args.hashes or args.model is not None:
+            raise ValueError("give block hashes (and --model) or --all, not both")
         n = extract_all(args.file, args.output)
         if not args.quiet:
             print(f"extracted {n} members into {args.output}")
@@ -214,7 +245,7 @@ def _cmd_extract(args: argparse.Namespace) -> int:
     if len(args.hashes) != 1:
         raise ValueError("extract takes one block hash (or --all)")
     block_hash = parse_hash_hex(args.hashes[0])
-    done = extract_checked(args.file, block_hash, args.output)
+    done = extract_checked(args.file, block_hash, args.output, model=args.model)
     if not args.quiet and args.output != "-":
         print(f"wrote {args.output}: {done.size} bytes")
     if not done.findings:
@@ -248,6 +279,12 @@ def _run(func: Any) -> Any:
     return wrapped
 
 
+def rename_arg(text: str) -> tuple[str | None, str]:
+    """argparse type for ``--as NEW`` or ``--as OLD=NEW`` (a model id has no ``=``)."""
+    old, sep, new = text.rpartition("=")
+    return (model_arg(old) if sep else None), model_arg(new)
+
+
 def register(sub: Any) -> None:
     """Add the ``archive`` command group to the ``tlkv`` parser."""
 
@@ -264,7 +301,12 @@ def register(sub: Any) -> None:
     q.add_argument("-o", "--output", required=True, help="archive file to write")
     q.add_argument("--level", type=int, default=3, help="zstd level (default 3)")
     q.add_argument(
-        "--model", type=model_arg, default=None, help="the model to archive (default: default)"
+        "--model",
+        type=model_arg,
+        action="append",
+        default=None,
+        metavar="ID",
+        help="a model to archive (repeatable; default: every model of the store)",
     )
     q.add_argument(
         "--sequence",
@@ -281,10 +323,12 @@ def register(sub: Any) -> None:
     q.add_argument(
         "--as",
         dest="rename",
-        type=model_arg,
+        type=rename_arg,
+        action="append",
         default=None,
-        metavar="NEW_ID",
-        help="restore into this model (default: the model the archive records)",
+        metavar="[OLD=]NEW",
+        help="restore the archive's model OLD (or its only model) as NEW (repeatable; "
+        "default: every model keeps its id)",
     )
     q.add_argument(
         "--partial", action="store_true", help="restore the valid members, report the rest"
@@ -318,5 +362,12 @@ def register(sub: Any) -> None:
     q.add_argument("hashes", nargs="*", metavar="HASH", help="block hash (16 hex digits)")
     q.add_argument("-o", "--output", required=True, help="output file (a directory with --all)")
     q.add_argument("--all", action="store_true", help="every member, into a new directory")
+    q.add_argument(
+        "--model",
+        type=model_arg,
+        default=None,
+        metavar="ID",
+        help="the model of the block (needed when the archive holds several)",
+    )
     common(q, threads=False)
     q.set_defaults(func=_run(_cmd_extract))

@@ -861,11 +861,31 @@ class Store:
                 the store undoes the restore.
         """
         try:
+            if not self._created():
+                return  # nothing was imported: the model's first write would have made it
             if keep:
                 self._write(lambda w: commit(w.txn, w.dbs.meta, journal.token))
             else:
                 self._write(lambda w: rollback(w, journal.token, self._geometry_in(w.txn)))
         finally:
+            journal.release()
+
+    def keep_restores(self, journals: Iterable[RestoreJournal]) -> None:
+        """Keep several restores (one per model of an archive) in one commit: all of them
+        become whole, or none does (then ``end_restore(keep=False)`` each, or let the next
+        process to open the store undo them).
+
+        Raises:
+            StoreError: the commit failed; the journals stay (not released).
+        """
+        kept = list(journals)
+
+        def keep_all(w: WriteTxn) -> None:
+            for journal in kept:  # the journals live in ``meta``, which every model shares
+                commit(w.txn, w.dbs.meta, journal.token)
+
+        self._root._write(keep_all)
+        for journal in kept:
             journal.release()
 
     def _roll_back_killed_restores(self) -> None:
