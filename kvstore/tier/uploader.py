@@ -156,7 +156,10 @@ class Uploader:
         if not batch and self._after >= 0:  # wrap around to the start of the set
             self._after = -1
             batch = self._source.pending_batch(room, room_bytes, self._after)
-        fresh = [(h, data) for h, data in batch if h not in self._inflight]
+        # Neither in flight nor uploaded and waiting to be cleared from the set (after a
+        # wrap-around the walk meets those again: they would be sent twice).
+        done = set(self._done)
+        fresh = [(h, data) for h, data in batch if h not in self._inflight and h not in done]
         for h, data in fresh:
             self._inflight[h] = len(data)
             tier.submit_upload(h, data, self._ended, self._namespace)
