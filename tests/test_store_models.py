@@ -335,3 +335,15 @@ def test_a_reserved_number_taken_by_another_model_is_never_read(store: Store) ->
     assert y.has(hashes) == [False, False] and x.has(hashes) == [True, True]
     assert store.models() == ["default", "x", "y"]
     check_models(store)
+
+
+def test_a_handle_given_a_geometry_is_kept_and_closed_with_the_store(tmp_path: Path) -> None:
+    """Asking again for a model not created yet with the same geometry reuses its handle,
+    and closing the store closes it (with any tier link it has)."""
+    store = Store(tmp_path / "s")
+    first = store.model("later", geometry=SMALL)
+    assert store.model("later", geometry=SMALL) is first
+    assert first.geometry == SMALL and store.model("later").geometry is None
+    store.close()
+    with pytest.raises(StoreError):
+        first.has([1])

@@ -289,7 +289,9 @@ class Store:
         self._quota: int | None = None
         assert self._lmdb.nothing is not None
         self._registry = Registry(self._lmdb, self._dbs, self._lmdb.nothing, self._path)
-        self._handles: dict[tuple[str, int | None], Store] = {}
+        # (model, quota) -> shared handle; (model, quota, geometry) -> a handle given the
+        # geometry of a model that had none yet
+        self._handles: dict[tuple[Any, ...], Store] = {}
         self._handles_lock = threading.RLock()
         self._closed = False
         self._pid = os.getpid()
@@ -379,8 +381,14 @@ class Store:
                 f"opened with {geometry.as_tuple()}"
             )
         if geometry is not None and stored is None:
-            handle = Store._handle(root, model_id, quota_bytes)  # its own, unshared geometry
-            handle._geometry = geometry
+            # Its own geometry, not the shared handle's; kept with the others, so that
+            # asking again reuses it and closing the store closes it (and its tier link).
+            key = (model_id, quota_bytes, geometry)
+            with root._handles_lock:
+                handle = root._handles.get(key)  # type: ignore[assignment]
+                if handle is None or handle._closed:
+                    handle = root._handles[key] = Store._handle(root, model_id, quota_bytes)
+                    handle._geometry = geometry
         return handle
 
     @classmethod
