@@ -13,8 +13,9 @@ The generated messages and stubs live in ``kvstore._tlkv_v1`` (from
 
 from __future__ import annotations
 
-import io
+import threading
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import grpc
@@ -23,6 +24,7 @@ import numpy as np
 from ._tlkv_v1 import kv_pb2, kv_pb2_grpc
 from ._wirechunk import WireChunk, parse_chunk, serialize_chunk
 from .codec.assembly import EnvelopeStream, SingleBlock, pack_header, record_of, single_block
+from .codec.builder import BytesBuilder
 from .codec.checksum import crc32c
 from .codec.crcmath import crc_combine
 from .codec.envelope import Envelope, decode
@@ -75,6 +77,9 @@ MAX_CHUNK_PAYLOAD = 4 * 1024 * 1024
 MAX_MESSAGE_BYTES = 2 * MAX_CHUNK_PAYLOAD + 64 * 1024
 
 GRPC_SCHEME = "grpc://"
+# FetchKv's envelope is reserved up front for every block asked for, up to this much
+# (address space only: pages are taken as records arrive); a longer stream grows it.
+FETCH_RESERVE_BYTES = 1 << 30
 # Trailing metadata of a failed call: the tlkv error kind (the HTTP error shape's ``kind``),
 # and for a referenced block the server does not hold, its hash (16 hex digits).
 ERROR_KIND_KEY = "tlkv-error-kind"
@@ -223,6 +228,14 @@ def join_checked(parts: Sequence[Any]) -> bytes:
     return b"".join([stream.header, *records, stream.trailer()])
 
 
+def _fetch_capacity(request: Any, geometry: Geometry, single: SingleBlock) -> int:
+    """Bytes of the envelope of every block a FetchKv ``request`` asks for (the most its
+    stream can carry), at most FETCH_RESERVE_BYTES: the builder grows past that."""
+    asked = len(request.block_hashes) or len(request.tokens) // geometry.block_tokens + 1
+    need = HEADER_SIZE + asked * single.record_bytes + TRAILER_SIZE
+    return min(need, FETCH_RESERVE_BYTES)
+
+
 def _target(target: str) -> str:
     return target[len(GRPC_SCHEME) :] if target.startswith(GRPC_SCHEME) else target
 
@@ -289,10 +302,24 @@ class TransferClient:
             metadata.append((MODEL_HEADER, check_model_id(model)))
         self._metadata = tuple(metadata)
         self._timeout = timeout
+        self._copy_thread: ThreadPoolExecutor | None = None
+        self._copy_lock = threading.Lock()
+
+    def _copier(self) -> ThreadPoolExecutor:
+        """The thread that copies fetched records into their envelope (in order), so the
+        copy into fresh memory runs while the next chunk is received."""
+        with self._copy_lock:
+            if self._copy_thread is None:
+                self._copy_thread = ThreadPoolExecutor(1, thread_name_prefix="tlkv-fetch-copy")
+            return self._copy_thread
 
     def close(self) -> None:
-        """Close the channel."""
+        """Close the channel (and stop the copy thread)."""
         self._channel.close()
+        with self._copy_lock:
+            if self._copy_thread is not None:
+                self._copy_thread.shutdown()
+                self._copy_thread = None
 
     def __enter__(self) -> TransferClient:
         return self
@@ -390,12 +417,15 @@ class TransferClient:
             request.block_hashes.extend(_u64_list(hashes))
         else:
             request.tokens.extend(int(t) for t in tokens or ())
-        # The envelope is written as the chunks arrive (each record copied once, while the
-        # next chunk is on its way) into a BytesIO, whose getvalue() hands over its own
-        # bytes object: no join at the end. The header's block count and the trailer's CRC
-        # are written once the stream has ended; the trailer's CRC is combined from the
-        # records' (check_chunk verified each chunk's), not computed by another pass.
-        out = io.BytesIO()
+        # The envelope is written as the chunks arrive into the bytes object returned
+        # (codec.builder.BytesBuilder: each record copied once, without the GIL, while the
+        # next chunk is on its way; no join at the end), sized once the first chunk gives
+        # the geometry for as many blocks as were asked for. The header's block count and
+        # the trailer's CRC are written once the stream has ended; the trailer's CRC is
+        # combined from the records' (check_chunk verified each chunk's), not computed by
+        # another pass.
+        out: BytesBuilder | None = None
+        copied: Future[int] | None = None
         geometry: Geometry | None = None
         single: SingleBlock | None = None
         version = count = records_crc = 0
@@ -412,6 +442,7 @@ class TransferClient:
                 if geometry is None:
                     geometry, version = env.geometry, env.version
                     single = single_block(geometry, version)
+                    out = BytesBuilder(_fetch_capacity(request, geometry, single))
                     out.write(bytes(HEADER_SIZE))
                 elif env.version != version:
                     raise FormatError(
@@ -422,19 +453,18 @@ class TransferClient:
                     raise FormatError(
                         f"FetchKv asked for format v{kv_format}, chunk {count} is v{env.version}"
                     )
-                assert single is not None
+                assert single is not None and out is not None
                 records_crc = single.shift(records_crc) ^ single.record_crc(chunk.payload)
-                out.write(record_of(chunk.payload))
+                copied = self._copier().submit(out.write, record_of(chunk.payload))
                 count += 1
         except grpc.RpcError as exc:
             raise error_from_status(exc) from None
         if geometry is None:
             return b""
+        assert single is not None and out is not None and copied is not None
+        copied.result()  # the copier runs in order: every record is in place
         header = pack_header(version, geometry, count)
-        out.seek(0)
-        out.write(header)
-        out.seek(0, io.SEEK_END)
-        assert single is not None
+        out.write_at(0, header)
         crc = crc_combine(crc32c(header), records_crc, count * single.record_bytes)
         out.write(TRAILER.pack(crc))
-        return out.getvalue()
+        return out.finish()

@@ -303,6 +303,24 @@ def test_fetch(stub: Any, pb: SimpleNamespace, client: TransferClient) -> None:
     assert client.fetch(hashes=[777]) == b""
 
 
+@pytest.mark.parametrize("reserve", [0, 1000, 1 << 30])
+def test_fetch_envelope_grows_past_its_reservation(
+    client: TransferClient, monkeypatch: pytest.MonkeyPatch, reserve: int
+) -> None:
+    import kvstore.transfer
+
+    tokens, data = prompt(4 * G.block_tokens + 1)
+    client.push(data)
+    monkeypatch.setattr(kvstore.transfer, "FETCH_RESERVE_BYTES", reserve)
+    expected = join(split(data)[:4])
+    assert client.fetch(tokens=tokens) == expected
+    assert client.fetch(hashes=chain_hashes(tokens, G.block_tokens)) == expected
+    # fewer blocks held than asked for: the reservation is trimmed
+    assert client.fetch(tokens=[*tokens[: 2 * G.block_tokens], 1, 2, 3] * 9) == join(
+        split(data)[:2]
+    )
+
+
 # --- status codes, nothing stored on failure ------------------------------------------
 
 

@@ -24,6 +24,8 @@
  * fnv_chain(tokens, block_tokens, parent=0) -> bytes    (spec section "Block hash")
  * fnv_chain_list(tokens, block_tokens, parent=0) -> bytes | None   the same from a list
  * f16_finite(data) -> bool
+ * BytesBuilder(capacity=0): write(data), write_at(offset, data), finish() -> bytes   fills
+ *   one new bytes object (copies without the GIL, huge-page advice, no join; see below)
  *
  * Polynomial notation used below ("reflected"): a 32-bit value v stands for the polynomial
  * sum(v_i * x^(31-i)) over GF(2), so bit 0 is the x^31 coefficient; a 64-bit value w stands
@@ -768,6 +770,184 @@ done:
     return result;
 }
 
+/* BytesBuilder: fills one new bytes object by appends (and patches of what was written),
+ * then hands it over with finish(), trimmed to what was written: a received stream becomes
+ * one `bytes` with one copy per part and no join. The object is private to the builder
+ * until finish() (its only reference), so parts are copied into it without the GIL, and it
+ * grows and shrinks in place (_PyBytes_Resize; glibc's realloc of a large block remaps its
+ * pages instead of copying them). Its memory is advised onto transparent huge pages as
+ * join_crc's output is. One thread at a time: a call while another thread's copy runs
+ * raises RuntimeError. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *bytes; /* NULL once finished */
+    Py_ssize_t size; /* bytes written */
+    int busy;        /* a copy runs without the GIL */
+} BytesBuilder;
+
+#define BUILDER_NOGIL_MIN (64 * 1024)
+
+static int builder_ready(BytesBuilder *b) {
+    if (b->bytes == NULL) {
+        PyErr_SetString(PyExc_ValueError, "BytesBuilder: already finished");
+        return -1;
+    }
+    if (b->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "BytesBuilder: in use by another thread");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *builder_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    Py_ssize_t capacity = 0;
+    static char *kwlist[] = {"capacity", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|n:BytesBuilder", kwlist, &capacity))
+        return NULL;
+    if (capacity < 0) {
+        PyErr_SetString(PyExc_ValueError, "BytesBuilder: capacity must be >= 0");
+        return NULL;
+    }
+    BytesBuilder *b = (BytesBuilder *)type->tp_alloc(type, 0);
+    if (b == NULL)
+        return NULL;
+    b->bytes = PyBytes_FromStringAndSize(NULL, capacity);
+    if (b->bytes == NULL) {
+        Py_DECREF(b);
+        return NULL;
+    }
+    advise_huge_pages(PyBytes_AS_STRING(b->bytes), (size_t)capacity);
+    return (PyObject *)b;
+}
+
+static void builder_dealloc(BytesBuilder *b) {
+    Py_XDECREF(b->bytes);
+    Py_TYPE(b)->tp_free((PyObject *)b);
+}
+
+/* Room for `more` bytes past size: doubles the capacity (at least), in place. */
+static int builder_reserve(BytesBuilder *b, Py_ssize_t more) {
+    Py_ssize_t cap = PyBytes_GET_SIZE(b->bytes);
+    if (more <= cap - b->size)
+        return 0;
+    if (more > PY_SSIZE_T_MAX - b->size) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_ssize_t need = b->size + more;
+    Py_ssize_t grown = cap <= PY_SSIZE_T_MAX / 2 ? cap * 2 : PY_SSIZE_T_MAX;
+    if (grown < need)
+        grown = need;
+    if (_PyBytes_Resize(&b->bytes, grown) < 0)
+        return -1; /* b->bytes is NULL: the builder is finished */
+    advise_huge_pages(PyBytes_AS_STRING(b->bytes), (size_t)grown);
+    return 0;
+}
+
+/* Copy `data` into the bytes object at `offset` (already within its capacity). */
+static void builder_copy(BytesBuilder *b, Py_ssize_t offset, Py_buffer *view) {
+    char *dst = PyBytes_AS_STRING(b->bytes) + offset;
+    if (view->len >= BUILDER_NOGIL_MIN) {
+        b->busy = 1;
+        Py_BEGIN_ALLOW_THREADS
+        memcpy(dst, view->buf, (size_t)view->len);
+        Py_END_ALLOW_THREADS
+        b->busy = 0;
+    } else if (view->len > 0) {
+        memcpy(dst, view->buf, (size_t)view->len);
+    }
+}
+
+PyDoc_STRVAR(builder_write_doc,
+"write(data, /) -> int\n\n"
+"Append a C-contiguous buffer; returns the size written so far.");
+
+static PyObject *builder_write(BytesBuilder *b, PyObject *data) {
+    if (builder_ready(b) < 0)
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(data, &view, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    PyObject *result = NULL;
+    if (builder_reserve(b, view.len) == 0) {
+        builder_copy(b, b->size, &view);
+        b->size += view.len;
+        result = PyLong_FromSsize_t(b->size);
+    }
+    PyBuffer_Release(&view);
+    return result;
+}
+
+PyDoc_STRVAR(builder_write_at_doc,
+"write_at(offset, data, /) -> None\n\n"
+"Overwrite bytes already written, from offset (offset + len(data) <= len(self)).");
+
+static PyObject *builder_write_at(BytesBuilder *b, PyObject *const *args, Py_ssize_t nargs) {
+    if (check_nargs("write_at", nargs, 2, 2) < 0 || builder_ready(b) < 0)
+        return NULL;
+    Py_ssize_t offset = PyLong_AsSsize_t(args[0]);
+    if (offset == -1 && PyErr_Occurred())
+        return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[1], &view, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (offset < 0 || view.len > b->size - offset) {
+        PyErr_Format(PyExc_ValueError,
+                     "BytesBuilder.write_at: %zd bytes at offset %zd are not within the %zd "
+                     "written", view.len, offset, b->size);
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    builder_copy(b, offset, &view);
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(builder_finish_doc,
+"finish() -> bytes\n\n"
+"The bytes written, as the builder's own bytes object (no copy); the builder is spent.");
+
+static PyObject *builder_finish(BytesBuilder *b, PyObject *unused) {
+    (void)unused;
+    if (builder_ready(b) < 0)
+        return NULL;
+    PyObject *out = b->bytes;
+    b->bytes = NULL;
+    if (_PyBytes_Resize(&out, b->size) < 0)
+        return NULL;
+    return out;
+}
+
+static Py_ssize_t builder_len(BytesBuilder *b) { return b->size; }
+
+static PyMethodDef builder_methods[] = {
+    {"write", (PyCFunction)builder_write, METH_O, builder_write_doc},
+    {"write_at", (PyCFunction)(void (*)(void))builder_write_at, METH_FASTCALL,
+     builder_write_at_doc},
+    {"finish", (PyCFunction)builder_finish, METH_NOARGS, builder_finish_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods builder_as_sequence = {.sq_length = (lenfunc)builder_len};
+
+PyDoc_STRVAR(builder_doc,
+"BytesBuilder(capacity=0)\n\n"
+"Fills one new bytes object by appends (write) and patches (write_at), then returns it\n"
+"with finish(), trimmed to what was written, without a copy. Large parts are copied with\n"
+"the GIL released; one thread at a time.");
+
+static PyTypeObject BytesBuilderType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvstore.codec._native.BytesBuilder",
+    .tp_basicsize = sizeof(BytesBuilder),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = builder_doc,
+    .tp_new = builder_new,
+    .tp_dealloc = (destructor)builder_dealloc,
+    .tp_methods = builder_methods,
+    .tp_as_sequence = &builder_as_sequence,
+};
+
 PyDoc_STRVAR(crc32c_kernel_doc,
 "crc32c_kernel() -> str\n\n"
 "Name of the kernel crc32c() runs, chosen at import from the CPU's features.");
@@ -1154,7 +1334,7 @@ static PyMethodDef native_methods[] = {
 static struct PyModuleDef native_module = {
     PyModuleDef_HEAD_INIT, "kvstore.codec._native",
     "Compiled kernels: CRC-32C (and join+CRC), FNV-1a 64, the chained block hash (also\n"
-    "from a list), f16 finiteness.", -1,
+    "from a list), f16 finiteness, and a builder of one bytes object.", -1,
     native_methods, NULL, NULL, NULL, NULL,
 };
 
@@ -1173,5 +1353,16 @@ PyMODINIT_FUNC PyInit__native(void) {
         advise_huge = !(huge != NULL && strcmp(huge, "0") == 0);
         ready = 1;
     }
-    return PyModule_Create(&native_module);
+    if (PyType_Ready(&BytesBuilderType) < 0)
+        return NULL;
+    PyObject *module = PyModule_Create(&native_module);
+    if (module == NULL)
+        return NULL;
+    Py_INCREF(&BytesBuilderType);
+    if (PyModule_AddObject(module, "BytesBuilder", (PyObject *)&BytesBuilderType) < 0) {
+        Py_DECREF(&BytesBuilderType);
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
 }

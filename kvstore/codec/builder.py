@@ -1,0 +1,64 @@
+"""``BytesBuilder``: one new ``bytes`` object filled part by part, without a join.
+
+A result assembled from parts that arrive one at a time (``TransferClient.fetch``'s
+envelope, from a stream of chunks) would otherwise be written into a growing buffer and
+copied once more, or joined at the end. The compiled builder
+(``kvstore.codec._native.BytesBuilder``) writes straight into the ``bytes`` object it
+returns: each part is copied once, with the GIL released (the next part keeps arriving
+meanwhile), into memory advised onto transparent huge pages like ``encode``'s output
+(``TLKV_MADVISE_HUGEPAGE=0`` turns the advice off), and ``finish()`` trims the object to
+its size in place. Without the compiled module the same interface runs on a
+``bytearray`` (one more copy at ``finish()``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["BytesBuilder", "PyBytesBuilder"]
+
+
+class PyBytesBuilder:
+    """The portable builder: the interface of ``_native.BytesBuilder`` over a bytearray."""
+
+    def __init__(self, capacity: int = 0) -> None:
+        if capacity < 0:
+            raise ValueError("BytesBuilder: capacity must be >= 0")
+        self._buf: bytearray | None = bytearray()
+
+    def _ready(self) -> bytearray:
+        if self._buf is None:
+            raise ValueError("BytesBuilder: already finished")
+        return self._buf
+
+    def __len__(self) -> int:
+        return len(self._buf) if self._buf is not None else 0
+
+    def write(self, data: Any) -> int:
+        """Append a C-contiguous buffer; returns the size written so far."""
+        buf = self._ready()
+        buf += memoryview(data).cast("B")
+        return len(buf)
+
+    def write_at(self, offset: int, data: Any) -> None:
+        """Overwrite bytes already written, from ``offset``."""
+        buf = self._ready()
+        part = memoryview(data).cast("B")
+        if offset < 0 or len(part) > len(buf) - offset:
+            raise ValueError(
+                f"BytesBuilder.write_at: {len(part)} bytes at offset {offset} are not "
+                f"within the {len(buf)} written"
+            )
+        buf[offset : offset + len(part)] = part
+
+    def finish(self) -> bytes:
+        """The bytes written; the builder is spent."""
+        out = bytes(self._ready())
+        self._buf = None
+        return out
+
+
+try:
+    from ._native import BytesBuilder
+except ImportError:  # pragma: no cover - only where the build had no compiler
+    BytesBuilder = PyBytesBuilder  # type: ignore[assignment,misc]

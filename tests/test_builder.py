@@ -1,0 +1,118 @@
+"""kvstore.codec.builder: BytesBuilder (compiled and portable) fills one bytes object."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvstore.codec import builder
+
+try:
+    from kvstore.codec import _native
+except ImportError:  # pragma: no cover - only where the build had no compiler
+    _native = None  # type: ignore[assignment]
+
+IMPLS: list[Any] = [builder.PyBytesBuilder]
+if _native is not None:
+    IMPLS.append(_native.BytesBuilder)
+
+
+@pytest.fixture(params=IMPLS, ids=lambda c: c.__module__)
+def impl(request: pytest.FixtureRequest) -> Any:
+    return request.param
+
+
+def test_the_compiled_builder_is_used_when_built() -> None:
+    if _native is None:  # pragma: no cover
+        pytest.skip("no compiled module in this build")
+    assert builder.BytesBuilder is _native.BytesBuilder
+
+
+@pytest.mark.parametrize("capacity", [0, 1, 7, 1 << 20])
+@pytest.mark.parametrize("kind", [bytes, bytearray, memoryview])
+def test_appends_patches_and_finishes(impl: Any, capacity: int, kind: Any) -> None:
+    big = np.random.default_rng(1).integers(0, 256, 300_000, dtype=np.uint8)
+    b = impl(capacity)
+    assert len(b) == 0
+    assert b.write(kind(b"head")) == 4
+    assert b.write(big) == 4 + big.size  # a large part (copied without the GIL)
+    assert b.write(kind(b"")) == 4 + big.size
+    b.write(kind(b"tail"))
+    b.write_at(1, kind(b"EA"))
+    b.write_at(4, big[:5][::-1].copy())
+    assert len(b) == 8 + big.size
+    out = b.finish()
+    assert type(out) is bytes
+    assert out == b"hEAd" + bytes(big[:5][::-1]) + big[5:].tobytes() + b"tail"
+    assert hash(out) == hash(bytes(out))  # an ordinary bytes object
+
+
+def test_finish_gives_the_only_reference(impl: Any) -> None:
+    b = impl(1 << 16)
+    b.write(b"x" * 100)
+    out = b.finish()
+    assert out == b"x" * 100
+    assert sys.getrefcount(out) == 2  # `out` and getrefcount's argument
+
+
+def test_spent_and_refused(impl: Any) -> None:
+    with pytest.raises(ValueError, match="capacity"):
+        impl(-1)
+    b = impl(4)
+    b.write(b"ab")
+    for offset, data in [(-1, b"a"), (1, b"xy"), (3, b"")]:
+        with pytest.raises(ValueError, match="not within"):
+            b.write_at(offset, data)
+    with pytest.raises((BufferError, TypeError, ValueError)):  # as the exporter refuses
+        b.write(np.zeros((4, 4))[:, 0])  # not C-contiguous
+    assert len(b) == 2
+    assert b.finish() == b"ab"
+    for call in (lambda: b.write(b"x"), lambda: b.write_at(0, b""), b.finish):
+        with pytest.raises(ValueError, match="finished"):
+            call()
+    assert impl().finish() == b""
+
+
+def test_concurrent_copies_are_refused_not_raced() -> None:
+    if _native is None:  # pragma: no cover
+        pytest.skip("no compiled module in this build")
+    b = _native.BytesBuilder(0)
+    part = np.ones(64 << 20, dtype=np.uint8)
+    refused: list[BaseException] = []
+    done = threading.Event()
+
+    def other() -> None:
+        while not done.is_set():
+            try:
+                b.write(b"!")
+            except RuntimeError as exc:
+                refused.append(exc)
+
+    t = threading.Thread(target=other)
+    t.start()
+    try:
+        for _ in range(8):
+            b.write(part)
+    finally:
+        done.set()
+        t.join()
+    out = b.finish()
+    # every write either landed whole or was refused; the big parts are intact
+    assert len(out) == 8 * part.size + out.count(b"!")
+    assert out.replace(b"!", b"") == b"\x01" * (8 * part.size)
+    assert all("in use by another thread" in str(e) for e in refused)
+
+
+@given(st.lists(st.binary(max_size=300), max_size=20), st.integers(0, 2000))
+def test_same_bytes_as_a_join(parts: list[bytes], capacity: int) -> None:
+    for impl in IMPLS:
+        b = impl(capacity)
+        for p in parts:
+            b.write(p)
+        assert b.finish() == b"".join(parts)
