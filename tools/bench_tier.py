@@ -12,7 +12,10 @@ ours and the baseline alternating, and the spread (min-max) is printed:
 - upload drain: 1 GiB (512 blocks; 128 with --quick) put into a store whose tier bucket
   does not exist yet, then timed from the bucket's creation until the pending set is
   empty; and the same puts with the uploader running, timed from the first put until
-  drained; both vs a raw concurrent put of as many objects (``put_new_many``);
+  drained; both vs a raw concurrent put of as many objects (``put_new_many``); the latter
+  also vs the same durable local puts on a store without a tier run beside a raw
+  concurrent put of the same objects (the same work on the same two cores, without the
+  tier's own code: moto's Python server shares the CPU with the local commits);
 - archive create to ``s3://`` vs create to a local file + a raw multipart upload of it.
 """
 
@@ -191,8 +194,36 @@ def _read_through(moto: _Moto, scratch: Path, rounds: int) -> Row:
     return _row("read-through 128 x 2 MiB", 128 * len(blocks[0]), ours, base, "raw get")
 
 
+def _puts_beside_raw_put(
+    path: Path, raw: ObjectClient, keys: list[str], blocks: list[bytes]
+) -> float:
+    """Seconds for the same durable local puts (a store without a tier) and a raw
+    concurrent put of the same objects, run at the same time: the work of "puts with the
+    uploader running" without the tier's own code (pending set, reads back from LMDB)."""
+    failed: list[BaseException] = []
+
+    def upload() -> None:
+        try:
+            raw.put_new_many(list(zip(keys, blocks)))
+        except BaseException as exc:  # re-raised below
+            failed.append(exc)
+
+    with Store(path) as store:
+        t0 = time.perf_counter()
+        uploader = threading.Thread(target=upload)
+        uploader.start()
+        for b in blocks:
+            store.put(b)
+        uploader.join()
+        elapsed = time.perf_counter() - t0
+    shutil.rmtree(path)
+    if failed:
+        raise failed[0]
+    return elapsed
+
+
 def _drain(moto: _Moto, scratch: Path, rounds: int, n: int) -> list[Row]:
-    ours, both, base = [], [], []
+    ours, both, base, beside = [], [], [], []
     for r in range(rounds):
         blocks = _blocks(n, seed=10 + r)
         keys = [block_key("default", _hash(b)) for b in blocks]
@@ -221,9 +252,13 @@ def _drain(moto: _Moto, scratch: Path, rounds: int, n: int) -> list[Row]:
             both.append(_timed(puts_and_drain))
             assert store.tier_info()["uploads"] == n  # type: ignore[index]
         shutil.rmtree(path)
-        for bucket in (f"bench-raw-{r}", f"bench-drain-{r}", f"bench-both-{r}"):
+        # the fair baseline of the line above: the same local puts beside a raw put
+        raw_beside = ObjectClient(f"s3://{moto.bucket(f'bench-beside-{r}')}")
+        beside.append(_puts_beside_raw_put(scratch / f"beside-{r}", raw_beside, keys, blocks))
+        for kind in ("raw", "drain", "both", "beside"):
+            bucket = f"bench-{kind}-{r}"
             client = ObjectClient(f"s3://{bucket}")
-            client.delete_many(keys if bucket.endswith(f"raw-{r}") else [f"t/{k}" for k in keys])
+            client.delete_many(keys if kind in ("raw", "beside") else [f"t/{k}" for k in keys])
     nbytes = n * len(blocks[0])
     return [
         _row(f"upload drain of {nbytes >> 20} MiB pending", nbytes, ours, base, "raw put"),
@@ -233,6 +268,13 @@ def _drain(moto: _Moto, scratch: Path, rounds: int, n: int) -> list[Row]:
             both,
             base,
             "raw put",
+        ),
+        _row(
+            "  same vs the same local puts (no tier) beside a raw put of the same objects",
+            nbytes,
+            both,
+            beside,
+            "puts + raw put",
         ),
     ]
 
