@@ -213,3 +213,46 @@ def test_prefix_transcodes_and_joins_off_the_event_loop(
     names = {name for name, _ in calls}
     assert "transcode" in names and (streamed or "assemble" in names), calls
     assert not [call for call in calls if call[1]], calls
+
+
+@pytest.mark.parametrize("where", ["fast path", "route"])
+def test_unexpected_error_is_a_json_500_and_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """An exception outside every handler, in tlkv's outer layers (the block-read fast
+    path) or in a route, is answered 500 in the one JSON error shape, counted by the
+    metrics, and the app keeps answering."""
+    from http_server import assert_error
+
+    data = make_envelope(SMALL, 4, seed=5, version=1)
+    h = f"{int(decode(data).hashes[0]):016x}"
+    app = create_app(Settings(data=tmp_path / "store", geometry=SMALL))
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a bug")
+
+    async def requests() -> None:
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(
+                transport=httpx.ASGITransport(app, raise_app_exceptions=False),
+                base_url="http://t",
+            ) as http,
+        ):
+            typed = {"content-type": "application/vnd.tlkv"}
+            assert (await http.put("/v1/blocks", content=data, headers=typed)).status_code == 200
+            store = app.state.store
+            if where == "fast path":
+                monkeypatch.setattr(store, "get_buffers", broken)
+                url = f"/v1/blocks/{h}"
+            else:
+                monkeypatch.setattr(store, "get", broken)
+                url = f"/v1/blocks/{h}?format=1"
+            message = assert_error(await http.get(url), 500, "internal")
+            assert "RuntimeError" in message
+            monkeypatch.undo()
+            assert (await http.get(f"/v1/blocks/{h}")).content == data
+            metrics = (await http.get("/metrics")).text
+            assert 'route="/v1/blocks/{hash}",status="500"} 1.0' in metrics
+
+    asyncio.run(requests())
