@@ -29,7 +29,6 @@ Choices:
 from __future__ import annotations
 
 import logging
-import operator
 import os
 import threading
 import time
@@ -37,7 +36,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -45,22 +44,20 @@ from ..codec.assembly import crc_matches, envelope_version
 from ..codec.envelope import Envelope, check_finite, decode, transcode
 from ..codec.geometry import Geometry
 from ..codec.layout import (
-    HEADER_SIZE,
     NO_HASH,
     SUPPORTED_VERSIONS,
-    U64_MAX,
 )
 from ..errors import (
     ChecksumError,
     EnvelopeError,
-    FormatError,
     PinnedError,
     ShapeError,
     StoreError,
     UnconvertibleError,
     UnsupportedVersionError,
 )
-from ..protocol import DEFAULT_MODEL, check_model_id, check_sequence_name
+from ..protocol import DEFAULT_MODEL, check_model_id
+from .checks import check_bound, check_hash, check_sequence_blocks, seq_key
 from .diskformat import (
     BLOCK_KEY,
     COUNTER_KEYS,
@@ -85,6 +82,7 @@ from .keyset import KeySet, hash_array
 from .lmdbenv import MAP_ALIGN, LmdbEnv
 from .reader import KvSpec, Reader, ReadSnapshot, assemble_sequence, reader_consts
 from .registry import Reclaim, Registry, UnknownModel
+from .results import PutReport, PutResult
 from .writetxn import CrcMismatch, WriteTxn
 
 if TYPE_CHECKING:  # imported when a store gets a tier: obstore and asyncio load only then
@@ -113,64 +111,6 @@ def _mark_forked() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_mark_forked)
-
-
-class PutResult(NamedTuple):
-    """Outcome of a put: blocks newly stored, already present, and partial (not stored)."""
-
-    stored: int
-    duplicate: int
-    partial: int
-
-
-class PutReport(NamedTuple):
-    """Outcome of a put, by hash: which blocks this put stored and which were present.
-
-    ``stored`` and ``duplicate`` are in envelope order; a hash repeated within one
-    envelope is stored once and then counted as a duplicate. Both lists come from the
-    write transaction itself, so they are exact even under concurrent writers.
-    """
-
-    stored: list[int]
-    duplicate: list[int]
-    partial: int
-
-    def counts(self) -> PutResult:
-        """The same outcome as counts."""
-        return PutResult(len(self.stored), len(self.duplicate), self.partial)
-
-
-def _check_hash(block_hash: Any) -> int:
-    h = operator.index(block_hash)
-    if not 0 <= h <= U64_MAX:
-        raise ValueError(f"a block hash must fit u64, found {h}")
-    return h
-
-
-def _check_bound(what: str, value: Any) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-        raise TypeError(f"{what} must be an int, found {type(value).__name__}")
-    if value is not None and value <= 0:
-        raise ValueError(f"{what} must be > 0, found {value}")
-
-
-def _seq_key(name: Any) -> bytes:
-    return check_sequence_name(name).encode("ascii")
-
-
-def _check_sequence_blocks(env: Envelope) -> None:
-    """A sequence holds at least one block; a partial block (hash 0) may only be its last."""
-    if len(env) == 0:
-        raise ValueError("a sequence holds at least one block; the envelope has none")
-    if len(env) > 1:
-        zeros = np.flatnonzero(env.hashes[:-1] == NO_HASH)
-        if zeros.size:
-            i = int(zeros[0])
-            raise FormatError(
-                f"block {i} at offset {HEADER_SIZE + i * env.record_bytes}: a partial block "
-                f"(hash 0) may only be the last block of a sequence, found at position {i} "
-                f"of {len(env)}"
-            )
 
 
 class _ReadHandle:
@@ -255,7 +195,7 @@ class Store:
             raise ValueError(f"map_bytes must be > 0, found {map_bytes}")
         if geometry is not None and not isinstance(geometry, Geometry):
             raise TypeError(f"geometry must be a Geometry, found {type(geometry).__name__}")
-        _check_bound("capacity_bytes", capacity_bytes)
+        check_bound("capacity_bytes", capacity_bytes)
         self._path = os.fspath(path)
         self._capacity = capacity_bytes
         self._sync = bool(sync)
@@ -362,7 +302,7 @@ class Store:
         root = self._root
         root._check_usable()
         model_id = check_model_id(model_id)
-        _check_bound("quota_bytes", quota_bytes)
+        check_bound("quota_bytes", quota_bytes)
         if geometry is not None and not isinstance(geometry, Geometry):
             raise TypeError(f"geometry must be a Geometry, found {type(geometry).__name__}")
         if model_id == DEFAULT_MODEL and quota_bytes is None:
@@ -789,9 +729,9 @@ class Store:
             FormatError: a partial block (hash 0) is not the last block.
             EnvelopeError: a reader rule failed.  StoreFullError: it does not fit.
         """
-        key = _seq_key(name)
+        key = seq_key(name)
         env = self._validate(envelope)
-        _check_sequence_blocks(env)
+        check_sequence_blocks(env)
         self._resolve(create=True)
 
         def body(w: WriteTxn) -> PutResult:
@@ -821,10 +761,10 @@ class Store:
             geometry = geometry or envs[-1].geometry
         seqs: list[tuple[bytes, Envelope]] = []
         for name, data in sequences:
-            key = _seq_key(name)
+            key = seq_key(name)
             env = self._validate(data, geometry)
             geometry = geometry or env.geometry
-            _check_sequence_blocks(env)
+            check_sequence_blocks(env)
             seqs.append((key, env))
         if envs or seqs:
             self._resolve(create=True)
@@ -936,7 +876,7 @@ class Store:
         Raises:
             PinnedError: a sequence references the block (HTTP 409).
         """
-        h = _check_hash(block_hash)
+        h = check_hash(block_hash)
         hk = BLOCK_KEY.pack(h)
         if not self._created():
             return False
@@ -960,7 +900,7 @@ class Store:
 
     def delete_sequence(self, name: str) -> bool:
         """Drop a sequence and its pins; False when absent."""
-        key = _seq_key(name)
+        key = seq_key(name)
         if not self._created():
             return False
         return self._write(lambda w: w.drop_sequence(key, self._geometry_in(w.txn)))
@@ -1003,7 +943,7 @@ class Store:
         if version is not None and version not in SUPPORTED_VERSIONS:
             raise UnsupportedVersionError(f"format version must be 1 or 2, found {version}")
         items = hashes.tolist() if isinstance(hashes, np.ndarray) else hashes
-        hs = [_check_hash(h) for h in items]
+        hs = [check_hash(h) for h in items]
         txn = self._begin_read(False)
         try:
             get, db = txn.get, self._dbs.blocks
@@ -1047,7 +987,7 @@ class Store:
         for it (``LmdbEnv.hold``). While a remap is pending they are copies.
         """
         items = hashes.tolist() if isinstance(hashes, np.ndarray) else hashes
-        hs = [_check_hash(h) for h in items]
+        hs = [check_hash(h) for h in items]
         corrupt: list[int] = []
         values = []
         txn = self._begin_read(True)
@@ -1198,7 +1138,7 @@ class Store:
     def get_sequence(self, name: str) -> bytes | None:
         """The sequence's envelope, byte-identical to the canonical one put; None when
         absent or damaged (a block quarantined as corrupt and not put again)."""
-        key = _seq_key(name)
+        key = seq_key(name)
         corrupt: list[int] = []
         bad_record = False
         out = None
