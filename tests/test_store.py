@@ -24,10 +24,10 @@ import numpy as np
 import pytest
 from conftest import SMALL, make_blocks, make_envelope
 
+import kvstore.store.core as core_module
 import kvstore.store.diskformat as L
 import kvstore.store.keyset as keyset_module
 import kvstore.store.lmdbenv as lmdbenv_module
-import kvstore.store.store as store_module
 import kvstore.store.writetxn as writetxn_module
 from kvstore import (
     Block,
@@ -1145,7 +1145,7 @@ def test_disk_full_is_store_full_and_stores_nothing(tmp_path: Path) -> None:
 def test_pending_hits_are_flushed_in_the_background(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(store_module, "_FLUSH_INTERVAL", 0.0)
+    monkeypatch.setattr(core_module, "_FLUSH_INTERVAL", 0.0)
     with Store(tmp_path / "s") as s:
         envelope = make_envelope(SMALL, 4)
         s.put(envelope)

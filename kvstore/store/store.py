@@ -34,7 +34,6 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -58,6 +57,7 @@ from ..errors import (
 )
 from ..protocol import DEFAULT_MODEL, check_model_id
 from .checks import check_bound, check_hash, check_sequence_blocks, seq_key
+from .core import StoreCore
 from .diskformat import (
     BLOCK_KEY,
     COUNTER_KEYS,
@@ -81,20 +81,18 @@ from .journal import RestoreJournal, commit, journal_model, pending, rollback
 from .keyset import KeySet, hash_array
 from .lmdbenv import MAP_ALIGN, LmdbEnv
 from .reader import KvSpec, Reader, ReadSnapshot, assemble_sequence, reader_consts
-from .registry import Reclaim, Registry, UnknownModel
+from .registry import Registry
 from .results import PutReport, PutResult
 from .writetxn import CrcMismatch, WriteTxn
 
 if TYPE_CHECKING:  # imported when a store gets a tier: obstore and asyncio load only then
     from ..tier import Tier
-    from .tiered import TierLink
 
 __all__ = ["PutReport", "PutResult", "Reader", "Store"]
 
 log = logging.getLogger("tlkv.store")
 
 _INITIAL_MAP_SIZE = 64 << 20  # LMDB map of a new store without a capacity; grows by doubling
-_FLUSH_INTERVAL = 5.0  # seconds: pending read hits are persisted at least this often
 _READ_THROUGH_FIRST = 16  # blocks fetched from the tier in a read-through's first round
 _READ_THROUGH_BATCH = 128  # ... and at most per later round (each round doubles)
 
@@ -135,7 +133,7 @@ class _ReadHandle:
         self._store._account(hits, misses, corrupt)
 
 
-class Store:
+class Store(StoreCore):
     """A persistent, content-addressed store of KV blocks in one LMDB environment.
 
     Args:
@@ -202,13 +200,13 @@ class Store:
         self._allow_nonfinite = bool(allow_nonfinite)
         self._closed = True
         self._forked = False
-        self._geometry: Geometry | None = None
+        self._geometry = None
         self._recency = RecencyBuffer()
         self._flush_lock = threading.Lock()
         self._last_flush = time.monotonic()
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool = None
         self._pool_lock = threading.Lock()
-        self._rconsts: tuple[Geometry, dict[int, int], dict[int, KvSpec]] | None = None
+        self._rconsts = None
         self.hits = 0
         self.misses = 0
         initial = _INITIAL_MAP_SIZE if map_bytes is None else map_bytes
@@ -224,19 +222,17 @@ class Store:
             raise
         self._keys = KeySet(self._dbs)
         self._root = self
-        self._pending: int | None = None  # a number this model claims by its first write
+        self._pending = None
         self._model = DEFAULT_MODEL
-        self._quota: int | None = None
+        self._quota = None
         assert self._lmdb.nothing is not None
         self._registry = Registry(self._lmdb, self._dbs, self._lmdb.nothing, self._path)
-        # (model, quota) -> shared handle; (model, quota, geometry) -> a handle given the
-        # geometry of a model that had none yet
-        self._handles: dict[tuple[Any, ...], Store] = {}
+        self._handles = {}
         self._handles_lock = threading.RLock()
         self._closed = False
         self._pid = os.getpid()
         _open_stores.add(self)
-        self._tier: TierLink | None = None
+        self._tier = None
         if tier is not None:
             from ..tier import Tier
             from .tiered import TierLink
@@ -363,38 +359,6 @@ class Store:
         _open_stores.add(h)
         return h
 
-    def _resolve(self, create: bool) -> None:
-        """Find this handle's model and open its sub-databases; with ``create``, a model
-        not registered yet gets the next free number, claimed by the write (``_claim``)."""
-        if self._dbs.number >= 0 and self._pending is None:
-            return
-        registry = self._registry
-        self._check_usable()
-        txn = self._lmdb.begin_read(False)
-        try:
-            number, last = registry.lookup(txn, self._model)
-        finally:
-            self._end_read(txn)
-        if number is not None:
-            self._pending = None
-        elif create:
-            number = self._pending = last + 1  # its sub-databases exist from now, empty
-        else:
-            pending = self._pending
-            if pending is not None and pending <= last:  # another model took the number
-                nothing = registry.nothing
-                self._keys, self._dbs, self._pending = KeySet(nothing), nothing, None
-            return
-        dbs = registry.dbs(number)
-        self._keys = KeySet(dbs)  # before _dbs: a concurrent read sees a consistent pair
-        self._dbs = dbs
-
-    def _created(self) -> bool:
-        """Whether this handle's model exists (looked up again while it does not)."""
-        if self._dbs.number < 0 or self._pending is not None:
-            self._resolve(create=False)
-        return self._dbs.number >= 0 and self._pending is None
-
     @property
     def model_id(self) -> str:
         """The model this handle reads and writes (``"default"`` for the store itself)."""
@@ -507,17 +471,6 @@ class Store:
         model = "" if self._model == DEFAULT_MODEL else f", model={self._model!r}"
         return f"Store({self._path!r}{model}, geometry={self._geometry}, {state})"
 
-    # --- transactions --------------------------------------------------------------------
-
-    def _check_usable(self) -> None:
-        if self._closed or self._root._closed:
-            raise StoreError(f"the store {self._path} is closed")
-        if self._forked or self._root._forked:
-            raise StoreError(
-                f"the store {self._path} was opened in process {self._pid}; "
-                "open stores after fork, in the process that uses them"
-            )
-
     # --- the read side's handle (Reader sees only this) -------------------------------------
 
     def _open_snapshot(self) -> ReadSnapshot:
@@ -545,124 +498,11 @@ class Store:
             self._quarantine(corrupt)
         self._flush_soon()
 
-    def _begin_read(self, buffers: bool) -> Any:
-        """A read transaction holding the map guard; end it with ``_end_read``."""
-        self._check_usable()
-        if self._dbs.number < 0 or self._pending is not None:  # created elsewhere since?
-            self._resolve(create=False)
-        return self._lmdb.begin_read(buffers)
-
-    def _end_read(self, txn: Any) -> None:
-        self._lmdb.end_read(txn)
-
-    def _write(self, body: Callable[[WriteTxn], T], need: int = 0) -> T:
-        """Run ``body`` in one write transaction, after persisting pending read hits.
-
-        ``need``: the bytes the body writes (the map grows ahead of large writes).
-        """
-        self._check_usable()
-        taken = self._recency.take()
-
-        def run(txn: Any) -> tuple[T, WriteTxn]:
-            w = WriteTxn(
-                txn,
-                self._dbs,
-                self._capacity,
-                self._helper_pool,
-                self._path,
-                quota=self._quota,
-                dbs_of=self._registry.opened,
-            )
-            if self._pending is not None:
-                self._registry.claim(txn, self._model, self._pending)
-            if self._tier is not None:
-                w.pending = w.keep_pending = True
-            for h in taken:
-                w.touch(h)
-            result = body(w)
-            w.save()
-            return result, w
-
-        while True:
-            try:
-                result, w = self._lmdb.write(run, need)
-                break
-            except UnknownModel as exc:  # evicting a model created by another process
-                self._registry.dbs(exc.number)
-            except Reclaim:
-                self._resolve(create=True)
-            except BaseException:
-                self._recency.restore(taken)
-                raise
-        self._last_flush = time.monotonic()
-        self._pending = None
-        for hook in w.after_commit:
-            hook()
-        return result
-
-    def _helper_pool(self) -> ThreadPoolExecutor:
-        root = self._root
-        with root._pool_lock:
-            if root._pool is None:
-                root._pool = ThreadPoolExecutor(1, thread_name_prefix="tlkv-store-stage")
-            return root._pool
-
-    def _stored_geometry(self, txn: Any) -> Geometry | None:
-        if self._model != DEFAULT_MODEL:
-            return self._registry.geometry(txn, self._model)
-        raw = txn.get(META_GEOMETRY, None, self._dbs.meta)
-        return None if raw is None else Geometry(*META_GEOMETRY_VALUE.unpack(raw))
-
-    def _geometry_in(self, txn: Any) -> Geometry | None:
-        """The geometry, read from ``txn`` while this handle has none (another process may
-        have adopted one)."""
-        if self._geometry is None:
-            self._geometry = self._stored_geometry(txn)
-        return self._geometry
-
     def _reader_consts(self, g: Geometry) -> tuple[dict[int, int], dict[int, KvSpec]]:
         cached = self._rconsts
         if cached is None or cached[0] is not g:  # identity: no dataclass hashing
             cached = self._rconsts = (g, *reader_consts(g))
         return cached[1], cached[2]
-
-    def _adopt_geometry(self, w: WriteTxn, geometry: Geometry) -> None:
-        if self._geometry is not None:
-            return  # decode checked the envelope against it already
-        stored = self._stored_geometry(w.txn)
-        if stored is None and self._model != DEFAULT_MODEL:
-            self._registry.set_geometry(w.txn, self._model, w.dbs.number, geometry)
-        elif stored is None:
-            w.txn.put(META_GEOMETRY, META_GEOMETRY_VALUE.pack(*geometry.as_tuple()), db=w.dbs.meta)
-        elif stored != geometry:
-            raise ShapeError(
-                "rule 'block_tokens, n_layers, n_kv_heads, head_dim equal the receiving pool's' "
-                f"failed: expected {stored.as_tuple()}, found {geometry.as_tuple()}"
-            )
-
-        def adopt() -> None:
-            self._geometry = geometry
-
-        w.after_commit.append(adopt)
-
-    def _flush_soon(self) -> None:
-        """Persist pending hits in a background thread when the last write is old."""
-        if time.monotonic() - self._last_flush < _FLUSH_INTERVAL or not len(self._recency):
-            return
-        if not self._flush_lock.acquire(blocking=False):
-            return
-        self._last_flush = time.monotonic()
-
-        def run() -> None:
-            try:
-                if not self._closed and not self._forked:
-                    self._write(lambda w: None)
-            except Exception as exc:  # a background flush must never take anything down
-                log.warning("%s: background recency flush failed: %s", self._path, exc)
-            finally:
-                self._flush_lock.release()
-
-        threading.Thread(target=run, name="tlkv-store-flush", daemon=True).start()
 
     # --- writes ------------------------------------------------------------------------
 
