@@ -73,6 +73,11 @@ class StoreCore:
     hits: int
     misses: int
 
+    @property
+    def path(self) -> str:
+        """The environment's directory."""
+        return self._path
+
     def _check_usable(self) -> None:
         if self._closed or self._root._closed:
             raise StoreError(f"the store {self._path} is closed")
