@@ -1,11 +1,13 @@
 """The persistent block store: one LMDB environment of content-addressed KV blocks.
 
-Owns the public ``Store`` API and its life cycle: opening (geometry, format), LMDB's map
-size (grown on demand, adopted from other processes), durability, transactions, capacity,
-integrity on the way out and the ``has`` key set. The on-disk layout is declared in
-``_storelayout``, the write side in ``_writetxn``, zero-copy readers in ``_reader``; the
-codec (``envelope``) validates every envelope, and a block is stored as its verbatim
-single-block envelope.
+Owns ``Store`` and its life cycle: opening (format, geometry, the map size, undoing the
+restores a killed process left unfinished), the handles on models, closing, and the link
+to a tier. Its API is split by job into mixins over ``core.StoreCore`` (a handle's state
+and transactions): ``reads`` (get, has, longest_prefix, views, sequences), ``writes``
+(put, import, restore journals, delete), ``models`` and ``stats``. The on-disk layout is
+declared in ``diskformat``, the write transaction in ``writetxn``, zero-copy readers in
+``reader``; the codec (``envelope``) validates every envelope, and a block is stored as
+its verbatim single-block envelope.
 
 Choices:
 
@@ -22,7 +24,7 @@ Choices:
   its geometry fixed by its first put. Capacity and the LRU order are store-wide; a
   handle's ``quota_bytes`` bounds its model's bytes (evicting its own blocks first).
 - Recency: reads record hits in process memory; the next write transaction, a background
-  flush at most every ``_FLUSH_INTERVAL`` seconds, or ``close`` persists them (LRU order
+  flush at most every ``core._FLUSH_INTERVAL`` seconds, or ``close`` persists them (LRU order
   is approximate across processes and survives reopening).
 """
 
@@ -38,33 +40,28 @@ from typing import TYPE_CHECKING, Any
 
 from ..codec.geometry import Geometry
 from ..errors import ShapeError, StoreError
-from ..protocol import DEFAULT_MODEL, check_model_id
+from ..protocol import DEFAULT_MODEL
 from .checks import check_bound
 from .core import StoreCore
 from .diskformat import (
-    COUNTER_KEYS,
-    META_BYTES,
-    META_CORRUPT,
-    META_EVICTIONS,
     META_FORMAT,
     META_FORMAT_VALUE,
     META_GEOMETRY,
     META_GEOMETRY_VALUE,
-    MODEL_COUNTER_KEYS,
     STORE_FORMAT,
     STORE_FORMATS,
     Dbs,
-    counter,
-    model_counter_key,
 )
 from .eviction import RecencyBuffer
 from .journal import RestoreJournal, journal_model, pending, rollback
 from .keyset import KeySet
 from .lmdbenv import MAP_ALIGN, LmdbEnv
+from .models import StoreModels
 from .reader import Reader
 from .reads import StoreReads, transcode_stored
 from .registry import Registry
 from .results import PutReport, PutResult
+from .stats import StoreStats
 from .writes import StoreWrites
 from .writetxn import WriteTxn
 
@@ -89,7 +86,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_mark_forked)
 
 
-class Store(StoreReads, StoreWrites, StoreCore):
+class Store(StoreModels, StoreReads, StoreWrites, StoreStats, StoreCore):
     """A persistent, content-addressed store of KV blocks in one LMDB environment.
 
     Args:
@@ -226,66 +223,44 @@ class Store(StoreReads, StoreWrites, StoreCore):
             txn.put(META_GEOMETRY, META_GEOMETRY_VALUE.pack(*geometry.as_tuple()), db=dbs.meta)
         self._geometry = stored or geometry
 
-    # --- models ---------------------------------------------------------------------------
+    def _roll_back_killed_restores(self) -> None:
+        """Undo the restores whose process died before they finished (``journal``)."""
+        txn = self._begin_read(False)
+        try:
+            tokens = [
+                (t, journal_model(txn, self._dbs.meta, t)) for t in pending(txn, self._dbs.meta)
+            ]
+        finally:
+            self._end_read(txn)
+        for token, model in tokens:
+            claimed = RestoreJournal.claim(self._path, token)
+            if claimed is None:
+                continue  # its restore still runs
+            handle = self.model(model)
 
-    def model(
-        self,
-        model_id: str,
-        *,
-        geometry: Geometry | None = None,
-        quota_bytes: int | None = None,
-    ) -> Store:
-        """A handle on the model (namespace) ``model_id`` of this store, with this whole API.
+            def undo(w: WriteTxn, token: bytes = token, handle: Store = handle) -> tuple[int, int]:
+                return rollback(w, token, handle._geometry_in(w.txn))
 
-        Its blocks, sequences, geometry and stats are its own: the same hash in two models
-        is two blocks. The model is created by its first write; until then reads find
-        nothing. The handle lives as long as the store (``close`` of the store closes it).
-
-        Args:
-            model_id: 1-200 characters of ``[A-Za-z0-9._:@/+-]``; ``"default"`` is the
-                store's own model (the only one of stores made before models).
-            geometry: the model's geometry (checked like ``Store``'s).
-            quota_bytes: bound on this model's stored bytes, enforced by this handle: a
-                put beyond it first evicts the model's own least-recently-used blocks.
-
-        Raises:
-            ValueError: a bad model id.  ShapeError: the model holds another geometry.
-        """
-        root = self._root
-        root._check_usable()
-        model_id = check_model_id(model_id)
-        check_bound("quota_bytes", quota_bytes)
-        if geometry is not None and not isinstance(geometry, Geometry):
-            raise TypeError(f"geometry must be a Geometry, found {type(geometry).__name__}")
-        if model_id == DEFAULT_MODEL and quota_bytes is None:
-            handle = root
-        else:
-            with root._handles_lock:
-                handle = root._handles.get((model_id, quota_bytes))  # type: ignore[assignment]
-                if handle is None or handle._closed:
-                    handle = root._handles[(model_id, quota_bytes)] = Store._handle(
-                        root, model_id, quota_bytes
-                    )
-        stored = handle.geometry
-        if geometry is not None and stored is not None and stored != geometry:
-            raise ShapeError(
-                f"the model {model_id!r} in {self._path} holds geometry {stored.as_tuple()}, "
-                f"opened with {geometry.as_tuple()}"
-            )
-        if geometry is not None and stored is None:
-            # Its own geometry, not the shared handle's; kept with the others, so that
-            # asking again reuses it and closing the store closes it (and its tier link).
-            key = (model_id, quota_bytes, geometry)
-            with root._handles_lock:
-                handle = root._handles.get(key)  # type: ignore[assignment]
-                if handle is None or handle._closed:
-                    handle = root._handles[key] = Store._handle(root, model_id, quota_bytes)
-                    handle._geometry = geometry
-        return handle
+            try:
+                removed, seqs = handle._write(undo)
+            except StoreError as exc:  # the next open tries again
+                log.warning("%s: could not undo an unfinished restore: %s", self._path, exc)
+                continue
+            finally:
+                claimed.release()
+            if removed or seqs:
+                log.warning(
+                    "%s: undid a restore that did not finish: %d blocks removed, %d sequences "
+                    "dropped or put back",
+                    self._path,
+                    removed,
+                    seqs,
+                )
 
     @classmethod
     def _handle(cls, root: Store, model_id: str, quota: int | None) -> Store:
-        """A handle on one model sharing ``root``'s environment."""
+        """A handle on one model sharing ``root``'s environment (every attribute
+        ``__init__`` sets, set here too)."""
         h = cls.__new__(cls)
         for name in (
             "_path", "_capacity", "_sync", "_allow_nonfinite", "_lmdb", "_env", "_pid",
@@ -314,35 +289,6 @@ class Store(StoreReads, StoreWrites, StoreCore):
             h._tier = type(root._tier)(h, root._tier.tier)
         _open_stores.add(h)
         return h
-
-    @property
-    def model_id(self) -> str:
-        """The model this handle reads and writes (``"default"`` for the store itself)."""
-        return self._model
-
-    @property
-    def quota_bytes(self) -> int | None:
-        """The bound this handle keeps its model's bytes under (None: only the capacity)."""
-        return self._quota
-
-    def models(self) -> list[str]:
-        """Every model of the store, sorted (``"default"`` always among them)."""
-        txn = self._begin_read(True)
-        try:
-            return sorted({DEFAULT_MODEL, *self._registry.names(txn)})
-        finally:
-            self._end_read(txn)
-
-    def has_model(self, model_id: str) -> bool:
-        """Whether ``model_id`` exists (``"default"`` always does)."""
-        if model_id == DEFAULT_MODEL:
-            return True
-        check_model_id(model_id)
-        txn = self._begin_read(False)
-        try:
-            return self._registry.exists(txn, model_id)
-        finally:
-            self._end_read(txn)
 
     # --- properties and life cycle -----------------------------------------------------
 
@@ -422,39 +368,7 @@ class Store(StoreReads, StoreWrites, StoreCore):
         model = "" if self._model == DEFAULT_MODEL else f", model={self._model!r}"
         return f"Store({self._path!r}{model}, geometry={self._geometry}, {state})"
 
-    def _roll_back_killed_restores(self) -> None:
-        """Undo the restores whose process died before they finished (``journal``)."""
-        txn = self._begin_read(False)
-        try:
-            tokens = [
-                (t, journal_model(txn, self._dbs.meta, t)) for t in pending(txn, self._dbs.meta)
-            ]
-        finally:
-            self._end_read(txn)
-        for token, model in tokens:
-            claimed = RestoreJournal.claim(self._path, token)
-            if claimed is None:
-                continue  # its restore still runs
-            handle = self.model(model)
-
-            def undo(w: WriteTxn, token: bytes = token, handle: Store = handle) -> tuple[int, int]:
-                return rollback(w, token, handle._geometry_in(w.txn))
-
-            try:
-                removed, seqs = handle._write(undo)
-            except StoreError as exc:  # the next open tries again
-                log.warning("%s: could not undo an unfinished restore: %s", self._path, exc)
-                continue
-            finally:
-                claimed.release()
-            if removed or seqs:
-                log.warning(
-                    "%s: undid a restore that did not finish: %d blocks removed, %d sequences "
-                    "dropped or put back",
-                    self._path,
-                    removed,
-                    seqs,
-                )
+    # --- the tier ----------------------------------------------------------------------
 
     @property
     def tier(self) -> Tier | None:
@@ -479,55 +393,3 @@ class Store(StoreReads, StoreWrites, StoreCore):
                 return False
             self._tier.uploader.wait_idle(0.05 if left is None else min(0.05, left))
         return True
-
-    def _counters(self, txn: Any) -> dict[bytes, int]:
-        """The meta counters as this handle's model sees them (``COUNTER_KEYS``)."""
-        meta = self._dbs.meta
-        counters = {key: counter(txn.get(key, None, meta)) for key in COUNTER_KEYS}
-        number = self._dbs.number
-        if number < 0:
-            return dict.fromkeys(counters, 0)
-        for key in MODEL_COUNTER_KEYS:
-            if number > 0:
-                counters[key] = counter(txn.get(model_counter_key(key, number), None, meta))
-                continue
-            prefix = key + b"@"  # the default model's: the totals minus every other model's
-            cur = txn.cursor(db=meta)
-            ok = cur.set_range(prefix)
-            while ok and bytes(cur.key()).startswith(prefix):
-                counters[key] -= counter(cur.value())
-                ok = cur.next()
-        return counters
-
-    def total_bytes(self) -> int:
-        """The bytes stored by every model together (what ``capacity_bytes`` bounds)."""
-        txn = self._begin_read(False)
-        try:
-            return counter(txn.get(META_BYTES, None, self._dbs.meta))
-        finally:
-            self._end_read(txn)
-
-    def stats(self) -> dict[str, int | None]:
-        """blocks, bytes, capacity_bytes, pinned_blocks, sequences, hits, misses, evictions,
-        corrupt (hits and misses: this process's reads since it opened the store)."""
-        txn = self._begin_read(True)
-        dbs = self._dbs
-        try:
-            counters = self._counters(txn)
-            pinned = txn.stat(dbs.refs)["entries"]
-            if counters[META_CORRUPT]:  # a quarantined block may still be referenced
-                refs = txn.cursor(db=dbs.refs).iternext(values=False)
-                pinned = sum(txn.get(k, None, dbs.blocks) is not None for k in refs)
-            return {
-                "blocks": txn.stat(dbs.blocks)["entries"],
-                "bytes": counters[META_BYTES],
-                "capacity_bytes": self._capacity,
-                "pinned_blocks": pinned,
-                "sequences": txn.stat(dbs.seqs)["entries"],
-                "hits": self.hits,
-                "misses": self.misses,
-                "evictions": counters[META_EVICTIONS],
-                "corrupt": counters[META_CORRUPT],
-            }
-        finally:
-            self._end_read(txn)
