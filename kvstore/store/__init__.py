@@ -8,7 +8,8 @@ membership, zero-copy readers, sequences), ``writes`` (puts, imports, restores, 
 map size, transactions), ``diskformat`` (sub-databases, keys and records), ``registry``
 (models on disk), ``keyset`` (bulk membership), ``eviction`` (LRU policy), ``mapguard``
 (remap safety), ``writebehind`` (overlapping commit and disk), ``journal`` (restores undone
-after a crash) and ``tiered`` (the link to a tier).
+after a crash), ``tiered`` (the link to a tier) and ``debug`` (raw state, for invariant
+checks in tests).
 """
 
 from .store import PutReport, PutResult, Store, transcode_stored
