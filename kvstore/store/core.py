@@ -78,6 +78,8 @@ class StoreCore:
         """The environment's directory."""
         return self._path
 
+    # --- transactions --------------------------------------------------------------------
+
     def _check_usable(self) -> None:
         if self._closed or self._root._closed:
             raise StoreError(f"the store {self._path} is closed")
@@ -149,6 +151,8 @@ class StoreCore:
                 root._pool = ThreadPoolExecutor(1, thread_name_prefix="tlkv-store-stage")
             return root._pool
 
+    # --- the handle's model and geometry ---------------------------------------------------
+
     def _resolve(self, create: bool) -> None:
         """Find this handle's model and open its sub-databases; with ``create``, a model
         not registered yet gets the next free number, claimed by the write (``_claim``)."""
@@ -212,6 +216,8 @@ class StoreCore:
             self._geometry = geometry
 
         w.after_commit.append(adopt)
+
+    # --- pending read hits ------------------------------------------------------------------
 
     def _flush_soon(self) -> None:
         """Persist pending hits in a background thread when the last write is old."""
