@@ -18,7 +18,7 @@ import pytest
 from conftest import SMALL, make_envelope
 from http_server import REPO
 
-import kvstore.store.store as store_module
+import kvstore.store.reads as reads_module
 from api.app import create_app
 from api.errors import error_body
 from api.metrics import Metrics
@@ -183,9 +183,9 @@ def test_prefix_transcodes_and_joins_off_the_event_loop(
 
         return wrapped
 
-    monkeypatch.setattr(store_module, "transcode", spy("transcode", store_module.transcode))
+    monkeypatch.setattr(reads_module, "transcode", spy("transcode", reads_module.transcode))
     # (the routes transcode stored blocks through kvstore.store.transcode_stored, which calls
-    # the store module's transcode: the spy above sees every one)
+    # the reads module's transcode: the spy above sees every one)
     monkeypatch.setattr(blocks_module, "join", spy("join", blocks_module.join))
     # A gathered answer is assembled (CRC checks, transcodes) in one call, zero-copy.
     monkeypatch.setattr(blocks_module, "_held_prefix", spy("assemble", blocks_module._held_prefix))

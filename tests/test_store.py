@@ -24,10 +24,10 @@ import numpy as np
 import pytest
 from conftest import SMALL, make_blocks, make_envelope
 
+import kvstore.store.core as core_module
 import kvstore.store.diskformat as L
 import kvstore.store.keyset as keyset_module
 import kvstore.store.lmdbenv as lmdbenv_module
-import kvstore.store.store as store_module
 import kvstore.store.writetxn as writetxn_module
 from kvstore import (
     Block,
@@ -53,6 +53,7 @@ from kvstore import (
 from kvstore.codec.crcmath import crc_combine, crc_shift
 from kvstore.codec.layout import HEADER_SIZE, TRAILER_SIZE
 from kvstore.errors import BadMagicError, PinnedError, TruncatedError, ViewClosedError
+from kvstore.store.debug import lmdb_flags, pending_hits, raw_snapshot
 
 REPO = Path(__file__).resolve().parent.parent
 SINGLE = SMALL.envelope_bytes(1)  # bytes of one stored SMALL v1 block
@@ -80,9 +81,7 @@ def store(tmp_path: Path) -> Iterator[Store]:
 
 def check_consistency(s: Store) -> None:
     """Every on-disk invariant: block index, byte count, pins, LRU order."""
-    dbs = s._dbs
-    txn = s._begin_read(True)
-    try:
+    with raw_snapshot(s) as (txn, dbs):
         blocks = {bytes(k): len(v) for k, v in txn.cursor(db=dbs.blocks)}
         seqs = {bytes(k): bytes(v) for k, v in txn.cursor(db=dbs.seqs)}
         refs = {bytes(k): L.REFCOUNT.unpack(v)[0] for k, v in txn.cursor(db=dbs.refs)}
@@ -92,8 +91,6 @@ def check_consistency(s: Store) -> None:
         cur = txn.cursor(db=dbs.index)
         dups = list(cur.iternext_dup(keys=False)) if cur.set_key(L.INDEX_KEY) else []
         index = sorted(L.INDEX_VALUE.unpack(v)[0] for v in dups)
-    finally:
-        s._end_read(txn)
     assert index == sorted(L.BLOCK_KEY.unpack(k)[0] for k in blocks)
     assert meta_bytes == sum(blocks.values()) + sum(len(v) for v in seqs.values())
     want: dict[bytes, int] = {}
@@ -704,7 +701,7 @@ def test_a_store_path_that_is_a_file_is_a_store_error(tmp_path: Path) -> None:
 def test_sync_reaches_lmdb(tmp_path: Path, sync: bool) -> None:
     """sync=True must make LMDB fsync data and meta on every commit (no NOSYNC flags)."""
     with Store(tmp_path / "s", sync=sync) as s:
-        flags = s._env.flags()
+        flags = lmdb_flags(s)
         assert (flags["sync"], flags["metasync"]) == (sync, sync)
 
 
@@ -1145,15 +1142,15 @@ def test_disk_full_is_store_full_and_stores_nothing(tmp_path: Path) -> None:
 def test_pending_hits_are_flushed_in_the_background(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(store_module, "_FLUSH_INTERVAL", 0.0)
+    monkeypatch.setattr(core_module, "_FLUSH_INTERVAL", 0.0)
     with Store(tmp_path / "s") as s:
         envelope = make_envelope(SMALL, 4)
         s.put(envelope)
         s.get(hashes_of(envelope)[0])
         deadline = time.monotonic() + 10
-        while len(s._recency) and time.monotonic() < deadline:
+        while pending_hits(s) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert not len(s._recency)
+        assert not pending_hits(s)
 
 
 def test_stats_keys(store: Store) -> None:

@@ -20,6 +20,7 @@ from conftest import SMALL, make_blocks, make_envelope
 
 import kvstore.store.diskformat as L
 from kvstore import Block, Geometry, ShapeError, Store, StoreError, StoreFullError, decode, encode
+from kvstore.store.debug import raw_snapshot
 
 REPO = Path(__file__).resolve().parent.parent
 VECTORS = REPO / "tests" / "vectors"
@@ -44,11 +45,8 @@ def hashes_of(envelope: bytes) -> list[int]:
 
 
 def meta_counter(s: Store, key: bytes) -> int:
-    txn = s._begin_read(False)
-    try:
-        return L.counter(txn.get(key, None, s._dbs.meta))
-    finally:
-        s._end_read(txn)
+    with raw_snapshot(s, buffers=False) as (txn, dbs):
+        return L.counter(txn.get(key, None, dbs.meta))
 
 
 def check_models(root: Store) -> None:
@@ -58,17 +56,13 @@ def check_models(root: Store) -> None:
     lru_want: set[tuple[int, int, int]] = set()  # (tick, hash, model)
     for model in root.models():
         s = root.model(model)
-        dbs = s._dbs
-        txn = s._begin_read(True)
-        try:
+        with raw_snapshot(s) as (txn, dbs):
             blocks = {bytes(k): len(v) for k, v in txn.cursor(db=dbs.blocks)}
             seqs = sum(len(v) for v in txn.cursor(db=dbs.seqs).iternext(keys=False))
             refs = {bytes(k) for k in txn.cursor(db=dbs.refs).iternext(values=False)}
             atime = {bytes(k): L.COUNTER.unpack(v)[0] for k, v in txn.cursor(db=dbs.atime)}
             cur = txn.cursor(db=dbs.index)
             dups = list(cur.iternext_dup(keys=False)) if cur.set_key(L.INDEX_KEY) else []
-        finally:
-            s._end_read(txn)
         assert sorted(L.INDEX_VALUE.unpack(v)[0] for v in dups) == sorted(
             L.BLOCK_KEY.unpack(k)[0] for k in blocks
         )
@@ -78,13 +72,8 @@ def check_models(root: Store) -> None:
         lru_want |= {(t, L.BLOCK_KEY.unpack(k)[0], number) for k, t in atime.items()}
         total += sum(blocks.values()) + seqs
     assert root.total_bytes() == total
-    txn = root._begin_read(True)
-    try:
-        lru = {
-            (*L.LRU_KEY.unpack(bytes(k)), L.lru_model(v)) for k, v in txn.cursor(db=root._dbs.lru)
-        }
-    finally:
-        root._end_read(txn)
+    with raw_snapshot(root) as (txn, dbs):
+        lru = {(*L.LRU_KEY.unpack(bytes(k)), L.lru_model(v)) for k, v in txn.cursor(db=dbs.lru)}
     assert lru == lru_want
 
 
@@ -303,18 +292,12 @@ def test_a_store_written_by_the_release_before_models_opens_as_default(tmp_path:
         assert seqs == want["sequences"]
         stats = s.stats()
         assert {k: stats[k] for k in want["stats"]} == want["stats"]
-        txn = s._begin_read(False)
-        try:
-            fmt = L.META_FORMAT_VALUE.unpack(txn.get(L.META_FORMAT, None, s._dbs.meta))[0]
-        finally:
-            s._end_read(txn)
+        with raw_snapshot(s, buffers=False) as (txn, dbs):
+            fmt = L.META_FORMAT_VALUE.unpack(txn.get(L.META_FORMAT, None, dbs.meta))[0]
         assert fmt == L.STORE_FORMAT  # untouched until another model exists
         s.model("new").put(make_envelope(SMALL, 8, seed=1))
-        txn = s._begin_read(False)
-        try:
-            fmt = L.META_FORMAT_VALUE.unpack(txn.get(L.META_FORMAT, None, s._dbs.meta))[0]
-        finally:
-            s._end_read(txn)
+        with raw_snapshot(s, buffers=False) as (txn, dbs):
+            fmt = L.META_FORMAT_VALUE.unpack(txn.get(L.META_FORMAT, None, dbs.meta))[0]
         assert fmt == L.STORE_FORMAT_MODELS
         check_models(s)
     with Store(path) as s:

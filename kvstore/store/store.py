@@ -1,11 +1,13 @@
 """The persistent block store: one LMDB environment of content-addressed KV blocks.
 
-Owns the public ``Store`` API and its life cycle: opening (geometry, format), LMDB's map
-size (grown on demand, adopted from other processes), durability, transactions, capacity,
-integrity on the way out and the ``has`` key set. The on-disk layout is declared in
-``_storelayout``, the write side in ``_writetxn``, zero-copy readers in ``_reader``; the
-codec (``envelope``) validates every envelope, and a block is stored as its verbatim
-single-block envelope.
+Owns ``Store`` and its life cycle: opening (format, geometry, the map size, undoing the
+restores a killed process left unfinished), the handles on models, closing, and the link
+to a tier. Its API is split by job into mixins over ``core.StoreCore`` (a handle's state
+and transactions): ``reads`` (get, has, longest_prefix, views, sequences), ``writes``
+(put, import, restore journals, delete), ``models`` and ``stats``. The on-disk layout is
+declared in ``diskformat``, the write transaction in ``writetxn``, zero-copy readers in
+``reader``; the codec (``envelope``) validates every envelope, and a block is stored as
+its verbatim single-block envelope.
 
 Choices:
 
@@ -22,86 +24,55 @@ Choices:
   its geometry fixed by its first put. Capacity and the LRU order are store-wide; a
   handle's ``quota_bytes`` bounds its model's bytes (evicting its own blocks first).
 - Recency: reads record hits in process memory; the next write transaction, a background
-  flush at most every ``_FLUSH_INTERVAL`` seconds, or ``close`` persists them (LRU order
+  flush at most every ``core._FLUSH_INTERVAL`` seconds, or ``close`` persists them (LRU order
   is approximate across processes and survives reopening).
 """
 
 from __future__ import annotations
 
 import logging
-import operator
 import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from ..codec.assembly import crc_matches, envelope_version
-from ..codec.envelope import Envelope, check_finite, decode, transcode
 from ..codec.geometry import Geometry
-from ..codec.layout import (
-    HEADER_SIZE,
-    NO_HASH,
-    SUPPORTED_VERSIONS,
-    U64_MAX,
-)
-from ..errors import (
-    ChecksumError,
-    EnvelopeError,
-    FormatError,
-    PinnedError,
-    ShapeError,
-    StoreError,
-    UnconvertibleError,
-    UnsupportedVersionError,
-)
-from ..protocol import DEFAULT_MODEL, check_model_id, check_sequence_name
+from ..errors import ShapeError, StoreError
+from ..protocol import DEFAULT_MODEL
+from .checks import check_bound
+from .core import StoreCore
 from .diskformat import (
-    BLOCK_KEY,
-    COUNTER_KEYS,
-    META_BYTES,
-    META_CORRUPT,
-    META_EVICTIONS,
     META_FORMAT,
     META_FORMAT_VALUE,
     META_GEOMETRY,
     META_GEOMETRY_VALUE,
-    MODEL_COUNTER_KEYS,
     STORE_FORMAT,
     STORE_FORMATS,
     Dbs,
-    counter,
-    model_counter_key,
-    parse_sequence,
 )
 from .eviction import RecencyBuffer
-from .journal import RestoreJournal, commit, journal_model, pending, rollback
-from .keyset import KeySet, hash_array
+from .journal import RestoreJournal, journal_model, pending, rollback
+from .keyset import KeySet
 from .lmdbenv import MAP_ALIGN, LmdbEnv
-from .reader import KvSpec, Reader, ReadSnapshot, assemble_sequence, reader_consts
-from .registry import Reclaim, Registry, UnknownModel
-from .writetxn import CrcMismatch, WriteTxn
+from .models import StoreModels
+from .reader import Reader
+from .reads import StoreReads, transcode_stored
+from .registry import Registry
+from .results import PutReport, PutResult
+from .stats import StoreStats
+from .writes import StoreWrites
+from .writetxn import WriteTxn
 
 if TYPE_CHECKING:  # imported when a store gets a tier: obstore and asyncio load only then
     from ..tier import Tier
-    from .tiered import TierLink
 
-__all__ = ["PutReport", "PutResult", "Reader", "Store"]
+__all__ = ["PutReport", "PutResult", "Reader", "Store", "transcode_stored"]
 
 log = logging.getLogger("tlkv.store")
 
 _INITIAL_MAP_SIZE = 64 << 20  # LMDB map of a new store without a capacity; grows by doubling
-_FLUSH_INTERVAL = 5.0  # seconds: pending read hits are persisted at least this often
-_READ_THROUGH_FIRST = 16  # blocks fetched from the tier in a read-through's first round
-_READ_THROUGH_BATCH = 128  # ... and at most per later round (each round doubles)
-
-T = TypeVar("T")
-
 
 _open_stores: weakref.WeakSet[Store] = weakref.WeakSet()
 
@@ -115,87 +86,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_mark_forked)
 
 
-class PutResult(NamedTuple):
-    """Outcome of a put: blocks newly stored, already present, and partial (not stored)."""
-
-    stored: int
-    duplicate: int
-    partial: int
-
-
-class PutReport(NamedTuple):
-    """Outcome of a put, by hash: which blocks this put stored and which were present.
-
-    ``stored`` and ``duplicate`` are in envelope order; a hash repeated within one
-    envelope is stored once and then counted as a duplicate. Both lists come from the
-    write transaction itself, so they are exact even under concurrent writers.
-    """
-
-    stored: list[int]
-    duplicate: list[int]
-    partial: int
-
-    def counts(self) -> PutResult:
-        """The same outcome as counts."""
-        return PutResult(len(self.stored), len(self.duplicate), self.partial)
-
-
-def _check_hash(block_hash: Any) -> int:
-    h = operator.index(block_hash)
-    if not 0 <= h <= U64_MAX:
-        raise ValueError(f"a block hash must fit u64, found {h}")
-    return h
-
-
-def _check_bound(what: str, value: Any) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-        raise TypeError(f"{what} must be an int, found {type(value).__name__}")
-    if value is not None and value <= 0:
-        raise ValueError(f"{what} must be > 0, found {value}")
-
-
-def _seq_key(name: Any) -> bytes:
-    return check_sequence_name(name).encode("ascii")
-
-
-def _check_sequence_blocks(env: Envelope) -> None:
-    """A sequence holds at least one block; a partial block (hash 0) may only be its last."""
-    if len(env) == 0:
-        raise ValueError("a sequence holds at least one block; the envelope has none")
-    if len(env) > 1:
-        zeros = np.flatnonzero(env.hashes[:-1] == NO_HASH)
-        if zeros.size:
-            i = int(zeros[0])
-            raise FormatError(
-                f"block {i} at offset {HEADER_SIZE + i * env.record_bytes}: a partial block "
-                f"(hash 0) may only be the last block of a sequence, found at position {i} "
-                f"of {len(env)}"
-            )
-
-
-class _ReadHandle:
-    """A store as its readers see it (:class:`~kvstore.store.reader.ReadHandle`)."""
-
-    __slots__ = ("_store",)
-
-    def __init__(self, store: Store) -> None:
-        self._store = store
-
-    @property
-    def path(self) -> str:
-        return self._store.path
-
-    def open_snapshot(self) -> ReadSnapshot:
-        return self._store._open_snapshot()
-
-    def close_snapshot(self, txn: Any, escaped: list[Any]) -> None:
-        self._store._close_snapshot(txn, escaped)
-
-    def account(self, hits: int, misses: int, corrupt: list[int]) -> None:
-        self._store._account(hits, misses, corrupt)
-
-
-class Store:
+class Store(StoreModels, StoreReads, StoreWrites, StoreStats, StoreCore):
     """A persistent, content-addressed store of KV blocks in one LMDB environment.
 
     Args:
@@ -255,20 +146,20 @@ class Store:
             raise ValueError(f"map_bytes must be > 0, found {map_bytes}")
         if geometry is not None and not isinstance(geometry, Geometry):
             raise TypeError(f"geometry must be a Geometry, found {type(geometry).__name__}")
-        _check_bound("capacity_bytes", capacity_bytes)
+        check_bound("capacity_bytes", capacity_bytes)
         self._path = os.fspath(path)
         self._capacity = capacity_bytes
         self._sync = bool(sync)
         self._allow_nonfinite = bool(allow_nonfinite)
         self._closed = True
         self._forked = False
-        self._geometry: Geometry | None = None
+        self._geometry = None
         self._recency = RecencyBuffer()
         self._flush_lock = threading.Lock()
         self._last_flush = time.monotonic()
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool = None
         self._pool_lock = threading.Lock()
-        self._rconsts: tuple[Geometry, dict[int, int], dict[int, KvSpec]] | None = None
+        self._rconsts = None
         self.hits = 0
         self.misses = 0
         initial = _INITIAL_MAP_SIZE if map_bytes is None else map_bytes
@@ -284,19 +175,17 @@ class Store:
             raise
         self._keys = KeySet(self._dbs)
         self._root = self
-        self._pending: int | None = None  # a number this model claims by its first write
+        self._pending = None
         self._model = DEFAULT_MODEL
-        self._quota: int | None = None
+        self._quota = None
         assert self._lmdb.nothing is not None
         self._registry = Registry(self._lmdb, self._dbs, self._lmdb.nothing, self._path)
-        # (model, quota) -> shared handle; (model, quota, geometry) -> a handle given the
-        # geometry of a model that had none yet
-        self._handles: dict[tuple[Any, ...], Store] = {}
+        self._handles = {}
         self._handles_lock = threading.RLock()
         self._closed = False
         self._pid = os.getpid()
         _open_stores.add(self)
-        self._tier: TierLink | None = None
+        self._tier = None
         if tier is not None:
             from ..tier import Tier
             from .tiered import TierLink
@@ -334,66 +223,44 @@ class Store:
             txn.put(META_GEOMETRY, META_GEOMETRY_VALUE.pack(*geometry.as_tuple()), db=dbs.meta)
         self._geometry = stored or geometry
 
-    # --- models ---------------------------------------------------------------------------
+    def _roll_back_killed_restores(self) -> None:
+        """Undo the restores whose process died before they finished (``journal``)."""
+        txn = self._begin_read(False)
+        try:
+            tokens = [
+                (t, journal_model(txn, self._dbs.meta, t)) for t in pending(txn, self._dbs.meta)
+            ]
+        finally:
+            self._end_read(txn)
+        for token, model in tokens:
+            claimed = RestoreJournal.claim(self._path, token)
+            if claimed is None:
+                continue  # its restore still runs
+            handle = self.model(model)
 
-    def model(
-        self,
-        model_id: str,
-        *,
-        geometry: Geometry | None = None,
-        quota_bytes: int | None = None,
-    ) -> Store:
-        """A handle on the model (namespace) ``model_id`` of this store, with this whole API.
+            def undo(w: WriteTxn, token: bytes = token, handle: Store = handle) -> tuple[int, int]:
+                return rollback(w, token, handle._geometry_in(w.txn))
 
-        Its blocks, sequences, geometry and stats are its own: the same hash in two models
-        is two blocks. The model is created by its first write; until then reads find
-        nothing. The handle lives as long as the store (``close`` of the store closes it).
-
-        Args:
-            model_id: 1-200 characters of ``[A-Za-z0-9._:@/+-]``; ``"default"`` is the
-                store's own model (the only one of stores made before models).
-            geometry: the model's geometry (checked like ``Store``'s).
-            quota_bytes: bound on this model's stored bytes, enforced by this handle: a
-                put beyond it first evicts the model's own least-recently-used blocks.
-
-        Raises:
-            ValueError: a bad model id.  ShapeError: the model holds another geometry.
-        """
-        root = self._root
-        root._check_usable()
-        model_id = check_model_id(model_id)
-        _check_bound("quota_bytes", quota_bytes)
-        if geometry is not None and not isinstance(geometry, Geometry):
-            raise TypeError(f"geometry must be a Geometry, found {type(geometry).__name__}")
-        if model_id == DEFAULT_MODEL and quota_bytes is None:
-            handle = root
-        else:
-            with root._handles_lock:
-                handle = root._handles.get((model_id, quota_bytes))  # type: ignore[assignment]
-                if handle is None or handle._closed:
-                    handle = root._handles[(model_id, quota_bytes)] = Store._handle(
-                        root, model_id, quota_bytes
-                    )
-        stored = handle.geometry
-        if geometry is not None and stored is not None and stored != geometry:
-            raise ShapeError(
-                f"the model {model_id!r} in {self._path} holds geometry {stored.as_tuple()}, "
-                f"opened with {geometry.as_tuple()}"
-            )
-        if geometry is not None and stored is None:
-            # Its own geometry, not the shared handle's; kept with the others, so that
-            # asking again reuses it and closing the store closes it (and its tier link).
-            key = (model_id, quota_bytes, geometry)
-            with root._handles_lock:
-                handle = root._handles.get(key)  # type: ignore[assignment]
-                if handle is None or handle._closed:
-                    handle = root._handles[key] = Store._handle(root, model_id, quota_bytes)
-                    handle._geometry = geometry
-        return handle
+            try:
+                removed, seqs = handle._write(undo)
+            except StoreError as exc:  # the next open tries again
+                log.warning("%s: could not undo an unfinished restore: %s", self._path, exc)
+                continue
+            finally:
+                claimed.release()
+            if removed or seqs:
+                log.warning(
+                    "%s: undid a restore that did not finish: %d blocks removed, %d sequences "
+                    "dropped or put back",
+                    self._path,
+                    removed,
+                    seqs,
+                )
 
     @classmethod
     def _handle(cls, root: Store, model_id: str, quota: int | None) -> Store:
-        """A handle on one model sharing ``root``'s environment."""
+        """A handle on one model sharing ``root``'s environment (every attribute
+        ``__init__`` sets, set here too)."""
         h = cls.__new__(cls)
         for name in (
             "_path", "_capacity", "_sync", "_allow_nonfinite", "_lmdb", "_env", "_pid",
@@ -423,73 +290,7 @@ class Store:
         _open_stores.add(h)
         return h
 
-    def _resolve(self, create: bool) -> None:
-        """Find this handle's model and open its sub-databases; with ``create``, a model
-        not registered yet gets the next free number, claimed by the write (``_claim``)."""
-        if self._dbs.number >= 0 and self._pending is None:
-            return
-        registry = self._registry
-        self._check_usable()
-        txn = self._lmdb.begin_read(False)
-        try:
-            number, last = registry.lookup(txn, self._model)
-        finally:
-            self._end_read(txn)
-        if number is not None:
-            self._pending = None
-        elif create:
-            number = self._pending = last + 1  # its sub-databases exist from now, empty
-        else:
-            pending = self._pending
-            if pending is not None and pending <= last:  # another model took the number
-                nothing = registry.nothing
-                self._keys, self._dbs, self._pending = KeySet(nothing), nothing, None
-            return
-        dbs = registry.dbs(number)
-        self._keys = KeySet(dbs)  # before _dbs: a concurrent read sees a consistent pair
-        self._dbs = dbs
-
-    def _created(self) -> bool:
-        """Whether this handle's model exists (looked up again while it does not)."""
-        if self._dbs.number < 0 or self._pending is not None:
-            self._resolve(create=False)
-        return self._dbs.number >= 0 and self._pending is None
-
-    @property
-    def model_id(self) -> str:
-        """The model this handle reads and writes (``"default"`` for the store itself)."""
-        return self._model
-
-    @property
-    def quota_bytes(self) -> int | None:
-        """The bound this handle keeps its model's bytes under (None: only the capacity)."""
-        return self._quota
-
-    def models(self) -> list[str]:
-        """Every model of the store, sorted (``"default"`` always among them)."""
-        txn = self._begin_read(True)
-        try:
-            return sorted({DEFAULT_MODEL, *self._registry.names(txn)})
-        finally:
-            self._end_read(txn)
-
-    def has_model(self, model_id: str) -> bool:
-        """Whether ``model_id`` exists (``"default"`` always does)."""
-        if model_id == DEFAULT_MODEL:
-            return True
-        check_model_id(model_id)
-        txn = self._begin_read(False)
-        try:
-            return self._registry.exists(txn, model_id)
-        finally:
-            self._end_read(txn)
-
     # --- properties and life cycle -----------------------------------------------------
-
-    @property
-    def path(self) -> str:
-        """The environment's directory."""
-        return self._path
 
     @property
     def geometry(self) -> Geometry | None:
@@ -567,600 +368,7 @@ class Store:
         model = "" if self._model == DEFAULT_MODEL else f", model={self._model!r}"
         return f"Store({self._path!r}{model}, geometry={self._geometry}, {state})"
 
-    # --- transactions --------------------------------------------------------------------
-
-    def _check_usable(self) -> None:
-        if self._closed or self._root._closed:
-            raise StoreError(f"the store {self._path} is closed")
-        if self._forked or self._root._forked:
-            raise StoreError(
-                f"the store {self._path} was opened in process {self._pid}; "
-                "open stores after fork, in the process that uses them"
-            )
-
-    # --- the read side's handle (Reader sees only this) -------------------------------------
-
-    def _open_snapshot(self) -> ReadSnapshot:
-        txn = self._begin_read(True)
-        try:
-            g = self._geometry_in(txn)
-        except BaseException:
-            self._end_read(txn)
-            raise
-        version_of, specs = self._reader_consts(g) if g is not None else ({}, {})
-        return ReadSnapshot(
-            txn, g, version_of, specs, self._dbs.blocks, self._dbs.seqs, self._recency.touch
-        )
-
-    def _close_snapshot(self, txn: Any, escaped: list[Any]) -> None:
-        if escaped:
-            self._lmdb.linger(txn, escaped)
-        else:
-            self._end_read(txn)
-
-    def _account(self, hits: int, misses: int, corrupt: list[int]) -> None:
-        self.hits += hits
-        self.misses += misses
-        if corrupt:
-            self._quarantine(corrupt)
-        self._flush_soon()
-
-    def _begin_read(self, buffers: bool) -> Any:
-        """A read transaction holding the map guard; end it with ``_end_read``."""
-        self._check_usable()
-        if self._dbs.number < 0 or self._pending is not None:  # created elsewhere since?
-            self._resolve(create=False)
-        return self._lmdb.begin_read(buffers)
-
-    def _end_read(self, txn: Any) -> None:
-        self._lmdb.end_read(txn)
-
-    def _write(self, body: Callable[[WriteTxn], T], need: int = 0) -> T:
-        """Run ``body`` in one write transaction, after persisting pending read hits.
-
-        ``need``: the bytes the body writes (the map grows ahead of large writes).
-        """
-        self._check_usable()
-        taken = self._recency.take()
-
-        def run(txn: Any) -> tuple[T, WriteTxn]:
-            w = WriteTxn(
-                txn,
-                self._dbs,
-                self._capacity,
-                self._helper_pool,
-                self._path,
-                quota=self._quota,
-                dbs_of=self._registry.opened,
-            )
-            if self._pending is not None:
-                self._registry.claim(txn, self._model, self._pending)
-            if self._tier is not None:
-                w.pending = w.keep_pending = True
-            for h in taken:
-                w.touch(h)
-            result = body(w)
-            w.save()
-            return result, w
-
-        while True:
-            try:
-                result, w = self._lmdb.write(run, need)
-                break
-            except UnknownModel as exc:  # evicting a model created by another process
-                self._registry.dbs(exc.number)
-            except Reclaim:
-                self._resolve(create=True)
-            except BaseException:
-                self._recency.restore(taken)
-                raise
-        self._last_flush = time.monotonic()
-        self._pending = None
-        for hook in w.after_commit:
-            hook()
-        return result
-
-    def _helper_pool(self) -> ThreadPoolExecutor:
-        root = self._root
-        with root._pool_lock:
-            if root._pool is None:
-                root._pool = ThreadPoolExecutor(1, thread_name_prefix="tlkv-store-stage")
-            return root._pool
-
-    def _stored_geometry(self, txn: Any) -> Geometry | None:
-        if self._model != DEFAULT_MODEL:
-            return self._registry.geometry(txn, self._model)
-        raw = txn.get(META_GEOMETRY, None, self._dbs.meta)
-        return None if raw is None else Geometry(*META_GEOMETRY_VALUE.unpack(raw))
-
-    def _geometry_in(self, txn: Any) -> Geometry | None:
-        """The geometry, read from ``txn`` while this handle has none (another process may
-        have adopted one)."""
-        if self._geometry is None:
-            self._geometry = self._stored_geometry(txn)
-        return self._geometry
-
-    def _reader_consts(self, g: Geometry) -> tuple[dict[int, int], dict[int, KvSpec]]:
-        cached = self._rconsts
-        if cached is None or cached[0] is not g:  # identity: no dataclass hashing
-            cached = self._rconsts = (g, *reader_consts(g))
-        return cached[1], cached[2]
-
-    def _adopt_geometry(self, w: WriteTxn, geometry: Geometry) -> None:
-        if self._geometry is not None:
-            return  # decode checked the envelope against it already
-        stored = self._stored_geometry(w.txn)
-        if stored is None and self._model != DEFAULT_MODEL:
-            self._registry.set_geometry(w.txn, self._model, w.dbs.number, geometry)
-        elif stored is None:
-            w.txn.put(META_GEOMETRY, META_GEOMETRY_VALUE.pack(*geometry.as_tuple()), db=w.dbs.meta)
-        elif stored != geometry:
-            raise ShapeError(
-                "rule 'block_tokens, n_layers, n_kv_heads, head_dim equal the receiving pool's' "
-                f"failed: expected {stored.as_tuple()}, found {geometry.as_tuple()}"
-            )
-
-        def adopt() -> None:
-            self._geometry = geometry
-
-        w.after_commit.append(adopt)
-
-    def _flush_soon(self) -> None:
-        """Persist pending hits in a background thread when the last write is old."""
-        if time.monotonic() - self._last_flush < _FLUSH_INTERVAL or not len(self._recency):
-            return
-        if not self._flush_lock.acquire(blocking=False):
-            return
-        self._last_flush = time.monotonic()
-
-        def run() -> None:
-            try:
-                if not self._closed and not self._forked:
-                    self._write(lambda w: None)
-            except Exception as exc:  # a background flush must never take anything down
-                log.warning("%s: background recency flush failed: %s", self._path, exc)
-            finally:
-                self._flush_lock.release()
-
-        threading.Thread(target=run, name="tlkv-store-flush", daemon=True).start()
-
-    # --- writes ------------------------------------------------------------------------
-
-    def _validate(self, data: Any, geometry: Geometry | None = None) -> Envelope:
-        """Every reader rule but the CRC (checked while writing); errors in the codec's order."""
-        geometry = geometry or self._geometry
-        try:
-            env = decode(data, geometry, verify_crc=False)
-            if not self._allow_nonfinite:
-                check_finite(env)
-            return env
-        except EnvelopeError:
-            decode(data, geometry)  # raises the codec's own error, the CRC checked first
-            raise
-
-    def _run_write(self, body: Callable[[WriteTxn], T], need: int) -> T:
-        """Run a put-like transaction; a CRC mismatch found while writing raises the codec's
-        ``ChecksumError``."""
-        try:
-            result = self._write(body, need)
-        except CrcMismatch as exc:
-            decode(exc.envelope.data)  # raises ChecksumError with the codec's message
-            raise ChecksumError("rule 'the CRC matches' failed") from None
-        if self._tier is not None:
-            self._tier.uploader.wake()
-        return result
-
-    def put(self, envelope: Any) -> PutResult:
-        """Store every full block of ``envelope`` under its hash, in one transaction.
-
-        The envelope is validated by every reader rule against the store's geometry; the
-        value stored per block is its verbatim single-block envelope, the bytes ``get``
-        returns. Hashes already present are not rewritten (the first put wins); partial
-        blocks (hash 0) are not stored.
-
-        Raises:
-            EnvelopeError: a reader rule failed (nothing stored).
-            StoreFullError: the blocks do not fit even after eviction (nothing stored).
-        """
-        return self.put_report(envelope).counts()
-
-    def put_report(self, envelope: Any) -> PutReport:
-        """``put``, reporting the hashes stored and already present (the HTTP reply)."""
-        env = self._validate(envelope)
-        self._resolve(create=True)
-
-        def body(w: WriteTxn) -> PutReport:
-            self._adopt_geometry(w, env.geometry)
-            return PutReport(*w.put_blocks(env))
-
-        return self._run_write(body, len(env.data))
-
-    def put_sequence(self, name: str, envelope: Any) -> PutResult:
-        """Store a named KV state, replacing any sequence of that name.
-
-        Its full blocks are stored content-addressed (deduplicated) and pinned; its partial
-        tail, if any, is kept inside the sequence record. ``get_sequence`` returns the
-        envelope byte-identical (a block already stored in another format version or with
-        other bytes is kept inside the record too, unpinned).
-
-        Raises:
-            ValueError: ``name`` is not 1-128 characters of ``[A-Za-z0-9._-]``, or the
-                envelope has no block.
-            FormatError: a partial block (hash 0) is not the last block.
-            EnvelopeError: a reader rule failed.  StoreFullError: it does not fit.
-        """
-        key = _seq_key(name)
-        env = self._validate(envelope)
-        _check_sequence_blocks(env)
-        self._resolve(create=True)
-
-        def body(w: WriteTxn) -> PutResult:
-            self._adopt_geometry(w, env.geometry)
-            return PutResult(*w.put_sequence(key, env))
-
-        return self._run_write(body, len(env.data))
-
-    def import_batch(
-        self,
-        blocks: Iterable[Any] = (),
-        sequences: Iterable[tuple[str, Any]] = (),
-        *,
-        journal: RestoreJournal | None = None,
-    ) -> PutResult:
-        """Put many block envelopes, then sequences ``(name, envelope)``, in ONE write
-        transaction: all or nothing (the archive restore path).
-
-        Everything is validated before the transaction opens. LMDB holds the batch's dirty
-        pages in memory until it commits: size batches accordingly. With a ``journal``
-        (``begin_restore``), what the batch adds and replaces is noted in the same commit.
-        """
-        geometry = self._geometry
-        envs: list[Envelope] = []
-        for data in blocks:
-            envs.append(self._validate(data, geometry))
-            geometry = geometry or envs[-1].geometry
-        seqs: list[tuple[bytes, Envelope]] = []
-        for name, data in sequences:
-            key = _seq_key(name)
-            env = self._validate(data, geometry)
-            geometry = geometry or env.geometry
-            _check_sequence_blocks(env)
-            seqs.append((key, env))
-        if envs or seqs:
-            self._resolve(create=True)
-
-        def body(w: WriteTxn) -> PutResult:
-            if geometry is not None:
-                self._adopt_geometry(w, geometry)
-            reports = [PutReport(*w.put_blocks(e)) for e in envs]
-            results = [r.counts() for r in reports]
-            added = [h for r in reports for h in r.stored]
-            for k, e in seqs:
-                if journal is not None:
-                    journal.note_sequence(w.txn, w.dbs, k)
-                    added += [h for h in e.hashes.tolist() if h != NO_HASH and not self._in(w, h)]
-                results.append(PutResult(*w.put_sequence(k, e)))
-            if journal is not None:
-                journal.note_blocks(w.txn, w.dbs.meta, added)
-            return PutResult(
-                sum(r.stored for r in results),
-                sum(r.duplicate for r in results),
-                sum(r.partial for r in results),
-            )
-
-        need = sum(len(e.data) for e in envs) + sum(len(e.data) for _, e in seqs)
-        return self._run_write(body, need)
-
-    @staticmethod
-    def _in(w: WriteTxn, h: int) -> bool:
-        return w.txn.get(BLOCK_KEY.pack(h), None, w.dbs.blocks) is not None
-
-    def begin_restore(self) -> RestoreJournal:
-        """A journal for one restore's ``import_batch`` calls, to pass to ``end_restore``:
-        until then, a process that opens the store after the restore's died undoes it."""
-        self._check_usable()
-        return RestoreJournal(self._path, model=self._model)
-
-    def end_restore(self, journal: RestoreJournal, *, keep: bool) -> None:
-        """Finish a restore: ``keep`` what it imported (one commit), or undo it.
-
-        Raises:
-            StoreError: the commit failed; the journal stays, and the next process to open
-                the store undoes the restore.
-        """
-        try:
-            if not self._created():
-                return  # nothing was imported: the model's first write would have made it
-            if keep:
-                self._write(lambda w: commit(w.txn, w.dbs.meta, journal.token))
-            else:
-                self._write(lambda w: rollback(w, journal.token, self._geometry_in(w.txn)))
-        finally:
-            journal.release()
-
-    def keep_restores(self, journals: Iterable[RestoreJournal]) -> None:
-        """Keep several restores (one per model of an archive) in one commit: all of them
-        become whole, or none does (then ``end_restore(keep=False)`` each, or let the next
-        process to open the store undo them).
-
-        Raises:
-            StoreError: the commit failed; the journals stay (not released).
-        """
-        kept = list(journals)
-
-        def keep_all(w: WriteTxn) -> None:
-            for journal in kept:  # the journals live in ``meta``, which every model shares
-                commit(w.txn, w.dbs.meta, journal.token)
-
-        self._root._write(keep_all)
-        for journal in kept:
-            journal.release()
-
-    def _roll_back_killed_restores(self) -> None:
-        """Undo the restores whose process died before they finished (``journal``)."""
-        txn = self._begin_read(False)
-        try:
-            tokens = [
-                (t, journal_model(txn, self._dbs.meta, t)) for t in pending(txn, self._dbs.meta)
-            ]
-        finally:
-            self._end_read(txn)
-        for token, model in tokens:
-            claimed = RestoreJournal.claim(self._path, token)
-            if claimed is None:
-                continue  # its restore still runs
-            handle = self.model(model)
-
-            def undo(w: WriteTxn, token: bytes = token, handle: Store = handle) -> tuple[int, int]:
-                return rollback(w, token, handle._geometry_in(w.txn))
-
-            try:
-                removed, seqs = handle._write(undo)
-            except StoreError as exc:  # the next open tries again
-                log.warning("%s: could not undo an unfinished restore: %s", self._path, exc)
-                continue
-            finally:
-                claimed.release()
-            if removed or seqs:
-                log.warning(
-                    "%s: undid a restore that did not finish: %d blocks removed, %d sequences "
-                    "dropped or put back",
-                    self._path,
-                    removed,
-                    seqs,
-                )
-
-    def delete(self, block_hash: int) -> bool:
-        """Remove a block; False when absent.
-
-        Raises:
-            PinnedError: a sequence references the block (HTTP 409).
-        """
-        h = _check_hash(block_hash)
-        hk = BLOCK_KEY.pack(h)
-        if not self._created():
-            return False
-
-        def body(w: WriteTxn) -> bool:
-            value = w.txn.get(hk, None, w.dbs.blocks)
-            if value is None:
-                return False
-            refs = w.txn.get(hk, None, w.dbs.refs)
-            if refs is not None:
-                raise PinnedError(
-                    f"block {h:016x} is pinned by a sequence; delete the sequences using it first"
-                )
-            w.remove_block(hk, h, len(value))
-            return True
-
-        removed = self._write(body)
-        if removed:
-            self._recency.discard(h)
-        return removed
-
-    def delete_sequence(self, name: str) -> bool:
-        """Drop a sequence and its pins; False when absent."""
-        key = _seq_key(name)
-        if not self._created():
-            return False
-        return self._write(lambda w: w.drop_sequence(key, self._geometry_in(w.txn)))
-
-    def _quarantine(self, hashes: list[int]) -> None:
-        """Remove blocks that fail their CRC (checked again inside the write transaction)."""
-
-        def body(w: WriteTxn) -> None:
-            for h in dict.fromkeys(hashes):
-                w.quarantine(h, lambda value: not crc_matches(value))
-
-        try:
-            self._write(body)
-        except StoreError as exc:
-            log.error("%s: could not quarantine corrupt blocks: %s", self._path, exc)
-
-    def _quarantine_sequence(self, key: bytes) -> None:
-        def body(w: WriteTxn) -> None:
-            raw = w.txn.get(key, None, w.dbs.seqs)
-            geometry = self._geometry_in(w.txn)
-            if raw is not None and parse_sequence(raw, geometry) is None:
-                w.drop_corrupt_sequence(key, len(raw))
-                w.rebuild_refs(geometry)
-
-        try:
-            self._write(body)
-        except StoreError as exc:
-            log.error("%s: could not quarantine a corrupt sequence: %s", self._path, exc)
-
-    # --- reads ---------------------------------------------------------------------------
-
-    def get(self, block_hash: int, *, version: int | None = None) -> bytes | None:
-        """The block's single-block envelope, CRC-verified; None when absent or corrupt
-        (a corrupt block is quarantined). With ``version`` differing from the stored
-        format, the block is transcoded on the way out."""
-        return self.get_many([block_hash], version=version)[0]
-
-    def get_many(self, hashes: Iterable[int], *, version: int | None = None) -> list[bytes | None]:
-        """``get`` of every hash, in one read transaction."""
-        if version is not None and version not in SUPPORTED_VERSIONS:
-            raise UnsupportedVersionError(f"format version must be 1 or 2, found {version}")
-        items = hashes.tolist() if isinstance(hashes, np.ndarray) else hashes
-        hs = [_check_hash(h) for h in items]
-        txn = self._begin_read(False)
-        try:
-            get, db = txn.get, self._dbs.blocks
-            values = [get(BLOCK_KEY.pack(h), None, db) if h else None for h in hs]
-        finally:
-            self._end_read(txn)
-        out: list[bytes | None] = []
-        corrupt: list[int] = []
-        fetched: dict[int, bytes] = {}
-        if self._tier is not None and None in values:
-            fetched = self._tier.fetch([h for h, v in zip(hs, values) if v is None])
-        for h, data in zip(hs, values):
-            if data is not None and not crc_matches(data):
-                corrupt.append(h)
-                data = None
-            if data is None:
-                self.misses += 1
-                data = fetched.get(h)
-                if data is not None and version is not None and envelope_version(data) != version:
-                    data = transcode_stored(h, data, version)
-            else:
-                self.hits += 1
-                self._recency.touch(h)
-                if version is not None and envelope_version(data) != version:
-                    data = transcode_stored(h, data, version)
-            out.append(data)
-        if corrupt:
-            self._quarantine(corrupt)
-        self._flush_soon()
-        return out
-
-    def get_buffers(self, hashes: Iterable[int]) -> list[memoryview]:
-        """Zero-copy ``get_many`` of a chain's prefix: the stored envelopes of the leading
-        hashes, each CRC-verified, up to the first one absent or corrupt, from one read
-        snapshot, as read-only memoryviews straight over LMDB's map.
-
-        For handing to something that releases them later (an HTTP transport): the
-        snapshot stays open until every returned memoryview, and everything made from
-        them, is released, and ends at once then. Keep them only as long as needed: an
-        open snapshot keeps its pages from being reused, and a remap of the map waits
-        for it (``LmdbEnv.hold``). While a remap is pending they are copies.
-        """
-        items = hashes.tolist() if isinstance(hashes, np.ndarray) else hashes
-        hs = [_check_hash(h) for h in items]
-        corrupt: list[int] = []
-        values = []
-        txn = self._begin_read(True)
-        try:
-            get, db, touch = txn.get, self._dbs.blocks, self._recency.touch
-            for h in hs:
-                data = get(BLOCK_KEY.pack(h), None, db) if h else None
-                if data is not None and not crc_matches(data):
-                    corrupt.append(h)
-                    data = None
-                if data is None:
-                    self.misses += 1
-                    break
-                self.hits += 1
-                touch(h)
-                values.append(data)
-        except BaseException:
-            self._end_read(txn)
-            raise
-        out = self._lmdb.hold(txn, values)  # ends or hands over the transaction
-        if corrupt:
-            self._quarantine(corrupt)
-        self._flush_soon()
-        return out
-
-    def lingering_snapshots(self) -> int:
-        """Snapshots of closed readers this process keeps open because zero-copy arrays
-        taken from them are still referenced (their pages are not reused meanwhile)."""
-        return self._lmdb.lingering_snapshots()
-
-    def held_snapshots(self) -> tuple[int, float]:
-        """Read snapshots held open for buffers of ``get_buffers`` in this process, and
-        the age in seconds of the oldest (0 when none)."""
-        return self._lmdb.held_snapshots()
-
-    def set_loop_thread(self, ident: int | None) -> None:
-        """Name the thread whose event loop releases ``get_buffers``' buffers: a remap it
-        needs while some are held raises ``StoreError`` instead of waiting for them."""
-        self._lmdb.loop_thread = ident
-
-    def has(self, hashes: Iterable[int], *, tier: bool = False) -> list[bool]:
-        """Whether each hash is stored; ``hashes`` are ints or a numpy integer array.
-
-        One read transaction, no write lock. Large queries are answered from a sorted copy
-        of the stored hashes, re-read (a page of hashes per LMDB call) only after a write.
-        ``tier``: a hash absent here counts as present when the store's tier holds it
-        (concurrent HEADs; nothing is read through).
-
-        Raises:
-            ValueError: a hash is not an integer in 0..2^64-1.
-        """
-        queries = hash_array(hashes)
-        if not queries.size:
-            return []
-        txn = self._begin_read(True)
-        try:
-            present = self._keys.has(txn, queries)
-        finally:
-            self._end_read(txn)
-        if tier and self._tier is not None and not all(present):
-            missing = [i for i, here in enumerate(present) if not here]
-            remote = self._tier.present(queries[missing].tolist())
-            for i, there in zip(missing, remote):
-                present[i] = there
-        return present
-
-    def longest_prefix(self, hashes: Iterable[int], *, tier: bool = False) -> int:
-        """How many leading hashes are stored (the cached prefix of a chain); no write lock.
-
-        ``tier``: the prefix continues through blocks the store's tier holds (HEADs).
-
-        Raises:
-            ValueError: a hash is not an integer in 0..2^64-1.
-        """
-        queries = hash_array(hashes)
-        if not queries.size:
-            return 0
-        txn = self._begin_read(True)
-        try:
-            k = self._keys.longest_prefix(txn, queries)
-        finally:
-            self._end_read(txn)
-        if tier and self._tier is not None and k < queries.size:
-            k += self._tier.prefix(queries[k:].tolist())
-        return k
-
-    def read_through(self, hashes: Iterable[int]) -> int:
-        """Bring the leading blocks of a chain that are missing here in from the tier
-        (validated, stored as evictable blocks), stopping at the first the tier lacks;
-        returns the length of the prefix now stored. Without a tier: ``longest_prefix``.
-
-        Raises:
-            ValueError: a hash is not an integer in 0..2^64-1.
-        """
-        queries = hash_array(hashes)
-        if self._tier is not None:
-            self._tier.filler.flush()  # blocks read through by get are local first
-        k = self.longest_prefix(queries)
-        if self._tier is None:
-            return k
-        size = _READ_THROUGH_FIRST  # a chain usually ends soon after the local prefix
-        while k < queries.size:
-            batch = queries[k : k + size].tolist()
-            size = min(2 * size, _READ_THROUGH_BATCH)
-            here = self.has(batch)
-            fetched = self._tier.fetch([h for h, ok in zip(batch, here) if not ok], wait=True)
-            n = 0
-            while n < len(batch) and (here[n] or batch[n] in fetched):
-                n += 1
-            k += n
-            if n < len(batch):
-                break
-        return k
+    # --- the tier ----------------------------------------------------------------------
 
     @property
     def tier(self) -> Tier | None:
@@ -1185,115 +393,3 @@ class Store:
                 return False
             self._tier.uploader.wait_idle(0.05 if left is None else min(0.05, left))
         return True
-
-    def reader(self) -> Reader:
-        """A read transaction for zero-copy views: ``with store.reader() as r: r.view(h)``.
-
-        Views, memoryviews and arrays from it are valid only inside the ``with`` block;
-        a resize of LMDB's map (a write in this process) waits until it closes.
-        """
-        self._check_usable()
-        return Reader(_ReadHandle(self))
-
-    def get_sequence(self, name: str) -> bytes | None:
-        """The sequence's envelope, byte-identical to the canonical one put; None when
-        absent or damaged (a block quarantined as corrupt and not put again)."""
-        key = _seq_key(name)
-        corrupt: list[int] = []
-        bad_record = False
-        out = None
-        txn = self._begin_read(True)
-        try:
-            raw = txn.get(key, None, self._dbs.seqs)
-            geometry = self._geometry_in(txn)
-            if raw is not None and geometry is not None:
-                seq = parse_sequence(raw, geometry)
-                if seq is None:
-                    bad_record = True
-                else:
-                    out = assemble_sequence(
-                        txn, self._dbs.blocks, geometry, seq, name, self._path, corrupt
-                    )
-        finally:
-            self._end_read(txn)
-        if corrupt:
-            self._quarantine(corrupt)
-        if bad_record:
-            self._quarantine_sequence(key)
-        return out
-
-    def sequences(self) -> list[str]:
-        """Names of every sequence, sorted."""
-        txn = self._begin_read(True)
-        try:
-            keys = txn.cursor(db=self._dbs.seqs).iternext(values=False)
-            return [bytes(k).decode("ascii") for k in keys]
-        finally:
-            self._end_read(txn)
-
-    def _counters(self, txn: Any) -> dict[bytes, int]:
-        """The meta counters as this handle's model sees them (``COUNTER_KEYS``)."""
-        meta = self._dbs.meta
-        counters = {key: counter(txn.get(key, None, meta)) for key in COUNTER_KEYS}
-        number = self._dbs.number
-        if number < 0:
-            return dict.fromkeys(counters, 0)
-        for key in MODEL_COUNTER_KEYS:
-            if number > 0:
-                counters[key] = counter(txn.get(model_counter_key(key, number), None, meta))
-                continue
-            prefix = key + b"@"  # the default model's: the totals minus every other model's
-            cur = txn.cursor(db=meta)
-            ok = cur.set_range(prefix)
-            while ok and bytes(cur.key()).startswith(prefix):
-                counters[key] -= counter(cur.value())
-                ok = cur.next()
-        return counters
-
-    def total_bytes(self) -> int:
-        """The bytes stored by every model together (what ``capacity_bytes`` bounds)."""
-        txn = self._begin_read(False)
-        try:
-            return counter(txn.get(META_BYTES, None, self._dbs.meta))
-        finally:
-            self._end_read(txn)
-
-    def stats(self) -> dict[str, int | None]:
-        """blocks, bytes, capacity_bytes, pinned_blocks, sequences, hits, misses, evictions,
-        corrupt (hits and misses: this process's reads since it opened the store)."""
-        txn = self._begin_read(True)
-        dbs = self._dbs
-        try:
-            counters = self._counters(txn)
-            pinned = txn.stat(dbs.refs)["entries"]
-            if counters[META_CORRUPT]:  # a quarantined block may still be referenced
-                refs = txn.cursor(db=dbs.refs).iternext(values=False)
-                pinned = sum(txn.get(k, None, dbs.blocks) is not None for k in refs)
-            return {
-                "blocks": txn.stat(dbs.blocks)["entries"],
-                "bytes": counters[META_BYTES],
-                "capacity_bytes": self._capacity,
-                "pinned_blocks": pinned,
-                "sequences": txn.stat(dbs.seqs)["entries"],
-                "hits": self.hits,
-                "misses": self.misses,
-                "evictions": counters[META_EVICTIONS],
-                "corrupt": counters[META_CORRUPT],
-            }
-        finally:
-            self._end_read(txn)
-
-
-def transcode_stored(block_hash: int, data: bytes, version: int) -> bytes:
-    """A stored block in format ``version``; what cannot be converted is the stored data's
-    fault, not the request's.
-
-    Raises:
-        UnconvertibleError: a value is not finite, or does not fit the target format.
-    """
-    try:
-        return transcode(data, version)
-    except ValueError as exc:
-        raise UnconvertibleError(
-            f"block {block_hash:016x} cannot be converted to format {version}: {exc}"
-        ) from None

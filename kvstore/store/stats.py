@@ -1,0 +1,78 @@
+"""The ``Store``'s counters: ``stats`` (per model, as its handle sees them) and
+``total_bytes`` (every model together).
+
+The counters live in ``meta`` (``diskformat``): store-wide totals, plus each model's own
+beside them for models > 0; the default model's are the totals minus every other model's.
+``hits`` and ``misses`` are this process's, kept on the handle.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .core import StoreCore
+from .diskformat import (
+    COUNTER_KEYS,
+    META_BYTES,
+    META_CORRUPT,
+    META_EVICTIONS,
+    MODEL_COUNTER_KEYS,
+    counter,
+    model_counter_key,
+)
+
+
+class StoreStats(StoreCore):
+    """The counters of a ``Store`` handle (a mixin of ``Store``)."""
+
+    def _counters(self, txn: Any) -> dict[bytes, int]:
+        """The meta counters as this handle's model sees them (``COUNTER_KEYS``)."""
+        meta = self._dbs.meta
+        counters = {key: counter(txn.get(key, None, meta)) for key in COUNTER_KEYS}
+        number = self._dbs.number
+        if number < 0:
+            return dict.fromkeys(counters, 0)
+        for key in MODEL_COUNTER_KEYS:
+            if number > 0:
+                counters[key] = counter(txn.get(model_counter_key(key, number), None, meta))
+                continue
+            prefix = key + b"@"  # the default model's: the totals minus every other model's
+            cur = txn.cursor(db=meta)
+            ok = cur.set_range(prefix)
+            while ok and bytes(cur.key()).startswith(prefix):
+                counters[key] -= counter(cur.value())
+                ok = cur.next()
+        return counters
+
+    def total_bytes(self) -> int:
+        """The bytes stored by every model together (what ``capacity_bytes`` bounds)."""
+        txn = self._begin_read(False)
+        try:
+            return counter(txn.get(META_BYTES, None, self._dbs.meta))
+        finally:
+            self._end_read(txn)
+
+    def stats(self) -> dict[str, int | None]:
+        """blocks, bytes, capacity_bytes, pinned_blocks, sequences, hits, misses, evictions,
+        corrupt (hits and misses: this process's reads since it opened the store)."""
+        txn = self._begin_read(True)
+        dbs = self._dbs
+        try:
+            counters = self._counters(txn)
+            pinned = txn.stat(dbs.refs)["entries"]
+            if counters[META_CORRUPT]:  # a quarantined block may still be referenced
+                refs = txn.cursor(db=dbs.refs).iternext(values=False)
+                pinned = sum(txn.get(k, None, dbs.blocks) is not None for k in refs)
+            return {
+                "blocks": txn.stat(dbs.blocks)["entries"],
+                "bytes": counters[META_BYTES],
+                "capacity_bytes": self._capacity,
+                "pinned_blocks": pinned,
+                "sequences": txn.stat(dbs.seqs)["entries"],
+                "hits": self.hits,
+                "misses": self.misses,
+                "evictions": counters[META_EVICTIONS],
+                "corrupt": counters[META_CORRUPT],
+            }
+        finally:
+            self._end_read(txn)
