@@ -13,9 +13,7 @@ error leaves in the one JSON shape of ``api.errors``.
 
 from __future__ import annotations
 
-import functools
 import inspect
-import logging
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -24,19 +22,16 @@ from typing import Any
 from fastapi import FastAPI
 
 import kvstore
-from kvstore.errors import ServiceError
 from kvstore.store.store import Store
 
 from .bodies import InflightBudget
-from .errors import install_error_handlers, send_error
+from .errors import install_error_handlers
 from .metrics import Metrics, MetricsMiddleware
 from .middleware import GuardMiddleware
 from .modelscope import ModelScope
 from .openapi import install_openapi, route_name
 from .routes import blocks, models, sequences, service
 from .settings import Settings
-
-log = logging.getLogger("tlkv.api")
 
 DESCRIPTION = (
     "Persistent store of LLM KV-cache blocks. Envelopes travel as application/vnd.tlkv; "
@@ -52,67 +47,6 @@ _NO_NATIVE_TELEMETRY: dict[str, Any] = (
     if "telemetry" in inspect.signature(FastAPI.__init__).parameters
     else {}
 )
-
-
-class TlkvApp(FastAPI):
-    """FastAPI whose HTTP requests pass tlkv's own middleware before Starlette's stack.
-
-    tlkv's middleware (metrics, guard, model scope, the block-read fast path) is plain
-    ASGI and does not need Starlette's: placed outside it, the hottest route (a 2 MiB
-    ``GET /v1/blocks/{hash}`` served by the fast path) skips FastAPI's and Starlette's
-    layers (server-error, telemetry and body-limit middleware, each wrapping ``send``),
-    which cost about a fifth of that request's Python time here. Every other request
-    continues into the whole FastAPI app, errors and all. An exception raised in tlkv's
-    own layers before a response started is answered 500 in the JSON error shape (as
-    Starlette's server-error middleware answers the routes'), then re-raised for the
-    server to log.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._outer: Any = None
-
-    def wrap_http(self, layers: Any) -> None:
-        """Run HTTP requests through ``layers(inner)``, ``inner`` being this FastAPI app."""
-        self._outer = _ErrorNet(layers(functools.partial(FastAPI.__call__, self)))
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or self._outer is None:
-            await super().__call__(scope, receive, send)
-            return
-        scope["app"] = self
-        await self._outer(scope, receive, send)
-
-
-class _ErrorNet:
-    """The JSON 500 for an exception of tlkv's outer layers before a response started."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        started = False
-
-        async def tracking_send(message: Any) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
-        try:
-            await self.app(scope, receive, tracking_send)
-        except Exception as exc:
-            if not started:
-                log.error(
-                    "unexpected %s on %s %s",
-                    type(exc).__name__,
-                    scope.get("method"),
-                    scope.get("path"),
-                )
-                await send_error(
-                    send, ServiceError(f"internal error ({type(exc).__name__}); see the log")
-                )
-            raise
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -155,7 +89,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             store.close()
             app.state.metrics.close()
 
-    app = TlkvApp(
+    app = FastAPI(
         **_NO_NATIVE_TELEMETRY,
         title="tlkv",
         version=kvstore.__version__,
@@ -170,17 +104,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_openapi(app, token=settings.tokens is not None)
     for module in (service, models, blocks, sequences):
         app.include_router(module.router)
-    budget = InflightBudget(settings.inflight_bytes)
-    app.wrap_http(
-        lambda inner: MetricsMiddleware(
-            GuardMiddleware(
-                ModelScope(blocks.BlockReadFastPath(inner)),
-                token=settings.token,
-                tokens=settings.tokens,
-                max_body=settings.max_body,
-                budget=budget,
-            ),
-            metrics=app.state.metrics,
-        )
+    app.add_middleware(blocks.BlockReadFastPath)
+    app.add_middleware(ModelScope)
+    app.add_middleware(
+        GuardMiddleware,
+        token=settings.token,
+        tokens=settings.tokens,
+        max_body=settings.max_body,
+        budget=InflightBudget(settings.inflight_bytes),
     )
+    app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     return app
