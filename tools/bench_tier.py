@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 import obstore
-from bench_common import Row
+from bench_common import Row, free_port
 
 from kvstore import Block, Geometry, Store, crc32c, encode
 from kvstore.archive.operations import create
@@ -52,17 +52,9 @@ CREDENTIALS = {
 TARGET = 0.8
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class _Moto:
     def __init__(self) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
