@@ -21,7 +21,14 @@ import numpy as np
 
 from ._tlkv_v1 import kv_pb2, kv_pb2_grpc
 from ._wirechunk import WireChunk, parse_chunk, serialize_chunk
-from .codec.assembly import EnvelopeStream, SingleBlock, pack_header, record_of, single_block
+from .codec.assembly import (
+    EnvelopeStream,
+    SingleBlock,
+    pack_header,
+    record_of,
+    single_block,
+    stored_crc,
+)
 from .codec.builder import BytesBuilder
 from .codec.checksum import crc32c
 from .codec.crcmath import crc_combine
@@ -55,6 +62,7 @@ __all__ = [
     "MAX_CHUNK_PAYLOAD",
     "MAX_MESSAGE_BYTES",
     "MISSING_BLOCK_KEY",
+    "FetchChecks",
     "HasResult",
     "PushReport",
     "TransferClient",
@@ -168,12 +176,15 @@ def check_chunk(
     *,
     geometry: Geometry | None,
     versions: Sequence[int] = SUPPORTED_VERSIONS,
+    crc_verified: bool = False,
 ) -> Envelope:
     """Validate a chunk carrying a payload; returns the decoded single-block envelope.
 
     Order: the ``kv_format`` is one the reader reads, the payload size, the chunk's CRC,
     every reader rule of the envelope (one CRC pass covers both CRCs), ``n_blocks == 1``,
-    then the chunk's fields against the payload's own.
+    then the chunk's fields against the payload's own. ``crc_verified=True`` skips the CRC
+    pass, for a caller that has checked both CRCs of this payload already (``FetchChecks``
+    does, in the same pass that copies it).
 
     Raises:
         UnsupportedVersionError: ``kv_format`` or the payload's version is not read here.
@@ -192,7 +203,7 @@ def check_chunk(
             f"chunk payload of {size} bytes exceeds the spec's {MAX_CHUNK_PAYLOAD} bytes "
             "(4 MiB); a block this large must travel as format v2"
         )
-    actual = crc32c(payload)
+    actual = crc if crc_verified else crc32c(payload)
     if actual != crc:
         raise FormatError(
             f"chunk crc32c {crc:#010x} does not match its payload's CRC-32C {actual:#010x}"
@@ -224,6 +235,94 @@ def join_checked(parts: Sequence[Any]) -> bytes:
     stream = EnvelopeStream(first.version, first.geometry, len(parts))
     records = [stream.add_checked_single(p) for p in parts]
     return b"".join([stream.header, *records, stream.trailer()])
+
+
+class FetchChecks:
+    """The checks of one FetchKv stream's chunks: each by :func:`check_chunk` against the
+    first chunk's geometry, all in the first chunk's format (``kv_format``'s when one was
+    asked for). ``append`` checks a chunk and copies its record into the envelope being
+    built in one pass over the payload."""
+
+    def __init__(self, kv_format: int = 0) -> None:
+        self.kv_format = kv_format
+        self.geometry: Geometry | None = None
+        self.version = 0
+        self.single: SingleBlock | None = None
+        self.count = 0  # chunks checked so far
+
+    def check(self, chunk: Any, *, crc_verified: bool = False) -> Envelope:
+        """The chunk's checked single-block envelope (views into its payload).
+
+        Raises:
+            FormatError: a check of ``check_chunk`` failed, or the chunk's format is not
+                the stream's (or the one asked for). UnsupportedVersionError, ShapeError,
+                InvalidRequestError, TooLargeError: as ``check_chunk`` raises them.
+        """
+        env = check_chunk(
+            chunk.block_hash,
+            chunk.n_tokens,
+            chunk.kv_format,
+            chunk.payload,
+            chunk.crc32c,
+            geometry=self.geometry,
+            crc_verified=crc_verified,
+        )
+        if self.geometry is None:
+            self.geometry, self.version = env.geometry, env.version
+            self.single = single_block(env.geometry, env.version)
+        elif env.version != self.version:
+            raise FormatError(
+                f"FetchKv chunk {self.count} is format v{env.version}, the stream's first "
+                f"was v{self.version}"
+            )
+        if self.kv_format and env.version != self.kv_format:
+            raise FormatError(
+                f"FetchKv asked for format v{self.kv_format}, chunk {self.count} is v{env.version}"
+            )
+        self.count += 1
+        return env
+
+    def append(self, chunk: Any, out: BytesBuilder) -> int:
+        """Check a chunk and append its block record to ``out``; returns the record's CRC.
+
+        A payload with the stream's one-block header is copied and checksummed in one pass
+        (``BytesBuilder.write_crc``), and its two CRCs are checked from that one; the rest
+        of ``check_chunk`` then runs without a CRC pass. Any other payload, and any CRC
+        that does not match, goes through ``check_chunk`` whole (which raises the rule that
+        failed): what ``out`` holds then is never returned.
+        """
+        single, p = self.single, chunk.payload
+        if (
+            single is not None
+            and len(p) == single.single_len
+            and chunk.kv_format == self.version
+            and p[:HEADER_SIZE] == single.header1
+        ):
+            record = out.write_crc(record_of(p))
+            envelope_crc = record ^ single.k
+            tail = p[single.single_len - TRAILER_SIZE :]
+            if stored_crc(p) == envelope_crc and crc32c(tail, envelope_crc) == chunk.crc32c:
+                self.check(chunk, crc_verified=True)
+                return int(record)
+            self.check(chunk)  # raises the failed CRC rule
+            raise FormatError("rule 'the CRC matches' failed")  # not reached
+        self.check(chunk)
+        assert self.single is not None
+        out.write(record_of(p))
+        return self.single.record_crc(p)
+
+
+def _fetch_request(
+    tokens: Sequence[int] | None, hashes: Iterable[Any] | None, kv_format: int
+) -> kv_pb2.FetchKvRequest:
+    if (tokens is None) == (hashes is None):
+        raise ValueError("pass exactly one of tokens= or hashes=")
+    request = kv_pb2.FetchKvRequest(kv_format=kv_format)
+    if hashes is not None:
+        request.block_hashes.extend(_u64_list(hashes))
+    else:
+        request.tokens.extend(int(t) for t in tokens or ())
+    return request
 
 
 def _fetch_capacity(request: Any, geometry: Geometry, single: SingleBlock) -> int:
@@ -389,65 +488,72 @@ class TransferClient:
 
         ``kv_format`` 0 keeps the stored format (of the first block); 1 or 2 transcodes.
         Every chunk is checked (its CRC, every reader rule, its fields) before it is used.
+        :meth:`fetch_blocks` streams the same checked blocks without joining them.
 
         Raises:
             ValueError: neither or both of ``tokens`` and ``hashes``.
             FormatError: a chunk failed a check.  TlkvError: the server refused the call.
         """
-        if (tokens is None) == (hashes is None):
-            raise ValueError("pass exactly one of tokens= or hashes=")
-        request = kv_pb2.FetchKvRequest(kv_format=kv_format)
-        if hashes is not None:
-            request.block_hashes.extend(_u64_list(hashes))
-        else:
-            request.tokens.extend(int(t) for t in tokens or ())
+        request = _fetch_request(tokens, hashes, kv_format)
         # The envelope is written as the chunks arrive into the bytes object returned
-        # (codec.builder.BytesBuilder: each record copied once, without the GIL, into
-        # memory advised onto huge pages, where 4 KiB page faults of a fresh 256 MiB cost
-        # more than the copy; no join at the end), sized once the first chunk gives the
-        # geometry for as many blocks as were asked for. The header's block count and
-        # the trailer's CRC are written once the stream has ended; the trailer's CRC is
-        # combined from the records' (check_chunk verified each chunk's), not computed by
-        # another pass.
+        # (codec.builder.BytesBuilder: each record copied and checksummed in one pass,
+        # without the GIL, into memory advised onto huge pages, where 4 KiB page faults of
+        # a fresh 256 MiB cost more than the copy; no join at the end), sized once the
+        # first chunk gives the geometry for as many blocks as were asked for. The
+        # header's block count and the trailer's CRC are written once the stream has
+        # ended; the trailer's CRC is combined from the records', not computed by another
+        # pass.
+        checks = FetchChecks(kv_format)
         out: BytesBuilder | None = None
-        geometry: Geometry | None = None
-        single: SingleBlock | None = None
-        version = count = records_crc = 0
+        records_crc = 0
         try:
             for chunk in self._fetch(request, timeout=self._timeout, metadata=self._metadata):
-                env = check_chunk(
-                    chunk.block_hash,
-                    chunk.n_tokens,
-                    chunk.kv_format,
-                    chunk.payload,
-                    chunk.crc32c,
-                    geometry=geometry,
-                )
-                if geometry is None:
-                    geometry, version = env.geometry, env.version
-                    single = single_block(geometry, version)
-                    out = BytesBuilder(_fetch_capacity(request, geometry, single))
+                if out is None:
+                    checks.check(chunk)
+                    assert checks.geometry is not None and checks.single is not None
+                    out = BytesBuilder(_fetch_capacity(request, checks.geometry, checks.single))
                     out.write(bytes(HEADER_SIZE))
-                elif env.version != version:
-                    raise FormatError(
-                        f"FetchKv chunk {count} is format v{env.version}, the stream's first "
-                        f"was v{version}"
-                    )
-                if kv_format and env.version != kv_format:
-                    raise FormatError(
-                        f"FetchKv asked for format v{kv_format}, chunk {count} is v{env.version}"
-                    )
-                assert single is not None and out is not None
-                records_crc = single.shift(records_crc) ^ single.record_crc(chunk.payload)
-                out.write(record_of(chunk.payload))
-                count += 1
+                    out.write(record_of(chunk.payload))
+                    records_crc = checks.single.record_crc(chunk.payload)
+                    continue
+                assert checks.single is not None
+                records_crc = checks.single.shift(records_crc) ^ checks.append(chunk, out)
         except grpc.RpcError as exc:
             raise error_from_status(exc) from None
-        if geometry is None:
+        if out is None:
             return b""
-        assert single is not None and out is not None
-        header = pack_header(version, geometry, count)
+        assert checks.geometry is not None and checks.single is not None
+        header = pack_header(checks.version, checks.geometry, checks.count)
         out.write_at(0, header)
-        crc = crc_combine(crc32c(header), records_crc, count * single.record_bytes)
+        crc = crc_combine(crc32c(header), records_crc, checks.count * checks.single.record_bytes)
         out.write(TRAILER.pack(crc))
         return out.finish()
+
+    def fetch_blocks(
+        self,
+        tokens: Sequence[int] | None = None,
+        hashes: Iterable[Any] | None = None,
+        kv_format: int = 0,
+    ) -> Iterator[Envelope]:
+        """The longest prefix the server holds, streamed: one checked single-block
+        ``Envelope`` per block, in order, as its chunk arrives (``env[0]`` is the block).
+
+        The chunks are checked as :meth:`fetch` checks them; the envelopes are views into
+        the received messages (no copy, no join), valid for as long as they are held. An
+        engine loading blocks one by one into its own cache needs nothing more. Stopping
+        early cancels the call.
+
+        Raises:
+            ValueError: neither or both of ``tokens`` and ``hashes``.
+            FormatError: a chunk failed a check.  TlkvError: the server refused the call.
+        """
+        request = _fetch_request(tokens, hashes, kv_format)
+        checks = FetchChecks(kv_format)
+        call = self._fetch(request, timeout=self._timeout, metadata=self._metadata)
+        try:
+            for chunk in call:
+                yield checks.check(chunk)
+        except grpc.RpcError as exc:
+            raise error_from_status(exc) from None
+        finally:
+            call.cancel()  # a no-op once the stream has ended

@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvstore.codec import builder
+from kvstore.codec.checksum import crc32c
 
 try:
     from kvstore.codec import _native
@@ -116,3 +117,35 @@ def test_same_bytes_as_a_join(parts: list[bytes], capacity: int) -> None:
         for p in parts:
             b.write(p)
         assert b.finish() == b"".join(parts)
+
+
+@given(
+    st.lists(st.binary(max_size=300), max_size=20),
+    st.integers(0, 2000),
+    st.integers(0, 2**32 - 1),
+)
+def test_write_crc_appends_and_checksums_like_crc32c(
+    parts: list[bytes], capacity: int, seed: int
+) -> None:
+    for impl in IMPLS:
+        b = impl(capacity)
+        crc = seed
+        for p in parts:
+            crc = b.write_crc(p, crc)
+        assert b.finish() == b"".join(parts)
+        assert crc == crc32c(b"".join(parts), seed)
+
+
+def test_write_crc_of_large_parts(impl: Any) -> None:
+    rng = np.random.default_rng(2)
+    parts = [rng.integers(0, 256, n, dtype=np.uint8) for n in (1 << 20, 3, (1 << 17) + 5)]
+    b = impl(1000)
+    b.write(b"head")
+    crcs = [b.write_crc(p) for p in parts]  # each from 0 (the default)
+    assert crcs == [crc32c(p) for p in parts]
+    assert b.write_crc(parts[0], crcs[0]) == crc32c(parts[0].tobytes() * 2)
+    assert b.finish() == b"head" + b"".join(p.tobytes() for p in parts) + parts[0].tobytes()
+    spent = impl()
+    spent.finish()
+    with pytest.raises(ValueError, match="finished"):
+        spent.write_crc(b"x")

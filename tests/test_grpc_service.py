@@ -27,6 +27,7 @@ from http_server import REPO, ServerProcess, assert_error, free_port
 
 from kvstore import Block, Geometry, chain_hashes, crc32c, decode, encode, join, split
 from kvstore.cli import main as cli_main
+from kvstore.errors import UnsupportedVersionError
 from kvstore.transfer import MAX_CHUNK_PAYLOAD, HasResult, TransferClient
 
 G = Geometry(block_tokens=4, n_layers=2, n_kv_heads=2, head_dim=8)
@@ -301,6 +302,30 @@ def test_fetch(stub: Any, pb: SimpleNamespace, client: TransferClient) -> None:
         list(stub.FetchKv(pb.kv_pb2.FetchKvRequest(tokens=tokens, kv_format=3), metadata=AUTH))
     assert_status(exc, grpc.StatusCode.FAILED_PRECONDITION)
     assert client.fetch(hashes=[777]) == b""
+
+
+def test_fetch_blocks_streams_the_checked_blocks(client: TransferClient) -> None:
+    tokens, data = prompt(3 * G.block_tokens + 1)
+    parts = split(data)
+    client.push(data)
+    hashes = chain_hashes(tokens, G.block_tokens)
+    envs = list(client.fetch_blocks(tokens=tokens))
+    assert [bytes(e.data) for e in envs] == parts[:3]
+    assert [(len(e), e[0].hash, e.version) for e in envs] == [(1, h, 1) for h in hashes]
+    assert join([bytes(e.data) for e in envs]) == client.fetch(tokens=tokens)
+    assert [bytes(e.data) for e in client.fetch_blocks(hashes=[*hashes[:2], 777])] == parts[:2]
+    v2 = [e.version for e in client.fetch_blocks(hashes=hashes, kv_format=2)]
+    assert v2 == [2, 2, 2]
+    assert list(client.fetch_blocks(hashes=[777])) == []
+    # stopping early cancels the call; the channel goes on serving
+    stream = client.fetch_blocks(hashes=hashes)
+    assert next(stream)[0].hash == hashes[0]
+    stream.close()
+    assert len(list(client.fetch_blocks(hashes=hashes))) == 3
+    with pytest.raises(ValueError, match="exactly one"):
+        next(client.fetch_blocks())
+    with pytest.raises(UnsupportedVersionError):
+        next(client.fetch_blocks(hashes=hashes, kv_format=3))
 
 
 @pytest.mark.parametrize("reserve", [0, 1000, 1 << 30])

@@ -12,6 +12,8 @@ from conftest import SMALL, make_envelope
 from http_server import REPO
 
 from kvstore import Geometry, crc32c, decode, encode, join, split
+from kvstore.codec.assembly import record_of
+from kvstore.codec.builder import BytesBuilder, PyBytesBuilder
 from kvstore.errors import (
     BadMagicError,
     ChecksumError,
@@ -20,6 +22,7 @@ from kvstore.errors import (
     NotFoundError,
     ShapeError,
     StoreFullError,
+    TlkvError,
     TooLargeError,
     TruncatedError,
     UnauthorizedError,
@@ -28,6 +31,8 @@ from kvstore.errors import (
 from kvstore.transfer import (
     ERROR_KIND_KEY,
     MAX_CHUNK_PAYLOAD,
+    FetchChecks,
+    WireChunk,
     check_chunk,
     envelope_crc_to_chunk_crc,
     error_from_status,
@@ -172,3 +177,85 @@ def test_join_checked_is_join(version: int) -> None:
     parts = split(make_envelope(SMALL, 11, version=version))
     assert join_checked(parts) == join(parts)
     assert join_checked(parts[:1]) == parts[0]
+
+
+# --- FetchChecks: the client's checks of a FetchKv stream ------------------------------
+
+BUILDERS: list[Any] = list(dict.fromkeys([PyBytesBuilder, BytesBuilder]))
+STREAM_V1 = split(make_envelope(SMALL, 16, version=1, seed=3))
+STREAM_V2 = split(make_envelope(SMALL, 16, version=2, seed=4))
+
+
+def wire(payload: bytes, /, **override: Any) -> WireChunk:
+    f = fields(payload)
+    f["crc32c"] = f.pop("crc")
+    return WireChunk(**{**f, **override})
+
+
+@pytest.mark.parametrize("builder", BUILDERS, ids=lambda c: c.__module__)
+@pytest.mark.parametrize("stream", [STREAM_V1, STREAM_V2], ids=["v1", "v2"])
+def test_fetch_checks_append_copies_records_and_their_crcs(
+    builder: Any, stream: list[bytes]
+) -> None:
+    checks = FetchChecks()
+    first = checks.check(wire(stream[0]))
+    assert (first.version, first.geometry, checks.count) == (decode(stream[0]).version, SMALL, 1)
+    out = builder(0)
+    crcs = [checks.append(wire(p), out) for p in stream[1:]]
+    assert checks.count == len(stream)
+    assert out.finish() == b"".join(bytes(record_of(p)) for p in stream[1:])
+    assert crcs == [crc32c(record_of(p)) for p in stream[1:]]
+
+
+def _same_failure(stream: list[bytes], bad: WireChunk) -> None:
+    """``append`` (one pass: copy + CRC) refuses ``bad`` as ``check_chunk`` does."""
+    with pytest.raises(TlkvError) as whole:
+        check_chunk(
+            bad.block_hash, bad.n_tokens, bad.kv_format, bad.payload, bad.crc32c, geometry=SMALL
+        )
+    checks = FetchChecks()
+    checks.check(wire(stream[0]))
+    out = BUILDERS[-1](0)
+    with pytest.raises(type(whole.value)) as fused:
+        checks.append(bad, out)
+    assert str(fused.value) == str(whole.value)
+    assert checks.count == 1
+
+
+@pytest.mark.parametrize("stream", [STREAM_V1, STREAM_V2], ids=["v1", "v2"])
+def test_fetch_checks_refuse_every_single_byte_corruption(stream: list[bytes]) -> None:
+    good = stream[1]
+    for at in range(len(good)):
+        for payload_crc in ("sent", "recomputed"):
+            damaged = bytearray(good)
+            damaged[at] ^= 0x5A
+            crc = crc32c(good) if payload_crc == "sent" else crc32c(damaged)
+            _same_failure(stream, wire(good, payload=bytes(damaged), crc32c=crc))
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        {"crc32c": 0x48674BC7 ^ 1},
+        {"block_hash": 7},
+        {"n_tokens": 3},
+        {"kv_format": 0},
+        {"kv_format": 9},
+    ],
+    ids=["crc", "hash", "n_tokens", "kv_format 0", "kv_format 9"],
+)
+def test_fetch_checks_refuse_disagreeing_fields(override: dict[str, Any]) -> None:
+    _same_failure(STREAM_V1, wire(STREAM_V1[1], **override))
+
+
+def test_fetch_checks_hold_a_stream_to_one_format() -> None:
+    checks = FetchChecks()
+    checks.check(wire(STREAM_V1[0]))
+    with pytest.raises(FormatError, match="the stream's first was v1"):
+        checks.append(wire(STREAM_V2[1]), BUILDERS[-1](0))
+    asked = FetchChecks(kv_format=2)
+    with pytest.raises(FormatError, match="asked for format v2"):
+        asked.check(wire(STREAM_V1[0]))
+    other = split(make_envelope(Geometry(4, 1, 2, 8), 8, seed=5))[1]
+    with pytest.raises(ShapeError):
+        checks.append(wire(other), BUILDERS[-1](0))

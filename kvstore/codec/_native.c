@@ -878,6 +878,45 @@ static PyObject *builder_write(BytesBuilder *b, PyObject *data) {
     return result;
 }
 
+PyDoc_STRVAR(builder_write_crc_doc,
+"write_crc(data, crc=0, /) -> int\n\n"
+"Append a C-contiguous buffer and return its CRC-32C continuing `crc` (as crc32c(data,\n"
+"crc) would), copied and checksummed in one pass.");
+
+static PyObject *builder_write_crc(BytesBuilder *b, PyObject *const *args, Py_ssize_t nargs) {
+    if (check_nargs("write_crc", nargs, 1, 2) < 0 || builder_ready(b) < 0)
+        return NULL;
+    uint32_t crc = 0;
+    if (nargs == 2) {
+        unsigned long long value = PyLong_AsUnsignedLongLongMask(args[1]);
+        if (value == (unsigned long long)-1 && PyErr_Occurred())
+            return NULL;
+        crc = (uint32_t)value;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (builder_reserve(b, view.len) < 0) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    uint8_t *dst = (uint8_t *)PyBytes_AS_STRING(b->bytes) + b->size;
+    const uint8_t *src = (const uint8_t *)view.buf;
+    size_t n = (size_t)view.len;
+    if (view.len >= BUILDER_NOGIL_MIN) {
+        b->busy = 1;
+        Py_BEGIN_ALLOW_THREADS
+        crc = ~copy_crc(crc_run, crc_run_copy, ~crc, dst, src, n);
+        Py_END_ALLOW_THREADS
+        b->busy = 0;
+    } else {
+        crc = ~copy_crc(crc_run, crc_run_copy, ~crc, dst, src, n);
+    }
+    b->size += view.len;
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLong(crc);
+}
+
 PyDoc_STRVAR(builder_write_at_doc,
 "write_at(offset, data, /) -> None\n\n"
 "Overwrite bytes already written, from offset (offset + len(data) <= len(self)).");
@@ -922,6 +961,8 @@ static Py_ssize_t builder_len(BytesBuilder *b) { return b->size; }
 
 static PyMethodDef builder_methods[] = {
     {"write", (PyCFunction)builder_write, METH_O, builder_write_doc},
+    {"write_crc", (PyCFunction)(void (*)(void))builder_write_crc, METH_FASTCALL,
+     builder_write_crc_doc},
     {"write_at", (PyCFunction)(void (*)(void))builder_write_at, METH_FASTCALL,
      builder_write_at_doc},
     {"finish", (PyCFunction)builder_finish, METH_NOARGS, builder_finish_doc},

@@ -4,16 +4,19 @@ A result assembled from parts that arrive one at a time (``TransferClient.fetch`
 envelope, from a stream of chunks) would otherwise be written into a growing buffer and
 copied once more, or joined at the end. The compiled builder
 (``kvstore.codec._native.BytesBuilder``) writes straight into the ``bytes`` object it
-returns: each part is copied once, with the GIL released (the next part keeps arriving
-meanwhile), into memory advised onto transparent huge pages like ``encode``'s output
-(``TLKV_MADVISE_HUGEPAGE=0`` turns the advice off), and ``finish()`` trims the object to
-its size in place. Without the compiled module the same interface runs on a
-``bytearray`` (one more copy at ``finish()``).
+returns: each part is copied once (``write_crc`` checksums it in the same pass), with the
+GIL released (the next part keeps arriving meanwhile), into memory advised onto
+transparent huge pages like ``encode``'s output (``TLKV_MADVISE_HUGEPAGE=0`` turns the
+advice off), and ``finish()`` trims the object to its size in place. Without the
+compiled module the same interface runs on a ``bytearray`` (one more copy at
+``finish()``).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from .checksum import crc32c
 
 __all__ = ["BytesBuilder", "PyBytesBuilder"]
 
@@ -39,6 +42,12 @@ class PyBytesBuilder:
         buf = self._ready()
         buf += memoryview(data).cast("B")
         return len(buf)
+
+    def write_crc(self, data: Any, crc: int = 0) -> int:
+        """Append a C-contiguous buffer; returns its CRC-32C continuing ``crc``."""
+        crc = crc32c(data, crc)
+        self.write(data)
+        return crc
 
     def write_at(self, offset: int, data: Any) -> None:
         """Overwrite bytes already written, from ``offset``."""

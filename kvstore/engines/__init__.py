@@ -101,7 +101,8 @@ class ClientTarget:
 
 class TransferTarget:
     """A ``tlkv serve --grpc-port`` over tl.kv.v1: HasBlocks, one PushKv in which only the
-    blocks the server lacks carry payloads, one FetchKv.
+    blocks the server lacks carry payloads, one FetchKv whose checked chunks are used as
+    they arrived (``TransferClient.fetch_blocks``: no joined envelope, no second CRC pass).
 
     The protocol carries no geometry, so ``block_geometry`` is None and ``knows_geometry``
     False: the bridge uses the model's, and a server holding another geometry refuses the
@@ -124,8 +125,9 @@ class TransferTarget:
 
     @contextlib.contextmanager
     def prefix_views(self, hashes: Sequence[int]) -> Iterator[Sequence[BlockView]]:
-        data = self.client.fetch(hashes=list(hashes)) if len(hashes) else b""
-        yield list(decode(data)) if data else []
+        yield (
+            [env[0] for env in self.client.fetch_blocks(hashes=list(hashes))] if len(hashes) else []
+        )
 
 
 def as_target(obj: Any) -> BlockTarget:
