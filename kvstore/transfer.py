@@ -497,12 +497,11 @@ class TransferClient:
         request = _fetch_request(tokens, hashes, kv_format)
         # The envelope is written as the chunks arrive into the bytes object returned
         # (codec.builder.BytesBuilder: each record copied and checksummed in one pass,
-        # without the GIL, into memory advised onto huge pages, where 4 KiB page faults of
-        # a fresh 256 MiB cost more than the copy; no join at the end), sized once the
-        # first chunk gives the geometry for as many blocks as were asked for. The
-        # header's block count and the trailer's CRC are written once the stream has
-        # ended; the trailer's CRC is combined from the records', not computed by another
-        # pass.
+        # without the GIL, onto pages populated by one call per record instead of 512 page
+        # faults; no join at the end), sized once the first chunk gives the geometry for
+        # as many blocks as were asked for. The header's block count and the trailer's CRC
+        # are written once the stream has ended; the trailer's CRC is combined from the
+        # records', not computed by another pass.
         checks = FetchChecks(kv_format)
         out: BytesBuilder | None = None
         records_crc = 0

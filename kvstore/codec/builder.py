@@ -5,11 +5,11 @@ envelope, from a stream of chunks) would otherwise be written into a growing buf
 copied once more, or joined at the end. The compiled builder
 (``kvstore.codec._native.BytesBuilder``) writes straight into the ``bytes`` object it
 returns: each part is copied once (``write_crc`` checksums it in the same pass), with the
-GIL released (the next part keeps arriving meanwhile), into memory advised onto
-transparent huge pages like ``encode``'s output (``TLKV_MADVISE_HUGEPAGE=0`` turns the
-advice off), and ``finish()`` trims the object to its size in place. Without the
-compiled module the same interface runs on a ``bytearray`` (one more copy at
-``finish()``).
+GIL released (the next part keeps arriving meanwhile), onto pages populated with one
+``madvise`` call per part (no 4 KiB page fault per page; no huge-page advice, which costs
+3-5x more on a VM whose idle memory went back to the host: see ``_native.c``), and
+``finish()`` trims the object to its size in place. Without the compiled module the same
+interface runs on a ``bytearray`` (one more copy at ``finish()``).
 """
 
 from __future__ import annotations
