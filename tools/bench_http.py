@@ -41,7 +41,7 @@ OCTET = "application/octet-stream"
 BLOB_ENV = "TLKV_BENCH_BLOB"
 GET_ROUNDS = 9  # interleaved wrk rounds per server (5 with --quick): the VM's CPU time
 # per request drifts by up to 2x between rounds, so the median of many short ones
-PUT_ROUNDS = 3
+PUT_ROUNDS = 5  # the disk writes fresh pages at 0.2-0.5 GB/s: the median of five rounds
 
 
 # --- the bare ASGI app (imported by its uvicorn workers) -----------------------------------
