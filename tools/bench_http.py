@@ -528,6 +528,22 @@ def _load_run(server: _Server, known: list[int], seconds: float, clients: int) -
 # --- the suite ---------------------------------------------------------------------------
 
 
+def _median_index(values: list[float]) -> int:
+    return sorted(range(len(values)), key=values.__getitem__)[len(values) // 2]
+
+
+def _cpu_rows(label: str, ours: float, baseline: str, ratios: list[float]) -> list[Row]:
+    """The median round's row (target <= 1.3x) and the per-round ratios under it."""
+    mid = ratios[_median_index(ratios)]
+    return [
+        Row(label, f"{ours * 1e6:.0f} us", baseline, mid, "<= 1.3x", mid <= 1.3),
+        Row(
+            f"  (per-round CPU ratios, {len(ratios)} rounds)",
+            ", ".join(f"{x:.2f}x" for x in ratios),
+        ),
+    ]
+
+
 def run(args: argparse.Namespace) -> list[Row]:
     """Run every HTTP measurement; rows for tools/bench.py's table."""
     import numpy as np
@@ -566,7 +582,7 @@ def run(args: argparse.Namespace) -> list[Row]:
             raw_gbps = _raw_lmdb_put(root / f"raw-lmdb-{r}", rb)
             put_runs.append((put_gbps, store_gbps, raw_gbps))
         ratios = [p / s_ for p, s_, _ in put_runs]
-        mid = sorted(range(len(ratios)), key=ratios.__getitem__)[len(ratios) // 2]
+        mid = _median_index(ratios)
         put_gbps, store_gbps, raw_gbps = put_runs[mid]
         rows.append(
             Row(
@@ -609,41 +625,21 @@ def run(args: argparse.Namespace) -> list[Row]:
                 cpu_runs.append((t, b))
                 crc_cpu.append(c[1])
             ratios = [t[1] / b[1] for t, b in cpu_runs]
-            mid = sorted(range(len(ratios)), key=ratios.__getitem__)[len(ratios) // 2]
+            mid = _median_index(ratios)
             (t_get, t_cpu), (b_get, b_cpu) = cpu_runs[mid]
-            rows.append(
-                Row(
-                    f"GET /v1/blocks/{{hash}}, 2 MiB, server CPU per request ({clients} conns)",
-                    f"{t_cpu * 1e6:.0f} us",
-                    f"bare uvicorn ASGI from memory {b_cpu * 1e6:.0f} us",
-                    ratios[mid],
-                    "<= 1.3x",
-                    ratios[mid] <= 1.3,
-                )
-            )
-            rows.append(
-                Row(
-                    f"  (per-round CPU ratios, {len(ratios)} rounds)",
-                    ", ".join(f"{x:.2f}x" for x in ratios),
-                )
+            rows += _cpu_rows(
+                f"GET /v1/blocks/{{hash}}, 2 MiB, server CPU per request ({clients} conns)",
+                t_cpu,
+                f"bare uvicorn ASGI from memory {b_cpu * 1e6:.0f} us",
+                ratios,
             )
             fair = [t[1] / c for (t, _), c in zip(cpu_runs, crc_cpu)]
-            fmid = sorted(range(len(fair)), key=fair.__getitem__)[len(fair) // 2]
-            rows.append(
-                Row(
-                    "  same vs the bare app checking each body's CRC-32C (tlkv's read check)",
-                    f"{cpu_runs[fmid][0][1] * 1e6:.0f} us",
-                    f"bare + crc_matches {crc_cpu[fmid] * 1e6:.0f} us",
-                    fair[fmid],
-                    "<= 1.3x",
-                    fair[fmid] <= 1.3,
-                )
-            )
-            rows.append(
-                Row(
-                    f"  (per-round CPU ratios, {len(fair)} rounds)",
-                    ", ".join(f"{x:.2f}x" for x in fair),
-                )
+            fmid = _median_index(fair)
+            rows += _cpu_rows(
+                "  same vs the bare app checking each body's CRC-32C (tlkv's read check)",
+                cpu_runs[fmid][0][1],
+                f"bare + crc_matches {crc_cpu[fmid] * 1e6:.0f} us",
+                fair,
             )
             rows.append(
                 Row(
