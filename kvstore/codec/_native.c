@@ -599,18 +599,24 @@ PyDoc_STRVAR(crc32c_doc,
 "Raises BufferError for a non-contiguous buffer.");
 
 /* crc32c(data, crc) with a given kernel; `name` only labels argument errors. */
+/* The optional `crc` argument at args[1] (0 when absent), masked like the package's "I"
+ * format so any int continues the same way; -1 with an exception set on a non-int. */
+static int crc_arg(PyObject *const *args, Py_ssize_t nargs, uint32_t *crc) {
+    *crc = 0;
+    if (nargs < 2)
+        return 0;
+    unsigned long v = PyLong_AsUnsignedLongMask(args[1]);
+    if (v == (unsigned long)-1 && PyErr_Occurred())
+        return -1;
+    *crc = (uint32_t)v;
+    return 0;
+}
+
 static PyObject *crc32c_call(crc_kernel_fn fn, const char *name, PyObject *const *args,
                              Py_ssize_t nargs) {
-    if (check_nargs(name, nargs, 1, 2) < 0)
+    uint32_t crc;
+    if (check_nargs(name, nargs, 1, 2) < 0 || crc_arg(args, nargs, &crc) < 0)
         return NULL;
-    uint32_t crc = 0;
-    if (nargs == 2) {
-        /* Mask like the package's "I" format so any int continues the same way. */
-        unsigned long v = PyLong_AsUnsignedLongMask(args[1]);
-        if (v == (unsigned long)-1 && PyErr_Occurred())
-            return NULL;
-        crc = (uint32_t)v;
-    }
     Py_buffer view;
     if (get_contiguous(args[0], &view) < 0)
         return NULL;
@@ -871,18 +877,28 @@ static int builder_reserve(BytesBuilder *b, Py_ssize_t more) {
     return 0;
 }
 
-/* Copy `data` into the bytes object at `offset` (already within its capacity). */
-static void builder_copy(BytesBuilder *b, Py_ssize_t offset, Py_buffer *view) {
-    char *dst = PyBytes_AS_STRING(b->bytes) + offset;
-    if (view->len >= BUILDER_NOGIL_MIN) {
+/* Copy `data` into the bytes object at `offset` (already within its capacity); with `crc`,
+ * continue the CRC-32C in *crc over the bytes in the same pass. */
+static void builder_copy(BytesBuilder *b, Py_ssize_t offset, Py_buffer *view, uint32_t *crc) {
+    uint8_t *dst = (uint8_t *)PyBytes_AS_STRING(b->bytes) + offset;
+    const uint8_t *src = (const uint8_t *)view->buf;
+    size_t n = (size_t)view->len;
+    if (n == 0)
+        return;
+    int nogil = view->len >= BUILDER_NOGIL_MIN;
+    PyThreadState *state = NULL;
+    if (nogil) {
         b->busy = 1;
-        Py_BEGIN_ALLOW_THREADS
-        populate_pages(dst, (size_t)view->len);
-        memcpy(dst, view->buf, (size_t)view->len);
-        Py_END_ALLOW_THREADS
+        state = PyEval_SaveThread();
+        populate_pages(dst, n);
+    }
+    if (crc != NULL)
+        *crc = ~copy_crc(crc_run, crc_run_copy, ~*crc, dst, src, n);
+    else
+        memcpy(dst, src, n);
+    if (nogil) {
+        PyEval_RestoreThread(state);
         b->busy = 0;
-    } else if (view->len > 0) {
-        memcpy(dst, view->buf, (size_t)view->len);
     }
 }
 
@@ -898,7 +914,7 @@ static PyObject *builder_write(BytesBuilder *b, PyObject *data) {
         return NULL;
     PyObject *result = NULL;
     if (builder_reserve(b, view.len) == 0) {
-        builder_copy(b, b->size, &view);
+        builder_copy(b, b->size, &view, NULL);
         b->size += view.len;
         result = PyLong_FromSsize_t(b->size);
     }
@@ -912,38 +928,21 @@ PyDoc_STRVAR(builder_write_crc_doc,
 "crc) would), copied and checksummed in one pass.");
 
 static PyObject *builder_write_crc(BytesBuilder *b, PyObject *const *args, Py_ssize_t nargs) {
-    if (check_nargs("write_crc", nargs, 1, 2) < 0 || builder_ready(b) < 0)
+    uint32_t crc;
+    if (check_nargs("write_crc", nargs, 1, 2) < 0 || builder_ready(b) < 0 ||
+        crc_arg(args, nargs, &crc) < 0)
         return NULL;
-    uint32_t crc = 0;
-    if (nargs == 2) {
-        unsigned long long value = PyLong_AsUnsignedLongLongMask(args[1]);
-        if (value == (unsigned long long)-1 && PyErr_Occurred())
-            return NULL;
-        crc = (uint32_t)value;
-    }
     Py_buffer view;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_C_CONTIGUOUS) < 0)
         return NULL;
-    if (builder_reserve(b, view.len) < 0) {
-        PyBuffer_Release(&view);
-        return NULL;
+    PyObject *result = NULL;
+    if (builder_reserve(b, view.len) == 0) {
+        builder_copy(b, b->size, &view, &crc);
+        b->size += view.len;
+        result = PyLong_FromUnsignedLong(crc);
     }
-    uint8_t *dst = (uint8_t *)PyBytes_AS_STRING(b->bytes) + b->size;
-    const uint8_t *src = (const uint8_t *)view.buf;
-    size_t n = (size_t)view.len;
-    if (view.len >= BUILDER_NOGIL_MIN) {
-        b->busy = 1;
-        Py_BEGIN_ALLOW_THREADS
-        populate_pages(dst, n);
-        crc = ~copy_crc(crc_run, crc_run_copy, ~crc, dst, src, n);
-        Py_END_ALLOW_THREADS
-        b->busy = 0;
-    } else {
-        crc = ~copy_crc(crc_run, crc_run_copy, ~crc, dst, src, n);
-    }
-    b->size += view.len;
     PyBuffer_Release(&view);
-    return PyLong_FromUnsignedLong(crc);
+    return result;
 }
 
 PyDoc_STRVAR(builder_write_at_doc,
@@ -966,7 +965,7 @@ static PyObject *builder_write_at(BytesBuilder *b, PyObject *const *args, Py_ssi
         PyBuffer_Release(&view);
         return NULL;
     }
-    builder_copy(b, offset, &view);
+    builder_copy(b, offset, &view, NULL);
     PyBuffer_Release(&view);
     Py_RETURN_NONE;
 }
