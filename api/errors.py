@@ -73,21 +73,21 @@ def error_response(error: TlkvError, headers: dict[str, str] | None = None) -> R
     )
 
 
-async def send_error(send: Send, error: TlkvError) -> None:
-    """Send a tlkv error as a whole response over raw ASGI (for the middlewares)."""
+def error_parts(error: TlkvError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    """The status, raw headers and body of the response to a tlkv error."""
     body = error_body(error.kind, str(error) or error.kind)
     headers: Iterable[tuple[str, str]] = [
         ("content-type", ERROR_MEDIA_TYPE),
         ("content-length", str(len(body))),
         *_extra_headers(type(error)).items(),
     ]
-    await send(
-        {
-            "type": "http.response.start",
-            "status": error.http_status,
-            "headers": [(k.encode(), v.encode("latin-1")) for k, v in headers],
-        }
-    )
+    return error.http_status, [(k.encode(), v.encode("latin-1")) for k, v in headers], body
+
+
+async def send_error(send: Send, error: TlkvError) -> None:
+    """Send a tlkv error as a whole response over raw ASGI (for the middlewares)."""
+    status, headers, body = error_parts(error)
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 

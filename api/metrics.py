@@ -24,6 +24,11 @@ Every scrape reports:
 - ``tlkv_store_hits_total`` and ``tlkv_store_misses_total``: block reads of all workers.
   Each worker's store counts its own reads; :meth:`Metrics.observe_store_reads` adds
   their increase after every request and before every scrape.
+
+Block reads answered by ``api.http_protocol`` (plain ``GET /v1/blocks/{hash}``) are
+written out in batches (:meth:`Metrics.observe_request_soon`): within ``BATCH_SECONDS``
+(50 ms), and at once when the same worker answers a scrape or shuts down. Another
+worker's scrape in between may miss up to 50 ms of them.
 - ``tlkv_store_blocks``, ``_bytes``, ``_capacity_bytes`` (absent when unbounded),
   ``_pinned_blocks``, ``_sequences`` (gauges) and ``tlkv_store_evictions_total``,
   ``tlkv_store_corrupt_total``: read from the shared store when the scrape is answered.
@@ -42,6 +47,8 @@ Every scrape reports:
 
 from __future__ import annotations
 
+import asyncio
+import bisect
 import os
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -60,6 +67,8 @@ SERIES_CACHE = 256  # label sets whose prometheus children a worker keeps at han
 UNMATCHED = "<unmatched>"  # every path that matched no route: keeps label cardinality bounded
 
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_N_BUCKETS = len(BUCKETS) + 1  # and +Inf
+BATCH_SECONDS = 0.05  # observe_request_soon's requests are written out this often
 
 # Store-wide stats read at scrape time, with their Prometheus type and help text.
 _STORE_METRICS = (
@@ -227,6 +236,10 @@ class Metrics:
         )
         self._seen_reads = (0, 0)
         self._series: dict[tuple[str, str, int], tuple[Any, Any]] = {}
+        # observe_request_soon's: per label set [requests, seconds, per-bucket counts].
+        self._pending: dict[tuple[str, str, int], list[Any]] = {}
+        self._pending_store: Any = None
+        self._flush_timer: asyncio.TimerHandle | None = None
         self._open_snapshots = Gauge(
             "tlkv_store_open_snapshots",
             "Read snapshots held open for zero-copy response bodies not yet written out.",
@@ -254,22 +267,83 @@ class Metrics:
         )
         started.set(time.time())
 
-    def observe(self, method: str, route: str, status: int, seconds: float) -> None:
-        """Count one finished HTTP request and its latency."""
-        key = (method, route, status)
+    def _children(self, key: tuple[str, str, int]) -> tuple[Any, Any]:
+        """The request counter's and the latency histogram's children of a label set."""
         series = self._series.get(key)
         if series is None:
             # prometheus-client's labels() costs a lock and a tuple hash per call: keep
             # the children of the label sets seen (a bounded number: clients choose the
             # method, so past SERIES_CACHE sets they are looked up each time).
+            method, route, status = key
             series = (
                 self._requests.labels(method, route, str(status)),
                 self._latency.labels(route),
             )
             if len(self._series) < SERIES_CACHE:
                 self._series[key] = series
+        return series
+
+    def observe(self, method: str, route: str, status: int, seconds: float) -> None:
+        """Count one finished HTTP request and its latency."""
+        series = self._children((method, route, status))
         series[0].inc()
         series[1].observe(seconds)
+
+    def observe_request_soon(
+        self,
+        method: str,
+        route: str,
+        status: int,
+        seconds: float,
+        store: Any,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        """``observe_request``, written out within ``BATCH_SECONDS`` (by a timer of
+        ``loop``, the only thread that may call this) or at this worker's next scrape.
+
+        For the reads ``api.http_protocol`` answers: each value written is a locked
+        write into a shared file in multiprocess mode, four per request, about a fifth
+        of such a read's Python time; batched, a burst of reads writes each once.
+        """
+        pending = self._pending.get((method, route, status))
+        if pending is None:
+            pending = self._pending[(method, route, status)] = [0, 0.0, [0] * _N_BUCKETS]
+        pending[0] += 1
+        pending[1] += seconds
+        pending[2][bisect.bisect_left(BUCKETS, seconds)] += 1  # prometheus: amount <= bound
+        self._pending_store = store
+        if self._flush_timer is None:
+            self._flush_timer = loop.call_later(BATCH_SECONDS, self.flush)
+
+    def flush(self) -> None:
+        """Write out what ``observe_request_soon`` holds (in the thread that calls that)."""
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
+        pending, self._pending = self._pending, {}
+        for key, (n, seconds, buckets) in pending.items():
+            counter, histogram = self._children(key)
+            counter.inc(n)
+            # Histogram children record one value per observe(): n observations are
+            # added to the sum and the buckets they fall in, as observe() adds them.
+            histogram._sum.inc(seconds)
+            for i, count in enumerate(buckets):
+                if count:
+                    histogram._buckets[i].inc(count)
+        store, self._pending_store = self._pending_store, None
+        if store is not None:
+            self.observe_store_reads(store.hits, store.misses)
+            self.observe_snapshots_of(store)
+
+    def observe_request(
+        self, method: str, route: str, status: int, seconds: float, store: Any
+    ) -> None:
+        """``observe`` one finished HTTP request, then the store's read counters and
+        open snapshots (``store`` None: not open)."""
+        self.observe(method, route, status, seconds)
+        if store is not None:
+            self.observe_store_reads(store.hits, store.misses)
+            self.observe_snapshots_of(store)
 
     def observe_grpc(self, method: str, code: str, seconds: float) -> None:
         """Count one finished gRPC call and its latency.
@@ -323,6 +397,7 @@ class Metrics:
         reads) are added to the read counters first. ``model_stats``: ``stats()`` of each
         model to export (``tlkv_model_blocks``/``_bytes``/``_sequences{model=...}``).
         """
+        self.flush()
         if store_stats is not None:
             self.observe_store_reads(store_stats.get("hits") or 0, store_stats.get("misses") or 0)
         d = self.multiprocess_dir
@@ -330,7 +405,9 @@ class Metrics:
         return generate_latest(_Sources(values, _ScrapeTime(store_stats, model_stats))).decode()
 
     def close(self) -> None:
-        """Drop this worker's per-process series (multiprocess mode), when it shuts down."""
+        """Write out pending requests, then drop this worker's per-process series
+        (multiprocess mode), when it shuts down."""
+        self.flush()
         if self.multiprocess_dir:
             mark_process_dead(os.getpid(), self.multiprocess_dir)
 
@@ -367,9 +444,10 @@ class MetricsMiddleware:
             await self.app(scope, receive, send_status)
         finally:
             route = scope.get("route")
-            template = getattr(route, "path", None) or UNMATCHED
-            self.metrics.observe(scope["method"], template, status, time.perf_counter() - t0)
-            store = getattr(scope["app"].state, "store", None)
-            if store is not None:
-                self.metrics.observe_store_reads(store.hits, store.misses)
-                self.metrics.observe_snapshots_of(store)
+            self.metrics.observe_request(
+                scope["method"],
+                getattr(route, "path", None) or UNMATCHED,
+                status,
+                time.perf_counter() - t0,
+                getattr(scope["app"].state, "store", None),
+            )

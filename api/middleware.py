@@ -36,6 +36,17 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
+def bearer_access(tokens: TokenTable, authorization: bytes | None) -> Access | None:
+    """The access of an ``Authorization: Bearer`` header's token in ``tokens`` (None: no
+    header, another scheme, or no such token)."""
+    if authorization is None:
+        return None
+    scheme, _, credentials = authorization.strip().partition(b" ")
+    if scheme.lower() != b"bearer":
+        return None
+    return tokens.lookup(credentials.strip())
+
+
 class GuardMiddleware:
     """Refuse unauthenticated requests (401) and over-limit bodies (413)."""
 
@@ -57,13 +68,7 @@ class GuardMiddleware:
         """The access of the request's bearer token (None: missing or wrong)."""
         if self.tokens is None:
             return EVERYTHING
-        value = _header(scope, b"authorization")
-        if value is None:
-            return None
-        scheme, _, credentials = value.strip().partition(b" ")
-        if scheme.lower() != b"bearer":
-            return None
-        return self.tokens.lookup(credentials.strip())
+        return bearer_access(self.tokens, _header(scope, b"authorization"))
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":

@@ -98,6 +98,23 @@ def _etag(data: bytes) -> str:
     return f'"{stored_crc(data):08x}-{len(data)}"'
 
 
+_ENVELOPE_TYPE = ENVELOPE_MEDIA_TYPE.encode()
+
+
+def block_headers(data: Any, etag: bytes) -> list[tuple[bytes, bytes]]:
+    """The raw headers of a block read's 200: its type, length and ETag (``_etag``)."""
+    return [
+        (b"content-type", _ENVELOPE_TYPE),
+        (b"content-length", str(len(data)).encode()),
+        (b"etag", etag),
+    ]
+
+
+def block_not_found(digits: str) -> NotFoundError:
+    """The answer to a read of a block that is not stored."""
+    return NotFoundError(f"block {digits} not found")
+
+
 @router.put("/v1/blocks", openapi_extra=ENVELOPE_BODY)
 async def put_blocks(request: Request) -> Response:
     """Store every full block of an envelope under its hash (partial blocks are counted)."""
@@ -126,7 +143,7 @@ async def get_block(request: Request, hash: HashPath, format: FormatQuery = None
     version = read_version(format, request.app.state.settings.formats)
     data = await _read(store_of(request), parse_hash_hex(hash), version)
     if data is None:
-        raise NotFoundError(f"block {hash} not found")
+        raise block_not_found(hash)
     etag = _etag(data)
     if request.headers.get("if-none-match") == etag:
         return Response(status_code=304, headers={"etag": etag})
@@ -179,23 +196,26 @@ class _BodyWatch:
             self.timer = self.loop.call_later(BODY_HOLD_SECONDS / 4, self.sweep)
 
 
-def watch_body(scope: dict[str, Any], owners: list[weakref.ref[Any]]) -> None:
-    """Abort the connection if the transport still holds one of the sent buffers whose
-    exporting arrays ``owners`` refers to (``owner_refs``) after ``BODY_HOLD_SECONDS``."""
+def watch_body(state: Any, transport: Any, what: str, owners: list[weakref.ref[Any]]) -> None:
+    """Abort ``transport`` if it still holds one of the sent buffers whose exporting
+    arrays ``owners`` refers to (``owner_refs``) after ``BODY_HOLD_SECONDS``.
+
+    ``state``: the app's state (its metrics count the abort); ``what``: the request's
+    path, for the log.
+    """
     for owner in owners:
         if owner() is not None:
-            state = scope["app"].state
             loop = asyncio.get_running_loop()
             watch = getattr(state, "body_watch", None)
             if watch is None or watch.loop is not loop:
                 watch = state.body_watch = _BodyWatch(loop)
-            watch.add(
-                owner,
-                scope.get(TRANSPORT_KEY),
-                scope.get("path", ""),
-                getattr(state, "metrics", None),
-            )
+            watch.add(owner, transport, what, getattr(state, "metrics", None))
             return  # they end together: the snapshot is one
+
+
+def watch_body_of(scope: dict[str, Any], owners: list[weakref.ref[Any]]) -> None:
+    """``watch_body`` for an ASGI request (the transport the metrics middleware left)."""
+    watch_body(scope["app"].state, scope.get(TRANSPORT_KEY), scope.get("path", ""), owners)
 
 
 def owner_refs(parts: list[Any]) -> list[weakref.ref[Any]]:
@@ -225,7 +245,7 @@ class _Parts(Response):
             part, parts[i] = parts[i], b""
             await send({"type": "http.response.body", "body": part, "more_body": i < last})
         del part
-        watch_body(scope, owners)
+        watch_body_of(scope, owners)
 
 
 _BLOCK_PREFIX = "/v1/blocks/"
@@ -277,7 +297,7 @@ class BlockReadFastPath:
             await send_error(send, exc)
             return
         if not found:
-            await send_error(send, NotFoundError(f"block {path[len(_BLOCK_PREFIX) :]} not found"))
+            await send_error(send, block_not_found(path[len(_BLOCK_PREFIX) :]))
             return
         data = found.pop()
         etag = _etag(data).encode()
@@ -288,11 +308,7 @@ class BlockReadFastPath:
                 )
                 await send({"type": "http.response.body", "body": b""})
                 return
-        headers = [
-            (b"content-type", ENVELOPE_MEDIA_TYPE.encode()),
-            (b"content-length", str(len(data)).encode()),
-            (b"etag", etag),
-        ]
+        headers = block_headers(data, etag)
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         if scope["method"] == "HEAD":
             await send({"type": "http.response.body", "body": b""})
@@ -300,7 +316,7 @@ class BlockReadFastPath:
         owners = owner_refs([data])
         await send({"type": "http.response.body", "body": data})
         del data
-        watch_body(scope, owners)
+        watch_body_of(scope, owners)
 
 
 @router.delete("/v1/blocks/{hash}", status_code=204)
@@ -308,7 +324,7 @@ async def delete_block(request: Request, hash: HashPath) -> Response:
     """Delete a block: 204, 404 when absent, 409 when a sequence pins it."""
     store = store_of(request)
     if not await run_in_threadpool(store.delete, parse_hash_hex(hash)):
-        raise NotFoundError(f"block {hash} not found")
+        raise block_not_found(hash)
     return Response(status_code=204)
 
 
