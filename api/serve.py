@@ -113,7 +113,7 @@ def _serve(args: argparse.Namespace, metrics_dir: str | None) -> int:
         port=args.port,
         workers=args.workers,
         loop="uvloop",
-        http="httptools",
+        http="api.http_protocol:TlkvHttpProtocol",  # httptools; block reads answered in it
         log_level=args.log_level,
         access_log=args.access_log,
     )

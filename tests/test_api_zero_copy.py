@@ -17,6 +17,7 @@ import uvicorn
 from http_server import free_port
 
 from api.app import create_app
+from api.http_protocol import TlkvHttpProtocol
 from api.routes import blocks as blocks_module
 from api.settings import Settings
 from kvstore import Block, Geometry, decode, encode
@@ -32,9 +33,10 @@ def _block(seed: int, block_hash: int) -> bytes:
 
 
 class _Server:
-    """The app under uvicorn in a thread: uvloop and httptools, as ``tlkv serve`` runs."""
+    """The app under uvicorn in a thread: uvloop and httptools, or ``tlkv serve``'s
+    protocol on httptools (block reads answered in it)."""
 
-    def __init__(self, data: Path) -> None:
+    def __init__(self, data: Path, http: Any = "httptools") -> None:
         # A map large enough from the start: the writer never needs a remap (which would
         # wait for the held bodies: see test_a_remap_waits_for_held_bodies).
         self.app = create_app(Settings(data=data, geometry=G, capacity_bytes=1 << 30))
@@ -44,12 +46,21 @@ class _Server:
             host="127.0.0.1",
             port=self.port,
             loop="uvloop",
-            http="httptools",
+            http=http,
             log_level="warning",
             lifespan="on",
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.http = http
+
+    def answered_reads(self, before: int) -> None:
+        """Block reads since ``TlkvHttpProtocol.answered`` was ``before`` went through
+        the protocol's own path when it serves, else none did."""
+        if self.http is TlkvHttpProtocol:
+            assert TlkvHttpProtocol.answered > before
+        else:
+            assert TlkvHttpProtocol.answered == before
 
     def __enter__(self) -> _Server:
         self.thread.start()
@@ -68,9 +79,11 @@ class _Server:
         return self.app.state.store
 
 
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[_Server]:
-    with _Server(tmp_path / "store") as s:
+@pytest.fixture(params=["httptools", TlkvHttpProtocol], ids=["asgi", "protocol"])
+def server(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[_Server]:
+    """Each scenario twice: block reads answered by the app (through ASGI) and by
+    ``TlkvHttpProtocol`` itself."""
+    with _Server(tmp_path / "store", request.param) as s:
         yield s
 
 
@@ -117,6 +130,7 @@ def _pipelined_gets_with_writer(
     originals = [_block(1, 0xA1), _block(2, 0xB2)]
     for data in originals:
         store.put(data)
+    answered = TlkvHttpProtocol.answered
     sock = _starved_client(server.port)
     with sock, sock.makefile("rb") as f:
         sock.sendall(
@@ -128,6 +142,7 @@ def _pipelined_gets_with_writer(
         _churn(store, [0xA1, 0xB2], 8)
         held = store.held_snapshots()[0]
         answers = [_read_response(f), _read_response(f)]
+    server.answered_reads(answered)
     return answers, originals, held
 
 
@@ -197,6 +212,7 @@ def test_a_stalled_client_is_cut_off(server: _Server, monkeypatch: pytest.Monkey
     monkeypatch.setattr(blocks_module, "BODY_HOLD_SECONDS", 0.5)
     store = server.store
     store.put(_block(3, 0xD4))
+    answered = TlkvHttpProtocol.answered
     sock = _starved_client(server.port)
     with sock:
         sock.sendall(b"GET /v1/blocks/00000000000000d4 HTTP/1.1\r\nHost: t\r\n\r\n")
@@ -212,6 +228,7 @@ def test_a_stalled_client_is_cut_off(server: _Server, monkeypatch: pytest.Monkey
         except OSError:  # reset by the server
             pass
         assert received < len(_block(3, 0xD4))  # what the kernel had taken, then the end
+    server.answered_reads(answered)
     text = server.app.state.metrics.render(None)
     assert "tlkv_http_stalled_bodies_total 1.0" in text
 
@@ -222,6 +239,7 @@ def test_a_remap_waits_for_held_bodies(server: _Server) -> None:
     store = server.store
     original = _block(5, 0xE5)
     store.put(original)
+    answered = TlkvHttpProtocol.answered
     sock = _starved_client(server.port)
     with sock, sock.makefile("rb") as f:
         sock.sendall(b"GET /v1/blocks/00000000000000e5 HTTP/1.1\r\nHost: t\r\n\r\n")
@@ -240,3 +258,4 @@ def test_a_remap_waits_for_held_bodies(server: _Server) -> None:
         t.join(10)
     assert grown.is_set()
     assert status == 200 and body == original
+    server.answered_reads(answered)

@@ -1,0 +1,214 @@
+"""uvicorn's httptools protocol, answering the plain block read itself.
+
+``GET /v1/blocks/{hash}`` is what engines send most: one per block of a prefix they
+restore. Through ASGI, each read also pays for uvicorn's request cycle and its task,
+FastAPI's middleware stack and ours (metrics, guard, model scope) before
+``api.routes.blocks.BlockReadFastPath`` answers it. Under wrk (``tools/bench_http.py``)
+that was about 120 us of the server's user CPU per 2 MiB read, as much again as the
+uvicorn request handling of a bare app. :class:`TlkvHttpProtocol` (what ``tlkv serve``
+runs) answers the read in the protocol, in ``on_headers_complete``, with what the app
+sends:
+
+- the stored envelope from LMDB's map, its CRC-32C checked first (``Store.get_buffers``);
+  the read snapshot ends when the transport releases the body, and a body left unread
+  ``BODY_HOLD_SECONDS`` aborts its connection (``watch_body``);
+- the same headers (uvicorn's ``date`` and ``server`` included), the same 404 body
+  and uvicorn's access-log line when that log is on;
+- the same metrics, written out within ``BATCH_SECONDS`` (``Metrics.observe_request_soon``),
+  and the same access rule (a bearer token that may read the default model).
+
+Head and body go out in one vectored write, the body not copied (uvloop keeps the
+buffer until the socket took it).
+
+Only the plain case is taken. Anything else goes to uvicorn's own handling, which runs
+the app exactly as before: another path (``/v1/models/{model}/blocks/...`` included), a
+method other than GET, a query string, a request body, ``Expect``, ``If-None-Match``,
+a token missing or not allowed to read, a store with an object-store tier (a miss reads
+through in the pool), formats other than both, a request behind one not yet answered or
+while the transport is paused (pipelined requests keep their order and wait for the
+transport to drain), HTTP/1.0 or ``Connection: close``, ``limit_concurrency``, a
+``root_path``, and a read that raises (the app answers with the error it names).
+
+It relies on attributes of uvicorn's ``HttpToolsProtocol`` (``url``, ``headers``,
+``cycle``, ``pipeline``, ``flow``, ``parser``): ``tests/test_http_protocol.py`` checks its
+answers against the app's, byte for byte, on the uvicorn installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from fastapi import FastAPI
+from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+
+from kvstore.codec.layout import SUPPORTED_VERSIONS
+from kvstore.protocol import DEFAULT_MODEL, is_hash_hex
+
+from .errors import error_parts
+from .middleware import bearer_access
+from .routes.blocks import (
+    BlockReadFastPath,
+    _etag,
+    block_headers,
+    block_not_found,
+    owner_refs,
+    watch_body,
+)
+
+log = logging.getLogger("tlkv.api")
+
+_BLOCK_PREFIX = b"/v1/blocks/"
+_BLOCK_URL_LEN = len(_BLOCK_PREFIX) + 16
+_ROUTE = BlockReadFastPath.route.path  # the metrics' route label, as the app gives it
+# Request headers that take a read off the plain case.
+_NOT_PLAIN = frozenset({b"content-length", b"transfer-encoding", b"if-none-match"})
+
+
+class _NoWaiter:
+    """The event of a request nothing waits on."""
+
+    def set(self) -> None:
+        """Nothing to wake."""
+
+
+class _Answered:
+    """Stands for the request cycle of a read answered here: complete (uvicorn's
+    protocol starts the next request at once and ignores this one's end)."""
+
+    response_complete = True
+    more_body = False
+    message_event = _NoWaiter()
+
+
+_ANSWERED = _Answered()
+
+
+def _tlkv_app(app: Any) -> FastAPI | None:
+    """The tlkv app under uvicorn's wrappers (proxy headers, message logger)."""
+    for _ in range(8):
+        if isinstance(app, FastAPI):
+            return app
+        app = getattr(app, "app", None)
+    return None
+
+
+class TlkvHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools HTTP/1.1 protocol; plain block reads answered in it."""
+
+    answered = 0  # block reads answered by the protocol in this process (tests, debugging)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tlkv_app = _tlkv_app(self.app)
+        self._plain = (
+            self.tlkv_app is not None and self.limit_concurrency is None and not self.root_path
+        )
+        self._vectored = False
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        # uvloop writes a list of buffers with one writev and keeps them, uncopied;
+        # asyncio's transports of Python 3.11 join them first.
+        self._vectored = type(transport).__module__.startswith("uvloop")
+
+    def on_headers_complete(self) -> None:
+        if self._plain and self._answer_block_read():
+            return
+        # A read answered earlier in the same data armed the keep-alive timer: a request
+        # the app answers must not be cut by it.
+        self._unset_keepalive_if_required()
+        super().on_headers_complete()
+
+    def _answer_block_read(self) -> bool:
+        """Answer a plain ``GET /v1/blocks/{hash}``; False: not plain, the app answers."""
+        t0 = time.perf_counter()
+        url = self.url
+        if len(url) != _BLOCK_URL_LEN or not url.startswith(_BLOCK_PREFIX):
+            return False
+        cycle = self.cycle
+        if (
+            (cycle is not None and not cycle.response_complete)
+            or self.pipeline
+            or self.flow.write_paused
+            or self.expect_100_continue
+            or self.transport.is_closing()
+        ):
+            return False
+        parser = self.parser
+        if (
+            parser.get_method() != b"GET"
+            or parser.get_http_version() != "1.1"
+            or not parser.should_keep_alive()
+            or parser.should_upgrade()
+        ):
+            return False
+        digits = url[len(_BLOCK_PREFIX) :].decode("latin-1")
+        if not is_hash_hex(digits):
+            return False
+        authorization = None
+        for name, value in self.headers:
+            if name in _NOT_PLAIN:
+                return False
+            if name == b"authorization":
+                authorization = value
+        app = self.tlkv_app
+        if app is None:
+            return False
+        state = app.state
+        store = getattr(state, "store", None)
+        settings = state.settings
+        if store is None or store.tier is not None or settings.formats != SUPPORTED_VERSIONS:
+            return False
+        if settings.tokens is not None:
+            access = bearer_access(settings.tokens, authorization)
+            if access is None or not access.can_read(DEFAULT_MODEL):
+                return False
+        try:
+            found = store.get_buffers([int(digits, 16)])
+        except Exception:  # a remap this thread may not wait for, a closed store, ...
+            return False
+        if found:
+            data = found.pop()
+            owners = owner_refs([data])
+            self._respond(200, block_headers(data, _etag(data).encode()), data)
+            del data
+            watch_body(state, self.transport, url.decode("latin-1"), owners)
+            status = 200
+        else:
+            status, headers, body = error_parts(block_not_found(digits))
+            self._respond(status, headers, body)
+        self._done()
+        TlkvHttpProtocol.answered += 1
+        if self.access_log and self.access_logger.isEnabledFor(logging.INFO):
+            client = "%s:%d" % self.client if self.client else "-"  # noqa: UP031 - uvicorn's
+            self.access_logger.info('%s - "GET %s HTTP/1.1" %d', client, url.decode(), status)
+        metrics = getattr(state, "metrics", None)
+        if metrics is not None:
+            seconds = time.perf_counter() - t0
+            metrics.observe_request_soon("GET", _ROUTE, status, seconds, store, self.loop)
+        return True
+
+    def _respond(self, status: int, headers: list[tuple[bytes, bytes]], body: Any) -> None:
+        """Write a whole response: status line, uvicorn's default headers, ``headers``,
+        then ``body`` (not copied)."""
+        head = [STATUS_LINE[status]]
+        for name, value in (*self.server_state.default_headers, *headers):
+            head += (name, b": ", value, b"\r\n")
+        head.append(b"\r\n")
+        if self._vectored:
+            self.transport.writelines((b"".join(head), body))
+        else:
+            self.transport.write(b"".join(head))
+            self.transport.write(body)
+
+    def _done(self) -> None:
+        """What uvicorn does when a response completes: count it, arm keep-alive."""
+        self.cycle = _ANSWERED  # type: ignore[assignment]
+        self.server_state.total_requests += 1
+        self._unset_keepalive_if_required()
+        self.timeout_keep_alive_task = self.loop.call_later(
+            self.timeout_keep_alive, self.timeout_keep_alive_handler
+        )
