@@ -99,6 +99,9 @@ class TlkvHttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools HTTP/1.1 protocol; plain block reads answered in it."""
 
     answered = 0  # block reads answered by the protocol in this process (tests, debugging)
+    # uvicorn's default headers (date, server) as bytes, for the list they were made of:
+    # the server replaces that list once a second.
+    _defaults: tuple[list[tuple[bytes, bytes]] | None, bytes] = (None, b"")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -107,12 +110,24 @@ class TlkvHttpProtocol(HttpToolsProtocol):
             self.tlkv_app is not None and self.limit_concurrency is None and not self.root_path
         )
         self._vectored = False
+        self._state: Any = None
+        self._store: Any = None
+        self._settings: Any = None
+        self._metrics: Any = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         # uvloop writes a list of buffers with one writev and keeps them, uncopied;
         # asyncio's transports of Python 3.11 join them first.
         self._vectored = type(transport).__module__.startswith("uvloop")
+        # The app's state as its lifespan left it, read once per connection (Starlette's
+        # State answers each attribute through a Python __getattr__). A store closed
+        # since refuses the read, and the app answers.
+        if self.tlkv_app is not None:
+            state = self._state = self.tlkv_app.state
+            self._store = getattr(state, "store", None)
+            self._settings = getattr(state, "settings", None)
+            self._metrics = getattr(state, "metrics", None)
 
     def on_headers_complete(self) -> None:
         if self._plain and self._answer_block_read():
@@ -154,12 +169,7 @@ class TlkvHttpProtocol(HttpToolsProtocol):
                 return False
             if name == b"authorization":
                 authorization = value
-        app = self.tlkv_app
-        if app is None:
-            return False
-        state = app.state
-        store = getattr(state, "store", None)
-        settings = state.settings
+        store, settings = self._store, self._settings
         if store is None or store.tier is not None or settings.formats != SUPPORTED_VERSIONS:
             return False
         if settings.tokens is not None:
@@ -175,7 +185,7 @@ class TlkvHttpProtocol(HttpToolsProtocol):
             owners = owner_refs([data])
             self._respond(200, block_headers(data, _etag(data).encode()), data)
             del data
-            watch_body(state, self.transport, url.decode("latin-1"), owners)
+            watch_body(self._state, self.transport, url.decode("latin-1"), owners)
             status = 200
         else:
             status, headers, body = error_parts(block_not_found(digits))
@@ -185,7 +195,7 @@ class TlkvHttpProtocol(HttpToolsProtocol):
         if self.access_log and self.access_logger.isEnabledFor(logging.INFO):
             client = "%s:%d" % self.client if self.client else "-"  # noqa: UP031 - uvicorn's
             self.access_logger.info('%s - "GET %s HTTP/1.1" %d', client, url.decode(), status)
-        metrics = getattr(state, "metrics", None)
+        metrics = self._metrics
         if metrics is not None:
             seconds = time.perf_counter() - t0
             metrics.observe_request_soon("GET", _ROUTE, status, seconds, store, self.loop)
@@ -194,8 +204,13 @@ class TlkvHttpProtocol(HttpToolsProtocol):
     def _respond(self, status: int, headers: list[tuple[bytes, bytes]], body: Any) -> None:
         """Write a whole response: status line, uvicorn's default headers, ``headers``,
         then ``body`` (not copied)."""
-        head = [STATUS_LINE[status]]
-        for name, value in (*self.server_state.default_headers, *headers):
+        defaults = self.server_state.default_headers
+        cached = TlkvHttpProtocol._defaults
+        if cached[0] is not defaults:
+            encoded = b"".join(b"%s: %s\r\n" % header for header in defaults)
+            cached = TlkvHttpProtocol._defaults = (defaults, encoded)
+        head = [STATUS_LINE[status], cached[1]]
+        for name, value in headers:
             head += (name, b": ", value, b"\r\n")
         head.append(b"\r\n")
         if self._vectored:
