@@ -43,6 +43,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
+from uvicorn.protocols.utils import get_client_addr
 
 from kvstore.codec.layout import SUPPORTED_VERSIONS
 from kvstore.protocol import DEFAULT_MODEL, is_hash_hex
@@ -193,8 +194,10 @@ class TlkvHttpProtocol(HttpToolsProtocol):
         self._done()
         TlkvHttpProtocol.answered += 1
         if self.access_log and self.access_logger.isEnabledFor(logging.INFO):
-            client = "%s:%d" % self.client if self.client else "-"  # noqa: UP031 - uvicorn's
-            self.access_logger.info('%s - "GET %s HTTP/1.1" %d', client, url.decode(), status)
+            # uvicorn's line and arguments: its access formatter unpacks them.
+            path = url.decode("latin-1")
+            client = get_client_addr(self.scope)
+            self.access_logger.info('%s - "%s %s HTTP/%s" %d', client, "GET", path, "1.1", status)
         metrics = self._metrics
         if metrics is not None:
             seconds = time.perf_counter() - t0

@@ -40,7 +40,7 @@ def _block(block_hash: int = HASH, version: int = 1) -> bytes:
 class _Server:
     """The app under uvicorn in a thread, with ``TlkvHttpProtocol`` on uvloop."""
 
-    def __init__(self, data: Path, **settings: Any) -> None:
+    def __init__(self, data: Path, log_level: str = "warning", **settings: Any) -> None:
         self.app = create_app(Settings(data=data, geometry=G, **settings))
         self.port = free_port()
         config = uvicorn.Config(
@@ -49,7 +49,7 @@ class _Server:
             port=self.port,
             loop="uvloop",
             http=TlkvHttpProtocol,
-            log_level="warning",
+            log_level=log_level,
             lifespan="on",
         )
         self.server = uvicorn.Server(config)
@@ -264,3 +264,34 @@ def test_batched_requests_render_as_observed_ones() -> None:
 
     asyncio.run(record())
     assert _series(batched) == _series(one)
+
+
+def test_the_access_log_line_is_uvicorns(tmp_path: Path) -> None:
+    """With uvicorn's access log on, a read answered in the protocol logs the line the
+    app's answer logs, through uvicorn's own formatter."""
+    import logging
+    import re
+
+    from uvicorn.logging import AccessFormatter
+
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(self.format(record))
+
+    handler = Collect()
+    handler.setFormatter(AccessFormatter("%(client_addr)s %(request_line)s %(status_code)s"))
+    with _Server(tmp_path / "store", log_level="info") as server:
+        access = logging.getLogger("uvicorn.access")
+        access.addHandler(handler)
+        try:
+            server.store.put(_block())
+            (_, n) = _answered(server, _get(PATH))
+            assert n == 1
+            (_, n) = _answered(server, _get(PATH + "?"))
+            assert n == 0
+        finally:
+            access.removeHandler(handler)
+    plain, app = (re.sub(r":\d+ ", ":port ", line) for line in lines)
+    assert plain == app == f"127.0.0.1:port GET {PATH} HTTP/1.1 200 OK"
