@@ -1,9 +1,11 @@
-"""Test helper: run ``python -m kvstore serve`` in a subprocess on a free loopback port.
+"""Test helpers: run ``python -m kvstore serve`` in a subprocess, or an app under uvicorn
+in a thread, on a free loopback port.
 
 ``ServerProcess`` starts the real server (uvicorn, real LMDB directory), waits for
 ``/healthz`` and, with ``--workers N``, until ``/metrics`` lists all N workers, and stops
 it with SIGTERM (SIGKILL as a last resort). Its log goes to a file next to the data,
-printed when start-up fails.
+printed when start-up fails. ``ThreadServer`` runs an app in this process (its store at
+hand), on uvloop with the HTTP protocol asked for.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+import uvicorn
 
 REPO = Path(__file__).resolve().parent.parent
 START_TIMEOUT = 30.0
@@ -28,6 +32,44 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+class ThreadServer:
+    """``app`` under uvicorn in a thread: uvloop, and ``http`` (uvicorn's ``"httptools"``
+    or a protocol class such as ``tlkv serve``'s); a context manager."""
+
+    def __init__(self, app: Any, http: Any = "httptools", log_level: str = "warning") -> None:
+        self.app = app
+        self.http = http
+        self.port = free_port()
+        config = uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=self.port,
+            loop="uvloop",
+            http=http,
+            log_level=log_level,
+            lifespan="on",
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> Any:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(20)
+
+    @property
+    def store(self) -> Any:
+        """The app's open store."""
+        return self.app.state.store
 
 
 class ServerProcess:

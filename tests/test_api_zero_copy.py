@@ -13,8 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-import uvicorn
-from http_server import free_port
+from http_server import ThreadServer
 
 from api.app import create_app
 from api.http_protocol import TlkvHttpProtocol
@@ -32,27 +31,14 @@ def _block(seed: int, block_hash: int) -> bytes:
     return encode(G, [Block(block_hash, G.block_tokens, kv)])
 
 
-class _Server:
+class _Server(ThreadServer):
     """The app under uvicorn in a thread: uvloop and httptools, or ``tlkv serve``'s
     protocol on httptools (block reads answered in it)."""
 
     def __init__(self, data: Path, http: Any = "httptools") -> None:
         # A map large enough from the start: the writer never needs a remap (which would
         # wait for the held bodies: see test_a_remap_waits_for_held_bodies).
-        self.app = create_app(Settings(data=data, geometry=G, capacity_bytes=1 << 30))
-        self.port = free_port()
-        config = uvicorn.Config(
-            self.app,
-            host="127.0.0.1",
-            port=self.port,
-            loop="uvloop",
-            http=http,
-            log_level="warning",
-            lifespan="on",
-        )
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.http = http
+        super().__init__(create_app(Settings(data=data, geometry=G, capacity_bytes=1 << 30)), http)
 
     def answered_reads(self, before: int) -> None:
         """Block reads since ``TlkvHttpProtocol.answered`` was ``before`` went through
@@ -61,22 +47,6 @@ class _Server:
             assert TlkvHttpProtocol.answered > before
         else:
             assert TlkvHttpProtocol.answered == before
-
-    def __enter__(self) -> _Server:
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(20)
-
-    @property
-    def store(self) -> Any:
-        return self.app.state.store
 
 
 @pytest.fixture(params=["httptools", TlkvHttpProtocol], ids=["asgi", "protocol"])

@@ -6,15 +6,12 @@ it off the plain case); everything else reaches the app unchanged."""
 from __future__ import annotations
 
 import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
-from http_server import free_port
+from http_server import ThreadServer
 from prometheus_client import generate_latest
 
 from api.access import Access, TokenTable
@@ -37,39 +34,12 @@ def _block(block_hash: int = HASH, version: int = 1) -> bytes:
     return encode(G, [Block(block_hash, G.block_tokens, kv.astype(np.float16))], version)
 
 
-class _Server:
+class _Server(ThreadServer):
     """The app under uvicorn in a thread, with ``TlkvHttpProtocol`` on uvloop."""
 
     def __init__(self, data: Path, log_level: str = "warning", **settings: Any) -> None:
-        self.app = create_app(Settings(data=data, geometry=G, **settings))
-        self.port = free_port()
-        config = uvicorn.Config(
-            self.app,
-            host="127.0.0.1",
-            port=self.port,
-            loop="uvloop",
-            http=TlkvHttpProtocol,
-            log_level=log_level,
-            lifespan="on",
-        )
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> _Server:
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(20)
-
-    @property
-    def store(self) -> Any:
-        return self.app.state.store
+        app = create_app(Settings(data=data, geometry=G, **settings))
+        super().__init__(app, TlkvHttpProtocol, log_level)
 
     def exchange(self, *requests: bytes) -> list[tuple[bytes, list[tuple[bytes, bytes]], bytes]]:
         """Send ``requests`` at once on one connection (pipelined); their answers, each
