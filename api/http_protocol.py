@@ -87,6 +87,33 @@ class _Answered:
 _ANSWERED = _Answered()
 
 
+class _BodyChunks:
+    """A request cycle's body buffer that keeps the chunks as the parser gave them.
+
+    uvicorn appends each chunk to a ``bytearray`` and hands the app ``bytes()`` of it:
+    two copies of every byte of a 16 MiB put. Here ``+=`` keeps the chunk and
+    ``bytes()`` of one chunk is that chunk (the app usually takes each as it comes);
+    several are joined once.
+    """
+
+    __slots__ = ("chunks", "size")
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+        self.size = 0
+
+    def __iadd__(self, chunk: bytes) -> _BodyChunks:
+        self.chunks.append(chunk)
+        self.size += len(chunk)
+        return self
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __bytes__(self) -> bytes:
+        return self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
+
+
 def _tlkv_app(app: Any) -> FastAPI | None:
     """The tlkv app under uvicorn's wrappers (proxy headers, message logger)."""
     for _ in range(8):
@@ -137,6 +164,14 @@ class TlkvHttpProtocol(HttpToolsProtocol):
         # the app answers must not be cut by it.
         self._unset_keepalive_if_required()
         super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        cycle = self.cycle
+        # uvicorn's cycle starts, and restarts after each message it hands over, with an
+        # empty bytearray: the chunks go to a _BodyChunks instead.
+        if not cycle.response_complete and type(cycle.body) is bytearray and not cycle.body:
+            cycle.body = _BodyChunks()  # type: ignore[assignment]
+        super().on_body(body)
 
     def _answer_block_read(self) -> bool:
         """Answer a plain ``GET /v1/blocks/{hash}``; False: not plain, the app answers."""
