@@ -29,9 +29,13 @@ while the transport is paused (pipelined requests keep their order and wait for 
 transport to drain), HTTP/1.0 or ``Connection: close``, ``limit_concurrency``, a
 ``root_path``, and a read that raises (the app answers with the error it names).
 
+Request bodies reach the app as the parser's chunks (``_BodyChunks``), without uvicorn's
+two copies of each into and out of a ``bytearray``.
+
 It relies on attributes of uvicorn's ``HttpToolsProtocol`` (``url``, ``headers``,
-``cycle``, ``pipeline``, ``flow``, ``parser``): ``tests/test_http_protocol.py`` checks its
-answers against the app's, byte for byte, on the uvicorn installed.
+``cycle`` and its ``body``, ``pipeline``, ``flow``, ``parser``):
+``tests/test_http_protocol.py`` checks its answers against the app's, byte for byte, on
+the uvicorn installed.
 """
 
 from __future__ import annotations
