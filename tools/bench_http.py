@@ -5,7 +5,10 @@ Both servers run as subprocesses with 2 workers, uvloop and httptools: ``tlkv se
 temporary store of 2 MiB v1 blocks (geometry 16, 32, 8, 128), and a bare uvicorn ASGI app
 (``bare_app`` below) answering every GET with the same 2 MiB bytes from memory, and the
 same app checking the envelope's CRC-32C before each answer (tlkv's read check, kept on
-every read: the baseline that does the same work). The load generator is ``wrk`` when it
+every read: the baseline that does the same work). For PUT, besides in-process
+``Store.put`` (no HTTP at all), the bare app storing each received body with
+``Store.put`` in its own store: the same HTTP receive and durable put, none of tlkv's
+service around them. The load generator is ``wrk`` when it
 is on PATH, else stdlib ``http.client`` keep-alive connections in several processes (httpx
 would be slower than the server); the same generator drives both servers, so the ratio
 compares server cost only.
@@ -47,7 +50,9 @@ PUT_ROUNDS = 5  # the disk writes fresh pages at 0.2-0.5 GB/s: the median of fiv
 # --- the bare ASGI app (imported by its uvicorn workers) -----------------------------------
 
 _BLOB: list[bytes] = []
+_STORE: list[Any] = []
 BARE_CRC_ENV = "TLKV_BENCH_BARE_CRC"  # "1": the bare app checks the body's CRC per request
+BARE_STORE_ENV = "TLKV_BENCH_BARE_STORE"  # a store directory: the bare app puts into it
 
 
 async def bare_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -55,18 +60,31 @@ async def bare_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
 
     With ``TLKV_BENCH_BARE_CRC=1`` it first checks the envelope's CRC-32C (kvstore's
     ``crc_matches``, the check tlkv runs on every read) and answers 500 if it fails: the
-    fair baseline of a server that promises to verify what it serves.
+    fair baseline of a server that promises to verify what it serves. With
+    ``TLKV_BENCH_BARE_STORE`` set, a PUT's body is read into one buffer of its
+    Content-Length and stored with ``Store.put`` in a worker thread (as tlkv does), then
+    answered ``{}``.
     """
     if scope["type"] == "lifespan":
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                _BLOB.append(Path(os.environ[BLOB_ENV]).read_bytes())
+                if os.environ.get(BLOB_ENV):
+                    _BLOB.append(Path(os.environ[BLOB_ENV]).read_bytes())
+                if os.environ.get(BARE_STORE_ENV):
+                    from kvstore import Geometry, Store
+
+                    _STORE.append(Store(os.environ[BARE_STORE_ENV], geometry=Geometry(*GEOMETRY)))
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
+                for store in _STORE:
+                    store.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
-    body = _BLOB[0]
+    if scope["method"] == "PUT" and _STORE:
+        await _bare_put(scope, receive, send)
+        return
+    body = _BLOB[0] if _BLOB else b"{}"  # the PUT server's health checks
     ok = not _CHECK_CRC or crc_matches(body)
     await send(
         {
@@ -79,6 +97,25 @@ async def bare_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         }
     )
     await send({"type": "http.response.body", "body": body})
+
+
+async def _bare_put(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    import asyncio
+
+    length = int(dict(scope["headers"]).get(b"content-length", b"0"))
+    buf = bytearray(length)
+    view, pos, more = memoryview(buf), 0, True
+    while more:
+        message = await receive()
+        chunk = message.get("body", b"")
+        view[pos : pos + len(chunk)] = chunk
+        pos += len(chunk)
+        more = message.get("more_body", False)
+    await asyncio.to_thread(_STORE[0].put, buf)
+    await send(
+        {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]}
+    )
+    await send({"type": "http.response.body", "body": b"{}"})
 
 
 _CHECK_CRC = os.environ.get(BARE_CRC_ENV) == "1"
@@ -148,7 +185,9 @@ def _start_tlkv(data: Path, log: Path) -> _Server:
     return _Server(cmd, port, server_env(), log)
 
 
-def _start_bare(blob: Path, log: Path, check_crc: bool = False) -> _Server:
+def _start_bare(
+    blob: Path | None, log: Path, check_crc: bool = False, store: Path | None = None
+) -> _Server:
     port = free_port()
     code = (
         "import uvicorn; uvicorn.run('bench_http:bare_app', host='127.0.0.1', "
@@ -156,8 +195,9 @@ def _start_bare(blob: Path, log: Path, check_crc: bool = False) -> _Server:
         "log_level='warning', access_log=False)"
     )
     env = server_env()
-    env[BLOB_ENV] = str(blob)
+    env[BLOB_ENV] = "" if blob is None else str(blob)
     env[BARE_CRC_ENV] = "1" if check_crc else "0"
+    env[BARE_STORE_ENV] = "" if store is None else str(store)
     return _Server([sys.executable, "-c", code], port, env, log)
 
 
@@ -573,14 +613,20 @@ def run(args: argparse.Namespace) -> list[Row]:
                 bodies.append(_join([e for _, e in _block_envelopes(hs)]))
             batches.append(bodies)
         # Interleaved with the baselines over fresh hashes each round; ratios per round.
+        bare_put = _start_bare(None, root / "bare-put.log", store=root / "bare-put-store")
+        servers.append(bare_put)
         put_runs: list[tuple[float, float, float]] = []
+        bare_puts: list[float] = []
         for r in range(PUT_ROUNDS):
             # Round 0 puts the blocks the GET and load runs read; later rounds new ones.
             rb = [[_rehash_body(body, r) if r else body for body in bodies] for bodies in batches]
             store_gbps = _store_put(root / f"store-put-{r}", rb)
             put_gbps = _put_throughput(tlkv.port, rb)
+            bare_puts.append(_put_throughput(bare_put.port, rb))
             raw_gbps = _raw_lmdb_put(root / f"raw-lmdb-{r}", rb)
             put_runs.append((put_gbps, store_gbps, raw_gbps))
+        bare_put.stop()
+        servers.remove(bare_put)
         ratios = [p / s_ for p, s_, _ in put_runs]
         mid = _median_index(ratios)
         put_gbps, store_gbps, raw_gbps = put_runs[mid]
@@ -599,6 +645,24 @@ def run(args: argparse.Namespace) -> list[Row]:
                 f"  (per-round ratios, {len(ratios)} rounds)",
                 ", ".join(f"{x:.2f}x" for x in ratios),
                 f"raw py-lmdb sync put {', '.join(f'{r_:.2f}' for *_, r_ in put_runs)} GB/s",
+            )
+        )
+        fair = [p / b for (p, _, _), b in zip(put_runs, bare_puts)]
+        fmid = _median_index(fair)
+        rows.append(
+            Row(
+                "  same vs the bare app receiving each body and calling Store.put",
+                f"{put_runs[fmid][0]:.2f} GB/s",
+                f"bare uvicorn ASGI + Store.put {bare_puts[fmid]:.2f} GB/s",
+                fair[fmid],
+                ">= 0.8x",
+                fair[fmid] >= 0.8,
+            )
+        )
+        rows.append(
+            Row(
+                f"  (per-round ratios, {len(fair)} rounds)",
+                ", ".join(f"{x:.2f}x" for x in fair),
             )
         )
 
