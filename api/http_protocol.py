@@ -172,8 +172,14 @@ class TlkvHttpProtocol(HttpToolsProtocol):
     def on_body(self, body: bytes) -> None:
         cycle = self.cycle
         # uvicorn's cycle starts, and restarts after each message it hands over, with an
-        # empty bytearray: the chunks go to a _BodyChunks instead.
-        if not cycle.response_complete and type(cycle.body) is bytearray and not cycle.body:
+        # empty bytearray: the chunks go to a _BodyChunks instead. (No cycle: an upgrade,
+        # which uvicorn's on_body leaves alone.)
+        if (
+            cycle is not None
+            and not cycle.response_complete
+            and type(cycle.body) is bytearray
+            and not cycle.body
+        ):
             cycle.body = _BodyChunks()  # type: ignore[assignment]
         super().on_body(body)
 
