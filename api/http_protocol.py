@@ -56,14 +56,12 @@ from .errors import error_parts
 from .middleware import bearer_access
 from .routes.blocks import (
     BlockReadFastPath,
-    _etag,
+    block_etag,
     block_headers,
     block_not_found,
     owner_refs,
     watch_body,
 )
-
-log = logging.getLogger("tlkv.api")
 
 _BLOCK_PREFIX = b"/v1/blocks/"
 _BLOCK_URL_LEN = len(_BLOCK_PREFIX) + 16
@@ -229,7 +227,7 @@ class TlkvHttpProtocol(HttpToolsProtocol):
         if found:
             data = found.pop()
             owners = owner_refs([data])
-            self._respond(200, block_headers(data, _etag(data).encode()), data)
+            self._respond(200, block_headers(data, block_etag(data).encode()), data)
             del data
             watch_body(self._state, self.transport, url.decode("latin-1"), owners)
             status = 200

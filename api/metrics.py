@@ -24,11 +24,6 @@ Every scrape reports:
 - ``tlkv_store_hits_total`` and ``tlkv_store_misses_total``: block reads of all workers.
   Each worker's store counts its own reads; :meth:`Metrics.observe_store_reads` adds
   their increase after every request and before every scrape.
-
-Block reads answered by ``api.http_protocol`` (plain ``GET /v1/blocks/{hash}``) are
-written out in batches (:meth:`Metrics.observe_request_soon`): within ``BATCH_SECONDS``
-(50 ms), and at once when the same worker answers a scrape or shuts down. Another
-worker's scrape in between may miss up to 50 ms of them.
 - ``tlkv_store_blocks``, ``_bytes``, ``_capacity_bytes`` (absent when unbounded),
   ``_pinned_blocks``, ``_sequences`` (gauges) and ``tlkv_store_evictions_total``,
   ``tlkv_store_corrupt_total``: read from the shared store when the scrape is answered.
@@ -43,6 +38,11 @@ worker's scrape in between may miss up to 50 ms of them.
   without shutting down loses it when the next worker starts).
 - ``tlkv_worker_pid``: the process id of the worker that answered this scrape, the one
   series that depends on which worker answers.
+
+Block reads answered by ``api.http_protocol`` (plain ``GET /v1/blocks/{hash}``) are
+written out in batches (:meth:`Metrics.observe_request_soon`): within ``BATCH_SECONDS``
+(50 ms), and at once when the same worker answers a scrape or shuts down. Another
+worker's scrape in between may miss up to 50 ms of them.
 """
 
 from __future__ import annotations
@@ -331,9 +331,7 @@ class Metrics:
                 if count:
                     histogram._buckets[i].inc(count)
         store, self._pending_store = self._pending_store, None
-        if store is not None:
-            self.observe_store_reads(store.hits, store.misses)
-            self.observe_snapshots_of(store)
+        self._observe_store(store)
 
     def observe_request(
         self, method: str, route: str, status: int, seconds: float, store: Any
@@ -341,6 +339,10 @@ class Metrics:
         """``observe`` one finished HTTP request, then the store's read counters and
         open snapshots (``store`` None: not open)."""
         self.observe(method, route, status, seconds)
+        self._observe_store(store)
+
+    def _observe_store(self, store: Any) -> None:
+        """The store's read counters and open snapshots, after requests (None: no store)."""
         if store is not None:
             self.observe_store_reads(store.hits, store.misses)
             self.observe_snapshots_of(store)

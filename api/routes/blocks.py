@@ -93,8 +93,9 @@ async def _read(store: Store, h: int, version: int | None) -> bytes | None:
     return await run_in_threadpool(functools.partial(store.get, h, version=version))
 
 
-def _etag(data: bytes) -> str:
-    # The envelope's own CRC-32C: it changes whenever a byte of the answer does.
+def block_etag(data: Any) -> str:
+    """The ETag of a stored envelope: its own CRC-32C and length, which change whenever a
+    byte of the answer does."""
     return f'"{stored_crc(data):08x}-{len(data)}"'
 
 
@@ -102,7 +103,7 @@ _ENVELOPE_TYPE = ENVELOPE_MEDIA_TYPE.encode()
 
 
 def block_headers(data: Any, etag: bytes) -> list[tuple[bytes, bytes]]:
-    """The raw headers of a block read's 200: its type, length and ETag (``_etag``)."""
+    """The raw headers of a block read's 200: its type, length and ETag (``block_etag``)."""
     return [
         (b"content-type", _ENVELOPE_TYPE),
         (b"content-length", str(len(data)).encode()),
@@ -144,7 +145,7 @@ async def get_block(request: Request, hash: HashPath, format: FormatQuery = None
     data = await _read(store_of(request), parse_hash_hex(hash), version)
     if data is None:
         raise block_not_found(hash)
-    etag = _etag(data)
+    etag = block_etag(data)
     if request.headers.get("if-none-match") == etag:
         return Response(status_code=304, headers={"etag": etag})
     return Response(data, media_type=ENVELOPE_MEDIA_TYPE, headers={"etag": etag})
@@ -300,7 +301,7 @@ class BlockReadFastPath:
             await send_error(send, block_not_found(path[len(_BLOCK_PREFIX) :]))
             return
         data = found.pop()
-        etag = _etag(data).encode()
+        etag = block_etag(data).encode()
         for name, value in scope["headers"]:
             if name == b"if-none-match" and value == etag:
                 await send(
