@@ -390,14 +390,20 @@ class Client:
         return self._ok("POST", url, content=body, body_type=kind, **kw)
 
     def has_blocks(
-        self, hashes: Iterable[HashLike] | None = None, tokens: Sequence[int] | None = None
+        self,
+        hashes: Iterable[HashLike] | None = None,
+        tokens: Sequence[int] | None = None,
+        *,
+        tier: bool = False,
     ) -> HasResult:
         """Which ``hashes`` the server holds (or which full blocks of ``tokens``).
 
         Hashes travel as a binary u64 body; tokens as JSON, hashed by the server with its
-        block_tokens.
+        block_tokens. ``tier``: a block the server's object-store tier holds counts too
+        (``?tier=1``: its reads would fetch it through).
         """
-        data = self._query("/v1/has-blocks", hashes, tokens).json()
+        params = {"tier": 1} if tier else None
+        data = self._query("/v1/has-blocks", hashes, tokens, params=params).json()
         return HasResult([bool(p) for p in data["present"]], int(data["prefix"]))
 
     def prefix(

@@ -10,7 +10,9 @@ greedy tokens and logprobs are identical.
 ``python tools/vllm_demo.py engine SPEC.json`` runs one engine as SPEC says and prints
 one ``RESULT {...}`` line: the tests and ``tools/bench.py vllm`` run every engine this way,
 each in its own process. SPEC: ``{"model": DIR, "dtype": "float16", "connector": {...}
-or null, "prompts": [{"tokens": [...], "salt": null}], "max_tokens": 4, "enable_prefix_caching": false}``.
+or null, "prompts": [{"tokens": [...], "salt": null, "pause": null}], "max_tokens": 4,
+"enable_prefix_caching": false}`` (``pause``: a path; the engine touches ``<path>.ready``
+and waits for ``<path>.go`` before that prompt).
 """
 
 from __future__ import annotations
@@ -103,6 +105,10 @@ def _engine(spec: dict[str, Any]) -> dict[str, Any]:
     params = SamplingParams(max_tokens=spec.get("max_tokens", 4), temperature=0.0, logprobs=1)
     results = []
     for p in spec["prompts"]:
+        if p.get("pause"):  # a test acts between two prompts: "<pause>.ready", "<pause>.go"
+            Path(p["pause"] + ".ready").touch()
+            while not Path(p["pause"] + ".go").exists():
+                time.sleep(0.05)
         item: dict[str, Any] = {"prompt_token_ids": p["tokens"]}
         if p.get("salt"):
             item["cache_salt"] = p["salt"]

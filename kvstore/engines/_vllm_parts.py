@@ -176,7 +176,8 @@ class _HttpTarget(Target):
         if not len(hashes):
             return 0
         try:
-            return int(self.client.has_blocks(np.asarray(hashes, dtype=np.uint64)).prefix)
+            ask = np.asarray(hashes, dtype=np.uint64)
+            return int(self.client.has_blocks(ask, tier=True).prefix)  # a tier's count too
         except NotFoundError:
             return 0
 

@@ -374,6 +374,7 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """Copy this step's planned blocks into their block ids; blocks that could not be
         loaded are reported by ``get_block_ids_with_load_errors``."""
         meta = self._get_connector_metadata()
+        assert isinstance(meta, TlkvMetadata)
         for load in meta.loads:
             if self._paged is None:
                 self._load_errors.update(load.block_ids)
@@ -409,7 +410,9 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         and one encode for the missing ones, one put)."""
         if self._paged is None or not self.has_connector_metadata():
             return
-        for save in self._get_connector_metadata().saves:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, TlkvMetadata)
+        for save in meta.saves:
             try:
                 target = self._target(save.model)
                 present = target.has(save.hashes)

