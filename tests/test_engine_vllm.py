@@ -240,3 +240,62 @@ def test_transformers_bridge_saves_vllm_loads(cold: Any, models: Any, tmp_path: 
     assert got["cached"] == HIT
     assert got["tokens"] == ref["tokens"]
     assert max(abs(a - b) for a, b in zip(got["logprobs"], ref["logprobs"])) <= 0.02
+
+
+def test_quantized_cache_refused_connector_stays_off(models: Any, tmp_path: Path) -> None:
+    data = tmp_path / "tlkv-data"
+    out = _run(models["f16"], tlkv_config(str(data)), PROMPT, llm={"kv_cache_dtype": "fp8"})
+    assert out["results"][0]["cached"] == 0
+    assert "tlkv connector is off: UnsupportedLayoutError: kv_cache_dtype 'fp8'" in out["log"]
+    assert not data.exists()  # nothing opened, nothing stored
+
+
+def test_namespace_of_another_geometry_stops_the_engine(models: Any, tmp_path: Path) -> None:
+    from conftest import make_envelope
+
+    from kvstore import Geometry
+
+    data = str(tmp_path / "tlkv-data")
+    with Store(data) as store:
+        store.model(_ns(models["f16"])).put(make_envelope(Geometry(16, 2, 2, 32), 32))
+    with pytest.raises(RuntimeError) as info:
+        _run(models["f16"], tlkv_config(data), PROMPT)
+    assert "holds geometry (B, L, Hkv, D) = (16, 2, 2, 32), this engine's is (32, 2, 2, 32)" in str(
+        info.value
+    )
+
+
+VERSION_CHECK = """
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+vllm.__version__ = "0.99.0"
+del KVConnectorBase_V1.get_block_ids_with_load_errors  # an API without it
+try:
+    import kvstore.engines.vllm
+except ImportError as exc:
+    print("REFUSED", exc)
+"""
+
+
+def test_another_connector_api_fails_at_load_naming_the_version() -> None:
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, "-c", VERSION_CHECK], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
+    assert "REFUSED kvstore.engines.vllm implements vLLM 0.32.0's KV connector API; vLLM " in (
+        proc.stdout
+    )
+    assert "0.99.0 differs: get_block_ids_with_load_errors missing" in proc.stdout
+
+
+def test_namespaces() -> None:
+    assert namespace("meta-llama/Llama-3.1-8B", "5206a32", "bfloat16") == (
+        "meta-llama/Llama-3.1-8B@5206a32/bfloat16"
+    )
+    assert namespace("/models/my model", None, "float16") == "/models/my_model@main/float16"
+    long = namespace("x" * 400, None, "float16")
+    assert len(long) <= 200 - len("+salt:") - 16 and long != namespace("x" * 399, None, "float16")
+    a, b = salted("m@main/float16", "tenant-a"), salted("m@main/float16", "tenant-b")
+    assert a.startswith("m@main/float16+salt:") and a != b and "tenant" not in a
+    assert salted("m", None) == "m" and len(salted(long, "s")) <= 200

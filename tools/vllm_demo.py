@@ -11,8 +11,8 @@ greedy tokens and logprobs are identical.
 one ``RESULT {...}`` line: the tests and ``tools/bench.py vllm`` run every engine this way,
 each in its own process. SPEC: ``{"model": DIR, "dtype": "float16", "connector": {...}
 or null, "prompts": [{"tokens": [...], "salt": null, "pause": null}], "max_tokens": 4,
-"enable_prefix_caching": false}`` (``pause``: a path; the engine touches ``<path>.ready``
-and waits for ``<path>.go`` before that prompt).
+"enable_prefix_caching": false, "llm": {more LLM(...) arguments}}`` (``pause``: a path;
+the engine touches ``<path>.ready`` and waits for ``<path>.go`` before that prompt).
 """
 
 from __future__ import annotations
@@ -99,6 +99,7 @@ def _engine(spec: dict[str, Any]) -> dict[str, Any]:
         kv_cache_memory_bytes=KV_CACHE_BYTES,
         enable_prefix_caching=spec.get("enable_prefix_caching", False),
         seed=0,
+        **spec.get("llm", {}),
         **kw,
     )
     load_s = time.perf_counter() - started

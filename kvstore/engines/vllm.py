@@ -31,7 +31,9 @@ Choices:
   dropped. Each is counted (``KVConnectorStats``: vLLM's log line and metrics hooks) and
   logged once per kind.
 - A layout the connector cannot show it reads exactly is refused at start-up by name
-  (``UnsupportedLayoutError``, logged); the connector then does nothing.
+  (``UnsupportedLayoutError``, logged); the connector then does nothing. A target whose
+  namespace holds another geometry stops the engine at start-up (``ShapeError`` naming
+  both).
 - Tested with vLLM 0.32.0 (``TESTED_VLLM``); another version whose connector API differs
   fails at import (which is when vLLM loads the class) naming the version.
 """
@@ -205,9 +207,10 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._off: str | None = None
         try:
             self._geometry = _check_config(vllm_config, kv_cache_config)
-            self._check_target_geometry()
-        except (UnsupportedLayoutError, ShapeError) as exc:
+        except UnsupportedLayoutError as exc:
             self._refuse(exc)
+        else:
+            self._check_target_geometry()  # ShapeError: the engine does not start
         log.info(
             "tlkv connector: role %s, namespace %s, target %s, %s",
             cfg.kv_role,
