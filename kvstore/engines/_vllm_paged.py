@@ -106,6 +106,8 @@ class PagedCache:
         self.layers = views
         self.dtype = views[0].dtype
         self.device = views[0].device
+        # numpy views sharing the paged memory (CPU): the v1 load path writes through them
+        self._np_layers = [self._numpy(v) for v in views] if self.device.type == "cpu" else []
 
     def _numpy(self, t: Any) -> np.ndarray:
         import torch
@@ -121,34 +123,36 @@ class PagedCache:
             return np.dtype(ml_dtypes.bfloat16)
         return np.dtype(np.float16 if self.dtype == torch.float16 else np.float32)
 
-    def gather(self, block_ids: Sequence[int], hashes: Sequence[int], version: int) -> bytes:
-        """One envelope of the full blocks ``block_ids`` (in that order), hashed ``hashes``.
-
-        One gather per layer into ``[n][L][2][Hkv][B][D]``, then one encode (its one copy
-        per block into the envelope).
-        """
+    def gather(self, block_ids: Sequence[int]) -> np.ndarray:
+        """A copy of the full blocks ``block_ids`` as ``[n][L][2][Hkv][B][D]`` (one gather
+        per layer): the engine may reuse the blocks as soon as this returns."""
         import torch
 
         g = self.geometry
-        n = len(block_ids)
         ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
         out = torch.empty(
-            (n, g.n_layers, 2, g.n_kv_heads, g.block_tokens, g.head_dim), dtype=self.dtype
+            (len(block_ids), g.n_layers, 2, g.n_kv_heads, g.block_tokens, g.head_dim),
+            dtype=self.dtype,
         )
         for i, layer in enumerate(self.layers):
             out[:, i] = layer.index_select(0, ids).transpose(1, 2).cpu()
-        arr = self._numpy(out)
+        return self._numpy(out)
+
+    def encode(self, blocks: np.ndarray, hashes: Sequence[int], version: int) -> bytes:
+        """One envelope of gathered blocks (``gather``), hashed ``hashes``: one encode."""
+        g = self.geometry
         return encode(
-            g, [Block(int(h), g.block_tokens, arr[i]) for i, h in enumerate(hashes)], version
+            g, [Block(int(h), g.block_tokens, blocks[i]) for i, h in enumerate(hashes)], version
         )
 
     def scatter(self, views: Sequence[BlockView], block_ids: Sequence[int]) -> int:
         """Copy checked block views into the paged blocks ``block_ids`` (in order); returns
-        the payload bytes read. One decode/copy per block into a staging array, then one
-        scatter per layer.
-        """
-        import torch
+        the payload bytes read.
 
+        v1 blocks: one copy per block and layer straight from the view into the paged
+        block (converted to the cache's dtype on the way). v2 blocks are dequantized into a
+        staging array first (``layers_from_views``), then scattered per layer.
+        """
         g = self.geometry
         n = len(views)
         if n == 0:
@@ -159,6 +163,21 @@ class PagedCache:
                     f"block {i} has geometry {bv.geometry.as_tuple()} and {bv.n_tokens} "
                     f"tokens, the engine's is {g.as_tuple()} (full blocks)"
                 )
+        if self.device.type == "cpu" and all(bv.version == 1 for bv in views):
+            dst = self._np_layers
+            for bv, block in zip(views, block_ids):
+                src = bv.kv.transpose(0, 2, 1, 3, 4)  # [L][Hkv][2][B][D]
+                for i, layer in enumerate(dst):
+                    layer[block] = src[i]
+        else:
+            self._scatter_staged(views, block_ids)
+        return sum(len(bv.raw) for bv in views)
+
+    def _scatter_staged(self, views: Sequence[BlockView], block_ids: Sequence[int]) -> None:
+        import torch
+
+        g = self.geometry
+        n = len(views)
         np_dtype = self._np_dtype()
         staging = np.empty(
             (g.n_layers, 2, g.n_kv_heads, n * g.block_tokens, g.head_dim), dtype=np_dtype
@@ -172,4 +191,3 @@ class PagedCache:
         ids = torch.as_tensor(list(block_ids[:n]), dtype=torch.long, device=self.device)
         for i, layer in enumerate(self.layers):
             layer.index_copy_(0, ids, src[i].permute(2, 1, 0, 3, 4).to(self.device))
-        return sum(len(bv.raw) for bv in views)

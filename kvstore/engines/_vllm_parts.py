@@ -19,12 +19,15 @@ namespaces, the three targets behind one interface, and vLLM's paged cache layou
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import os
+import queue
 import re
 import threading
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -38,6 +41,7 @@ from ..transfer import GRPC_SCHEME, TransferClient
 
 __all__ = [
     "KNOWN_BACKENDS",
+    "Saver",
     "Target",
     "UnsupportedLayoutError",
     "namespace",
@@ -250,3 +254,51 @@ def open_target(spec: str, model: str, token: str | None, timeout: float) -> Tar
     if spec.startswith(GRPC_SCHEME):
         return _GrpcTarget(spec, model, token, timeout)
     return _StoreTarget(spec, model)
+
+
+_SAVE_QUEUE_BYTES = 1 << 30  # gathered blocks waiting for the saver; beyond, saves drop
+
+
+class Saver:
+    """One thread that runs ``save(model, hashes, blocks)`` for queued saves, in order.
+
+    At most ``_SAVE_QUEUE_BYTES`` wait (``submit`` returns False beyond: the save is
+    dropped); ``close`` (and interpreter exit) finishes what is queued.
+    """
+
+    def __init__(self, save: Any) -> None:
+        self._save = save
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, model: str, hashes: list[int], blocks: Any) -> bool:
+        with self._lock:
+            if self._bytes + blocks.nbytes > _SAVE_QUEUE_BYTES:
+                return False
+            self._bytes += blocks.nbytes
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="tlkv-saver", daemon=True)
+                self._thread.start()
+                atexit.register(self.close)
+        self._queue.put((model, hashes, blocks))
+        return True
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            try:
+                self._save(*item)
+            finally:
+                with self._lock:
+                    self._bytes -= item[2].nbytes
+
+    def close(self) -> None:
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join()

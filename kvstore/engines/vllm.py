@@ -19,8 +19,10 @@ Choices:
   (same weights, ``block_tokens`` = block_size, this namespace) is loaded here.
 - Scheduler: one longest-prefix round trip per lookup; the full blocks beyond what vLLM
   holds are loaded, always leaving one prompt token to compute. Saved: the prompt's full
-  blocks, once computed, that were not loaded; the worker asks the target which it lacks
-  and encodes only those.
+  blocks, once computed, that were not loaded. The worker copies them out of the paged
+  cache at the end of the step and a saver thread asks the target which it lacks, encodes
+  only those and puts them: the engine never waits on a store or a server (a save is
+  visible to other engines a moment after its step; queued saves finish at shutdown).
 - Roles: ``kv_both`` loads and saves, ``kv_producer`` only saves, ``kv_consumer`` only loads.
 - Never cached: requests with a LoRA adapter, multimodal inputs or prompt embeddings. A
   ``cache_salt`` gives the request a namespace of its own.
@@ -43,12 +45,13 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..codec.hashing import chain_hashes
 from ..errors import ShapeError
-from ._vllm_parts import Target, UnsupportedLayoutError, namespace, open_target, salted
+from ._vllm_parts import Saver, Target, UnsupportedLayoutError, namespace, open_target, salted
 
 try:
     import vllm
@@ -199,6 +202,8 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._targets: dict[str, Target] = {}
         self._reqs: dict[str, _Req] = {}
         self._stats = TlkvConnectorStats()
+        self._stats_lock = threading.Lock()
+        self._saver = Saver(self._save)
         self._warned: set[str] = set()
         self._load_errors: set[int] = set()
         self._paged: Any = None
@@ -387,8 +392,8 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 with self._target(load.model).views(load.hashes) as views:
                     nbytes = self._paged.scatter(views, load.block_ids)
                     done = len(views)
-                self._stats.data["blocks_loaded"] += done
-                self._stats.data["bytes_loaded"] += nbytes
+                self._count("blocks_loaded", done)
+                self._count("bytes_loaded", nbytes)
                 if done < len(load.hashes):
                     raise LookupError(
                         f"{len(load.hashes) - done} of {len(load.hashes)} blocks were no "
@@ -397,7 +402,7 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
             except Exception as exc:
                 self._failed("load", exc)
                 failed = load.block_ids[done:]
-                self._stats.data["load_errors"] += len(failed)
+                self._count("load_errors", len(failed))
                 self._load_errors.update(failed)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -409,31 +414,44 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """Saves happen in ``wait_for_save``, once every layer is computed."""
 
     def wait_for_save(self) -> None:
-        """Store this step's new full blocks that the target lacks (ask first, one gather
-        and one encode for the missing ones, one put)."""
+        """Copy this step's new full blocks out of the paged cache (one gather per layer)
+        and hand them to the saver thread, which asks the target which it lacks, encodes
+        only those and puts them: the engine never waits on a store or a server."""
         if self._paged is None or not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, TlkvMetadata)
         for save in meta.saves:
             try:
-                target = self._target(save.model)
-                present = target.has(save.hashes)
-                missing = [i for i, here in enumerate(present) if not here]
-                self._stats.data["blocks_present"] += len(save.hashes) - len(missing)
-                if not missing:
-                    continue
-                env = self._paged.gather(
-                    [save.block_ids[i] for i in missing],
-                    [save.hashes[i] for i in missing],
-                    self._version,
-                )
-                target.put(env)
-                self._stats.data["blocks_saved"] += len(missing)
-                self._stats.data["bytes_saved"] += len(env)
+                blocks = self._paged.gather(save.block_ids)
             except Exception as exc:
                 self._failed("save", exc)
-                self._stats.data["save_errors"] += 1
+                self._count("save_errors", 1)
+                continue
+            if not self._saver.submit(save.model, save.hashes, blocks):
+                self._failed("save", BufferError("the save queue is full: blocks dropped"))
+                self._count("save_errors", 1)
+
+    def _save(self, model: str, hashes: list[int], blocks: Any) -> None:
+        """On the saver thread: store the blocks the target lacks (ask first)."""
+        try:
+            target = self._target(model)
+            missing = [i for i, here in enumerate(target.has(hashes)) if not here]
+            self._count("blocks_present", len(hashes) - len(missing))
+            if missing:
+                env = self._paged.encode(
+                    blocks[missing], [hashes[i] for i in missing], self._version
+                )
+                target.put(env)
+                self._count("blocks_saved", len(missing))
+                self._count("bytes_saved", len(env))
+        except Exception as exc:
+            self._failed("save", exc)
+            self._count("save_errors", 1)
+
+    def _count(self, key: str, n: int) -> None:
+        with self._stats_lock:
+            self._stats.data[key] += n
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Block ids whose load failed since the last call (vLLM recomputes them)."""
@@ -442,9 +460,10 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """This interval's counters (None when nothing happened)."""
-        if self._stats.is_empty():
-            return None
-        out, self._stats = self._stats, TlkvConnectorStats()
+        with self._stats_lock:
+            if self._stats.is_empty():
+                return None
+            out, self._stats = self._stats, TlkvConnectorStats()
         return out
 
     @classmethod
@@ -453,7 +472,8 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return TlkvConnectorStats(data=dict(data or {}))
 
     def shutdown(self) -> None:
-        """Close the connections to servers."""
+        """Finish the queued saves, then close the connections to servers."""
+        self._saver.close()
         for t in self._targets.values():
             t.close()
         self._targets.clear()

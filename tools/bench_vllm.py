@@ -1,0 +1,159 @@
+"""vLLM with the tlkv connector: time to first token against vLLM's own ExampleConnector and
+against no connector, measured in the same run, and the load copy against memcpy.
+
+A random-weight Llama of 12 layers (hidden 768, 12 heads, 4 KV heads, head_dim 64) in f16,
+a 1,024-token prompt, ``max_tokens=1``; every engine in its own process
+(``tools/vllm_demo.py engine``, vLLM's prefix cache off), each first serving a 64-token
+warm-up prompt so that the measured request is not the engine's first. Per run (a new
+prompt and fresh directories each):
+
+- cold without a connector; cold with tlkv saving (store directory); warm with tlkv (a
+  fresh engine on that directory); ExampleConnector cold (saving) and warm; warm with
+  tlkv through ``tlkv serve`` (HTTP) on that directory.
+- Ratios: tlkv warm / Example warm (target <= 1.0), tlkv HTTP warm / Example warm
+  (<= 1.3), tlkv warm / cold (<= 0.5), tlkv cold saving / cold (<= 1.15).
+
+Load bandwidth: the connector's copy of 32 stored blocks (decode into a staging array,
+one scatter per layer) into a paged cache laid out as vLLM's CPU backend's, against one
+memcpy (``torch.Tensor.copy_``) of the same bytes (target >= 0.5x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from bench_common import Row, best_seconds
+
+MODEL = {"layers": 12, "hidden": 768, "heads": 12, "kv_heads": 4, "head_dim": 64}
+TOKENS = 1024
+ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def _ttft(run_engine: Any, model: str, connector: Any, prompts: list[list[int]]) -> dict[str, Any]:
+    spec = {
+        "model": model,
+        "connector": connector,
+        "prompts": [{"tokens": p} for p in prompts],
+        "max_tokens": 1,
+    }
+    result = run_engine(spec, ENV)["results"][-1]
+    return dict(result)
+
+
+def _example(path: str) -> dict[str, Any]:
+    return {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": path},
+    }
+
+
+def _one_run(run: int, model: str, root: Path) -> dict[str, float]:
+    from http_server import ServerProcess
+    from vllm_demo import prompt, run_engine, tlkv_config
+
+    prompts = [prompt(64, seed=1000 + run), prompt(TOKENS, seed=run)]
+    data = str(root / f"tlkv-{run}")
+    t: dict[str, float] = {}
+    t["cold"] = _ttft(run_engine, model, None, prompts)["seconds"]
+    t["cold_save"] = _ttft(run_engine, model, tlkv_config(data), prompts)["seconds"]
+    warm = _ttft(run_engine, model, tlkv_config(data), prompts)
+    assert warm["cached"] == (TOKENS - 1) // 32 * 32, warm
+    t["warm"] = warm["seconds"]
+    example = str(root / f"example-{run}")
+    _ttft(run_engine, model, _example(example), prompts)
+    ex = _ttft(run_engine, model, _example(example), prompts)
+    assert ex["cached"] > 0, ex
+    t["example_warm"] = ex["seconds"]
+    with ServerProcess(Path(data)) as server:
+        http = _ttft(run_engine, model, tlkv_config(server.url), prompts)
+    assert http["cached"] == warm["cached"], http
+    t["http_warm"] = http["seconds"]
+    print(f"run {run}: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in t.items()), flush=True)
+    return t
+
+
+def _load_rows(repeat: int) -> list[Row]:
+    """The connector's load copy against memcpy of the same bytes."""
+    import numpy as np
+    import torch
+    from vllm_demo import prompt
+
+    from kvstore import Geometry, Store
+    from kvstore.codec.envelope import Block, encode
+    from kvstore.codec.hashing import chain_hashes
+    from kvstore.engines._vllm_paged import PagedCache
+
+    g = Geometry(32, MODEL["layers"], MODEL["kv_heads"], MODEL["head_dim"])
+    n, blocks_in_cache = 32, 256
+    rng = np.random.default_rng(0)
+    hashes = chain_hashes(prompt(n * 32), 32)
+    caches = {
+        f"model.layers.{i}.self_attn.attn": torch.zeros(
+            (blocks_in_cache, g.n_kv_heads, 32, 2 * g.head_dim), dtype=torch.float16
+        )
+        for i in range(g.n_layers)
+    }
+    paged = PagedCache(caches, g, dict.fromkeys(caches, "CPU_ATTN"))
+    ids = list(range(7, 7 + 3 * n, 3))
+    with tempfile.TemporaryDirectory() as tmp, Store(tmp) as store:
+        kv = rng.standard_normal((n, *g.kv_shape)).astype(np.float16)
+        store.put(encode(g, [Block(h, 32, kv[i]) for i, h in enumerate(hashes)]))
+
+        def load() -> None:
+            with store.reader() as r:
+                views = [r.view(h, verify=True) for h in hashes]
+                paged.scatter(views, ids)
+
+        nbytes = n * g.payload_bytes()
+        src = torch.from_numpy(kv.reshape(-1).copy())
+        dst = torch.empty_like(src)
+        load_s = best_seconds(load, repeat)
+        copy_s = best_seconds(lambda: dst.copy_(src), repeat)
+    ratio = (nbytes / load_s) / (nbytes / copy_s)
+    return [
+        Row(
+            f"load {n} blocks ({nbytes >> 20} MiB) into the paged cache (CRC checked)",
+            f"{nbytes / load_s / 1e9:.2f} GB/s",
+            f"memcpy {nbytes / copy_s / 1e9:.2f} GB/s",
+            ratio,
+            ">= 0.5x",
+            ratio >= 0.5,
+        )
+    ]
+
+
+def _ratio_row(name: str, runs: list[dict[str, float]], num: str, den: str, target: float) -> Row:
+    ratios = [r[num] / r[den] for r in runs]
+    med = statistics.median(ratios)
+    each = ", ".join(f"{x:.2f}" for x in ratios)
+    value = f"{statistics.median([r[num] for r in runs]) * 1e3:.0f} ms"
+    base = f"{den} {statistics.median([r[den] for r in runs]) * 1e3:.0f} ms; runs {each}"
+    return Row(name, value, base, med, f"<= {target}x", med <= target)
+
+
+def run(args: argparse.Namespace) -> list[Row]:
+    tools = Path(__file__).resolve().parent
+    sys.path.insert(0, str(tools.parent / "tests"))  # http_server: a tlkv serve process
+    from vllm_demo import make_model
+
+    n_runs = 1 if args.quick else 3
+    with tempfile.TemporaryDirectory() as tmp:
+        model = make_model(Path(tmp) / "model", **MODEL)
+        runs = [_one_run(i, model, Path(tmp)) for i in range(n_runs)]
+    return [
+        _ratio_row(
+            "TTFT warm, tlkv store dir vs ExampleConnector", runs, "warm", "example_warm", 1.0
+        ),
+        _ratio_row(
+            "TTFT warm, tlkv HTTP vs ExampleConnector", runs, "http_warm", "example_warm", 1.3
+        ),
+        _ratio_row("TTFT warm (tlkv) vs cold (no connector)", runs, "warm", "cold", 0.5),
+        _ratio_row("TTFT cold, tlkv saving vs no connector", runs, "cold_save", "cold", 1.15),
+        *_load_rows(3 if args.quick else 9),
+    ]
