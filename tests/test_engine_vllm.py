@@ -299,3 +299,44 @@ def test_namespaces() -> None:
     a, b = salted("m@main/float16", "tenant-a"), salted("m@main/float16", "tenant-b")
     assert a.startswith("m@main/float16+salt:") and a != b and "tenant" not in a
     assert salted("m", None) == "m" and len(salted(long, "s")) <= 200
+
+
+SNIPPET_MARK = "<!-- snippet: run by tests/test_engine_vllm.py -->"
+SNIPPET_SHIM = """
+import vllm
+_LLM = vllm.LLM
+
+
+def _tiny(model, **kw):  # the README's model name -> the test's tiny random Llama
+    return _LLM(model={model!r}, skip_tokenizer_init=True, dtype="float16", enforce_eager=True,
+                kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False, **kw)
+
+
+vllm.LLM = _tiny
+tokens = {tokens!r}
+"""
+
+
+def test_readme_llm_snippet_runs(models: Any, tmp_path: Path) -> None:
+    import subprocess
+
+    text = (REPO / "README.md").read_text()
+    assert text.count(SNIPPET_MARK) == 1
+    after = text.split(SNIPPET_MARK, 1)[1]
+    assert after.startswith("\n```python\n")
+    snippet = after[len("\n```python\n") :].split("\n```", 1)[0]
+    script = SNIPPET_SHIM.format(model=models["f16"], tokens=PROMPT) + snippet
+    env = {**__import__("os").environ, **ENV, "PYTHONPATH": str(REPO)}
+    printed = []
+    for _ in range(2):  # cold, then a fresh engine on the same ./tlkv-data
+        proc = subprocess.run(
+            [sys.executable, "-c", script],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        printed.append(proc.stdout.strip().splitlines()[-1])
+    assert printed == ["0", str(HIT)]
