@@ -323,11 +323,7 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 continue
             req.block_ids = list(new.block_ids[0])
             if req.load:
-                start, end = req.load_start, req.load_start + req.load
-                meta.loads.append(
-                    _Load(new.req_id, req.model, req.hashes[start:end], req.block_ids[start:end])
-                )
-                req.load = 0
+                self._plan_load(meta, new.req_id, req)
             progress.append((new.req_id, new.num_computed_tokens + steps.get(new.req_id, 0)))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -340,6 +336,8 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     req.block_ids = list(new_ids[0])
                 else:
                     req.block_ids.extend(new_ids[0])
+            if req.load:  # resumed after a preemption, with a load planned by a new lookup
+                self._plan_load(meta, req_id, req)
             progress.append((req_id, cached.num_computed_tokens[i] + steps.get(req_id, 0)))
         if self._save_on:
             for req_id, done in progress:
@@ -353,6 +351,12 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     )
                     req.saved = full
         return meta
+
+    @staticmethod
+    def _plan_load(meta: TlkvMetadata, req_id: str, req: _Req) -> None:
+        start, end = req.load_start, req.load_start + req.load
+        meta.loads.append(_Load(req_id, req.model, req.hashes[start:end], req.block_ids[start:end]))
+        req.load = 0
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         """Forget the request; its blocks are freed at once (saves are synchronous)."""
