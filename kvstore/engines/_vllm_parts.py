@@ -256,6 +256,10 @@ def open_target(spec: str, model: str, token: str | None, timeout: float) -> Tar
     return _StoreTarget(spec, model)
 
 
+# Queued saves are finished before the interpreter's thread pools stop taking work (a large
+# put writes through the store's helper pool): ``threading._register_atexit`` runs its
+# callbacks before that, ``atexit`` after it. Where the former is missing, the latter.
+_at_exit = getattr(threading, "_register_atexit", atexit.register)
 _SAVE_QUEUE_BYTES = 1 << 30  # gathered blocks waiting for the saver; beyond, saves drop
 
 
@@ -263,7 +267,8 @@ class Saver:
     """One thread that runs ``save(model, hashes, blocks)`` for queued saves, in order.
 
     At most ``_SAVE_QUEUE_BYTES`` wait (``submit`` returns False beyond: the save is
-    dropped); ``close`` (and interpreter exit) finishes what is queued.
+    dropped); ``close`` (called by the connector's ``shutdown`` and at interpreter exit)
+    finishes what is queued.
     """
 
     def __init__(self, save: Any) -> None:
@@ -281,7 +286,7 @@ class Saver:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="tlkv-saver", daemon=True)
                 self._thread.start()
-                atexit.register(self.close)
+                _at_exit(self.close)
         self._queue.put((model, hashes, blocks))
         return True
 

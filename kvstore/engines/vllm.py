@@ -428,12 +428,10 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for save in meta.saves:
             try:
                 blocks = self._paged.gather(save.block_ids)
+                if not self._saver.submit(save.model, save.hashes, blocks):
+                    raise BufferError("the save queue is full: blocks dropped")
             except Exception as exc:
                 self._failed("save", exc)
-                self._count("save_errors", 1)
-                continue
-            if not self._saver.submit(save.model, save.hashes, blocks):
-                self._failed("save", BufferError("the save queue is full: blocks dropped"))
                 self._count("save_errors", 1)
 
     def _save(self, model: str, hashes: list[int], blocks: Any) -> None:
