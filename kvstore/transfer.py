@@ -426,7 +426,8 @@ class TransferClient:
         block, the partial tail included, as its single-block envelope. With ``sequence``
         the server pins the whole state under that name (as ``Store.put_sequence``). When
         a referenced block was evicted meanwhile (FAILED_PRECONDITION naming it), the push
-        is sent once more with every payload.
+        is sent once more with every payload. A model the server does not have yet is
+        created by the push (as by a first HTTP ``PUT``), every block with its payload.
 
         Raises:
             EnvelopeError: ``envelope`` breaks a reader rule (nothing is sent).
@@ -437,7 +438,10 @@ class TransferClient:
         full = np.flatnonzero(hashes != NO_HASH)
         held: set[int] = set()
         if len(full):
-            present = self.has_blocks(hashes[full]).present
+            try:
+                present = self.has_blocks(hashes[full]).present
+            except NotFoundError:  # a model not created yet: this push creates it
+                present = [False] * len(full)
             held = {int(hashes[i]) for i, here in zip(full.tolist(), present) if here}
         try:
             return self._push(env, held, sequence)

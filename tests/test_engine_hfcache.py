@@ -176,7 +176,7 @@ def test_one_row_of_a_batch_is_saved_with_row(tmp_path: Path) -> None:
     ids = _prompt(40, seed=3, batch=2)
     cache = _prefill(model, ids)
     with Store(tmp_path / "s") as store:
-        with pytest.raises(CacheLayoutError, match="batch size must be 1.*row=i"):
+        with pytest.raises(CacheLayoutError, match=r"batch size must be 1.*row=i"):
             save_prefix(store, ids, cache)
         with pytest.raises(CacheLayoutError, match="row=2 is outside"):
             save_prefix(store, ids, cache, row=2)

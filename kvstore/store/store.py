@@ -294,13 +294,17 @@ class Store(StoreModels, StoreReads, StoreWrites, StoreStats, StoreCore):
 
     @property
     def geometry(self) -> Geometry | None:
-        """The store's block geometry (None until given or adopted by a first put)."""
+        """The store's block geometry (None until given or adopted by a first put); with a
+        tier, until then the geometry of its namespace in the tier, if any (which a put or
+        a read-through then adopts)."""
         if self._geometry is None and not self._closed:
             txn = self._begin_read(False)
             try:
                 self._geometry_in(txn)
             finally:
                 self._end_read(txn)
+            if self._geometry is None and self._tier is not None:
+                return self._tier.learned_geometry()
         return self._geometry
 
     @property

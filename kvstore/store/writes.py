@@ -31,7 +31,7 @@ class StoreWrites(StoreCore):
 
     def _validate(self, data: Any, geometry: Geometry | None = None) -> Envelope:
         """Every reader rule but the CRC (checked while writing); errors in the codec's order."""
-        geometry = geometry or self._geometry
+        geometry = geometry or self.geometry  # a tier's namespace geometry while none here
         try:
             env = decode(data, geometry, verify_crc=False)
             if not self._allow_nonfinite:
