@@ -3,7 +3,9 @@
 Exit codes: 0 success; 1 any other failure (e.g. a block not found); 2 usage; 3 a format
 error (of an envelope or an archive); 4 shape mismatch; 5 unsupported version; 6 done, but
 the input is inconsistent where the command looked (``archive extract`` wrote a valid block
-from an archive whose index or manifest disagrees with it).
+from an archive whose index or manifest disagrees with it); 141 the reader of the output
+closed it (``tlkv archive ls A | head``: the command stops quietly, the shell's code for a
+tool ended by SIGPIPE).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ EXIT_FORMAT = 3
 EXIT_SHAPE = 4
 EXIT_VERSION = 5
 EXIT_INCONSISTENT = 6
+EXIT_CLOSED_PIPE = 141  # 128 + SIGPIPE
 
 
 def exit_code_for(error: BaseException) -> int:
