@@ -248,3 +248,40 @@ def test_refused_layouts_are_named(tmp_path: Path) -> None:
         with pytest.raises(CacheLayoutError, match="offloaded cache"):
             load_prefix(store, ids, cache=offloaded)
         assert store.stats()["blocks"] == 0
+
+
+def test_tuples_of_a_sliding_cache_are_refused_and_plain_pairs_are_read(tmp_path: Path) -> None:
+    mistral, ids = _model("mistral"), _prompt(40)
+    cache = _prefill(mistral, ids)
+    with Store(tmp_path / "s") as store:
+        with pytest.raises(CacheLayoutError, match="layer 0 of the tuple is a sliding-window"):
+            save_prefix(store, ids, tuple(cache))  # (keys, values, sliding window) per layer
+        assert store.stats()["blocks"] == 0
+        pairs = tuple((layer.keys, layer.values) for layer in cache.layers)
+        assert save_prefix(store, ids, pairs) == 2  # all 40 positions held: exact
+
+
+def test_a_source_without_geometry_or_token_lookups_is_told_what_is_missing() -> None:
+    import contextlib
+
+    from kvstore.errors import InvalidRequestError
+
+    class Blind:
+        knows_geometry = False
+
+        def block_geometry(self) -> None:
+            return None
+
+        def has_blocks(self, hashes: Any) -> list[bool]:
+            return [False] * len(hashes)
+
+        def put_envelope(self, envelope: bytes) -> int:
+            return 0
+
+        @contextlib.contextmanager
+        def prefix_views(self, hashes: Any) -> Any:
+            yield []
+
+    with pytest.raises(InvalidRequestError, match="pass config= and block_tokens="):
+        load_prefix(Blind(), _prompt(40))
+    assert load_prefix(Blind(), _prompt(40), config=_model("llama"), block_tokens=16) == (0, None)

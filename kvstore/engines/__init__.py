@@ -4,7 +4,8 @@ One module per engine (``kvstore.engines.transformers``: Hugging Face transforme
 ``tlkv[hf]`` extra); each imports its framework lazily. What an engine bridge needs from
 the place that holds blocks is ``BlockTarget``: a ``Store``, an HTTP ``Client``, a tl.kv.v1
 ``TransferClient``, or any object with these four methods, which ``as_target`` passes
-through as it is.
+through as it is. A target that cannot tell its geometry (``knows_geometry = False``, as
+tl.kv.v1's) also has ``prefix_views_for_tokens``: the source hashes the tokens itself.
 """
 
 from __future__ import annotations

@@ -143,7 +143,13 @@ def held_layers(cache: Any, row: int | None = None, config: Any = None) -> list[
     out: list[HeldLayer] = []
     raw: list[tuple[Any, Any, int, int | None, int | None, int | None]] = []
     if layers is None:  # the legacy tuple of (key, value) per layer
-        raw = [(k, v, 0, None, None, None) for k, v in cache]
+        for i, item in enumerate(cache):
+            if len(item) > 2 and item[2] is not None:  # DynamicCache's (k, v, sliding_window)
+                raise CacheLayoutError(
+                    f"layer {i} of the tuple is a sliding-window layer (window "
+                    f"{int(item[2])}), whose positions a tuple does not tell: pass the cache"
+                )
+            raw.append((item[0], item[1], 0, None, None, None))
     else:
         for i, layer in enumerate(layers):
             why = _refused_layer(layer)

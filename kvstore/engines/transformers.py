@@ -31,7 +31,7 @@ import numpy as np
 from ..codec.envelope import encode
 from ..codec.geometry import Geometry
 from ..codec.hashing import chain_hashes
-from ..errors import CacheLayoutError, ShapeError
+from ..errors import CacheLayoutError, InvalidRequestError, ShapeError
 from ..kvlayout import blocks_from_layers, fill_layers, layers_from_views
 from . import as_target
 from .hfcache import (
@@ -313,6 +313,11 @@ def load_prefix(
         views_cm = src.prefix_views(hashes) if hashes else None
     else:
         by_tokens: Any = src  # a source with knows_geometry False asks by tokens
+        if not hasattr(by_tokens, "prefix_views_for_tokens"):
+            raise InvalidRequestError(
+                f"{type(src).__name__} cannot tell its geometry and has no "
+                f"prefix_views_for_tokens: pass config= and block_tokens="
+            )
         views_cm = by_tokens.prefix_views_for_tokens(prompt) if len(prompt) else None
     if views_cm is None:
         return 0, cache
