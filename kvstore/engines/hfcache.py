@@ -68,6 +68,18 @@ def _is(layer: Any, classes: dict[str, type], name: str) -> bool:
     return type(layer) is classes.get(name)
 
 
+def _int(layer: Any, name: str, index: int) -> int:
+    """An int attribute the bridge relies on; a layer without it (another transformers
+    version) is refused rather than guessed."""
+    value = getattr(layer, name, None)
+    if value is None:
+        raise CacheLayoutError(
+            f"layer {index} ({type(layer).__name__}) has no {name}: a version of this layer "
+            f"kind the bridge does not know"
+        )
+    return int(value)
+
+
 def _refused_layer(layer: Any) -> str | None:
     """Why a layer's kind is refused, or None when the bridge knows it."""
     mro = {c.__name__ for c in type(layer).__mro__}
@@ -156,19 +168,19 @@ def held_layers(cache: Any, row: int | None = None, config: Any = None) -> list[
             if why is not None:
                 raise CacheLayoutError(f"layer {i} is {why}")
             keys = getattr(layer, "keys", None)
-            if keys is None or not getattr(layer, "is_initialized", True):
+            if keys is None or not keys.numel() or not getattr(layer, "is_initialized", True):
                 raise CacheLayoutError(
                     f"layer {i} holds no keys and values (run the model on the prompt)"
                 )
             kind = type(layer)
             if kind is cls.get("DynamicSlidingWindowLayer"):
-                end, sw = int(layer.cumulative_length), int(layer.sliding_window)
+                end, sw = _int(layer, "cumulative_length", i), _int(layer, "sliding_window", i)
                 raw.append((keys, layer.values, end - int(keys.shape[-2]), end, sw, sw - 1))
             elif kind is cls.get("StaticLayer"):
-                end = int(layer.cumulative_length)
+                end = _int(layer, "cumulative_length", i)
                 raw.append((keys, layer.values, 0, end, None, None))
             elif kind is cls.get("StaticSlidingWindowLayer"):
-                end, cap = int(layer.cumulative_length_int), int(layer.max_cache_len)
+                end, cap = _int(layer, "cumulative_length_int", i), _int(layer, "max_cache_len", i)
                 raw.append((keys, layer.values, max(end - cap, 0), end, cap, cap))
             else:  # DynamicLayer
                 raw.append((keys, layer.values, 0, None, None, None))
@@ -215,11 +227,13 @@ def layer_limits(cache: Any) -> list[tuple[int | None, int | None]]:
             raise CacheLayoutError(f"layer {i} is {why}")
         kind = type(layer)
         if kind is cls.get("DynamicSlidingWindowLayer"):
-            out.append((int(layer.sliding_window) - 1, int(layer.sliding_window)))
+            sw = _int(layer, "sliding_window", i)
+            out.append((sw - 1, sw))
         elif kind is cls.get("StaticSlidingWindowLayer"):
-            out.append((int(layer.max_cache_len), int(layer.max_cache_len)))
+            cap = _int(layer, "max_cache_len", i)
+            out.append((cap, cap))
         elif kind is cls.get("StaticLayer"):
-            out.append((int(layer.max_cache_len), None))
+            out.append((_int(layer, "max_cache_len", i), None))
         else:
             out.append((None, None))
     return out

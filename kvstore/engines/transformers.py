@@ -337,7 +337,8 @@ def load_prefix(
             set_length(target, n_tokens)
             return n_tokens, target
         if dtype is None and cache is not None and getattr(cache, "layers", None):
-            dtype = getattr(cache.layers[0], "dtype", None)
+            held = getattr(cache.layers[0], "keys", None)  # a static cache's own buffers
+            dtype = held.dtype if held is not None and held.numel() else None
         keys, values = layers_from_views(views, _numpy_dtype(torch, dtype))
     tk = [_to_torch(torch, k, dtype, device) for k in keys]
     tv = [_to_torch(torch, v, dtype, device) for v in values]
