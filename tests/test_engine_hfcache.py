@@ -89,6 +89,12 @@ def test_a_prefix_inside_every_window_round_trips_exactly(tmp_path: Path, family
         assert torch.equal(got.values, orig.values[..., :48, :])
     want = _logits(model, ids[:, 48:], _prefill(model, ids[:, :48]))
     assert torch.equal(_logits(model, ids[:, 48:], loaded), want)
+    with Store(tmp_path / "s") as store:  # generating past the window from a loaded cache
+        _, fresh = load_prefix(store, ids, config=model)
+    with torch.no_grad():
+        cold = model.generate(ids, max_new_tokens=12, do_sample=False)
+        warm = model.generate(ids, cache=fresh, max_new_tokens=12, do_sample=False)
+    assert torch.equal(warm, cold)
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma2", "qwen2"])
