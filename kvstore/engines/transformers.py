@@ -19,7 +19,16 @@ Choices where an engine has several reasonable answers:
   store loads ``len - 1`` tokens rounded down to a block, as vLLM does, so the model
   still produces the next-token logits.
 - dtype: the cache is returned in ``dtype``, else the model's (``config=model``), else
-  the stored one (f16 for v1, f32 for dequantized v2). Batch size 1 only.
+  the stored one (f16 for v1, f32 for dequantized v2). One sequence per call: ``row=``
+  saves one row of a batched cache.
+- Never wrong KV (``hfcache``): every layer's positions are read from the cache's own
+  attributes. A sliding-window layer that has dropped the prompt's first positions is
+  refused on save, and a prefix longer than a layer of the cache to fill keeps is refused
+  on load (``SlidingWindowError``, before anything is stored or built); quantized,
+  offloaded, encoder-decoder and MLA caches are refused by name (``CacheLayoutError``).
+- ``load_prefix(..., cache=StaticCache(...))`` fills the engine's preallocated buffers in
+  place; without ``cache=`` a new ``DynamicCache`` is built (with the model's layer kinds
+  when ``config=`` is given).
 """
 
 from __future__ import annotations
