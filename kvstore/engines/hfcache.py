@@ -281,7 +281,9 @@ def static_buffers(
     when ``cache`` is not a static cache of batch 1 on the CPU."""
     if not _static(cache):
         return None
-    if not cache.is_initialized:
+    if not getattr(cache, "is_initialized", False):
+        if not hasattr(cache, "early_initialization"):
+            return None  # filled through each layer's update instead
         cache.early_initialization(1, n_heads, head_dim, dtype, torch.device(device))
     layers = cache.layers
     if any(layer.keys.device.type != "cpu" or layer.keys.shape[0] != 1 for layer in layers):
