@@ -122,3 +122,14 @@ def test_the_engine_snippet(tmp_path: Path) -> None:
         assert torch.equal(
             namespace["tokens"], model.generate(input_ids, max_new_tokens=20, do_sample=False)
         )
+
+
+def test_benchmark_runs_live_in_benchmarks_md() -> None:
+    readme = (TESTS.parent / "README.md").read_text()
+    benchmarks = (TESTS.parent / "BENCHMARKS.md").read_text()
+    assert len(readme.splitlines()) < 800
+    assert "[BENCHMARKS.md](BENCHMARKS.md)" in readme
+    headline = [line for line in readme.splitlines() if line.startswith("| measure |")]
+    assert len(headline) == 1  # one short table of headline figures
+    assert sum(line.startswith("| measure |") for line in benchmarks.splitlines()) >= 8
+    assert "## Benchmarks" not in readme
