@@ -126,7 +126,13 @@ def test_loading_a_prefix_longer_than_a_window_is_refused(tmp_path: Path, family
         with pytest.raises(SlidingWindowError, match=rf"layer {layer} .*sliding_window=64"):
             load_prefix(store, ids, cache=static)
         assert static.get_seq_length() == 0
-        assert load_prefix(store, ids[:, :49], config=_model(family))[0] == 48  # fits
+        n, dynamic = load_prefix(store, ids[:, :49], config=_model(family))
+        assert n == 48  # fits
+        assert load_prefix(store, ids[:, :49], cache=static)[0] == 48  # in place
+        for i, (got, want) in enumerate(zip(static.layers, dynamic.layers)):
+            assert got.get_seq_length() == 48, i
+            assert torch.equal(got.keys[..., :48, :], want.keys)
+            assert torch.equal(got.values[..., :48, :], want.values)
 
 
 def test_cache_keyword_and_past_key_values_both_work(tmp_path: Path) -> None:
