@@ -59,6 +59,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from prometheus_client.registry import Collector
 
+from .opsmetrics import OpsMetrics
+
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 TRANSPORT_KEY = "tlkv.transport"  # the scope key under which the middleware leaves it
 SNAPSHOT_REFRESH = 0.1  # seconds: requests refresh the open-snapshot gauges this often
@@ -266,6 +268,7 @@ class Metrics:
             registry=registry,
         )
         started.set(time.time())
+        self.ops = OpsMetrics(registry)  # api/opsmetrics.py: the operator's series
 
     def _children(self, key: tuple[str, str, int]) -> tuple[Any, Any]:
         """The request counter's and the latency histogram's children of a label set."""
@@ -346,6 +349,7 @@ class Metrics:
         if store is not None:
             self.observe_store_reads(store.hits, store.misses)
             self.observe_snapshots_of(store)
+            self.ops.observe_handles(store.open_handles())
 
     def observe_grpc(self, method: str, code: str, seconds: float) -> None:
         """Count one finished gRPC call and its latency.
@@ -392,19 +396,24 @@ class Metrics:
         self,
         store_stats: Mapping[str, Any] | None,
         model_stats: Mapping[str, Mapping[str, Any]] | None = None,
+        extra: Collector | None = None,
     ) -> str:
         """The exposition text (format 0.0.4): every worker's metrics, then the store's.
 
         ``store_stats`` is ``Store.stats()``; its ``hits`` and ``misses`` (this process's
         reads) are added to the read counters first. ``model_stats``: ``stats()`` of each
-        model to export (``tlkv_model_blocks``/``_bytes``/``_sequences{model=...}``).
+        model to export (``tlkv_model_blocks``/``_bytes``/``_sequences{model=...}``);
+        ``extra``: more scrape-time series (``api.opsmetrics.ScrapeTime``).
         """
         self.flush()
         if store_stats is not None:
             self.observe_store_reads(store_stats.get("hits") or 0, store_stats.get("misses") or 0)
         d = self.multiprocess_dir
         values: Collector = _WorkerFiles(d) if d else self.registry
-        return generate_latest(_Sources(values, _ScrapeTime(store_stats, model_stats))).decode()
+        sources = [values, _ScrapeTime(store_stats, model_stats)]
+        if extra is not None:
+            sources.append(extra)
+        return generate_latest(_Sources(*sources)).decode()
 
     def close(self) -> None:
         """Write out pending requests, then drop this worker's per-process series

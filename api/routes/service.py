@@ -11,6 +11,7 @@ from kvstore.codec.checksum import KERNEL
 from ..access import EVERYTHING
 from ..access import SCOPE_KEY as ACCESS_KEY
 from ..metrics import tier_stats
+from ..opsmetrics import ScrapeTime, sum_backlogs
 from .common import json_response, store_of
 
 router = APIRouter()
@@ -52,8 +53,11 @@ async def metrics(request: Request) -> Response:
             per_model[model] = model_stats
     stats["hits"], stats["misses"] = hits, misses
     stats.update(tier_stats(store.tier_info()))
-    request.app.state.metrics.observe_snapshots(store.held_snapshots())
-    text = request.app.state.metrics.render(stats, per_model)
+    metrics = request.app.state.metrics
+    metrics.observe_snapshots(store.held_snapshots())
+    metrics.ops.observe_handles(store.open_handles())
+    backlog = sum_backlogs(store.model(m).tier_info() for m in store.models())
+    text = metrics.render(stats, per_model, ScrapeTime(per_model, backlog))
     return Response(text, media_type=PROMETHEUS_MEDIA_TYPE)
 
 

@@ -78,8 +78,9 @@ MAX_DBS = 10 + len(MODEL_DBS) * MAX_MODELS
 
 # blocks/refs/atime key: the u64 block hash, big-endian so LMDB's key order is numeric.
 BLOCK_KEY = struct.Struct(">Q")
-# pending key: BLOCK_KEY, value PENDING_VALUE (empty).
-PENDING_VALUE = b""
+# pending key: BLOCK_KEY, value PENDING_SINCE: u64 Unix milliseconds when the block joined
+# the set (an empty value, written by earlier releases: unknown).
+PENDING_SINCE = struct.Struct(">Q")
 # lru key: (u64 tick, u64 hash), big-endian, value empty: a cursor walks oldest first.
 LRU_KEY = struct.Struct(">QQ")
 # index: the one key INDEX_KEY holding every stored hash as a native-endian u64 duplicate.
