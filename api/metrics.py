@@ -51,7 +51,7 @@ import asyncio
 import bisect
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -59,7 +59,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from prometheus_client.registry import Collector
 
-from .opsmetrics import OpsMetrics
+from .opsmetrics import ModelFilter, OpsMetrics
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 TRANSPORT_KEY = "tlkv.transport"  # the scope key under which the middleware leaves it
@@ -347,9 +347,10 @@ class Metrics:
     def _observe_store(self, store: Any) -> None:
         """The store's read counters and open snapshots, after requests (None: no store)."""
         if store is not None:
-            self.observe_store_reads(store.hits, store.misses)
+            handles = store.open_handles()  # every model's reads
+            self.observe_store_reads(sum(h.hits for h in handles), sum(h.misses for h in handles))
             self.observe_snapshots_of(store)
-            self.ops.observe_handles(store.open_handles())
+            self.ops.observe_handles(handles)
 
     def observe_grpc(self, method: str, code: str, seconds: float) -> None:
         """Count one finished gRPC call and its latency.
@@ -397,19 +398,23 @@ class Metrics:
         store_stats: Mapping[str, Any] | None,
         model_stats: Mapping[str, Mapping[str, Any]] | None = None,
         extra: Collector | None = None,
+        can_read: Callable[[str], bool] | None = None,
     ) -> str:
         """The exposition text (format 0.0.4): every worker's metrics, then the store's.
 
         ``store_stats`` is ``Store.stats()``; its ``hits`` and ``misses`` (this process's
         reads) are added to the read counters first. ``model_stats``: ``stats()`` of each
         model to export (``tlkv_model_blocks``/``_bytes``/``_sequences{model=...}``);
-        ``extra``: more scrape-time series (``api.opsmetrics.ScrapeTime``).
+        ``extra``: more scrape-time series (``api.opsmetrics.ScrapeTime``); ``can_read``:
+        whether the scraper may see a model's series (the per-model counters).
         """
         self.flush()
         if store_stats is not None:
             self.observe_store_reads(store_stats.get("hits") or 0, store_stats.get("misses") or 0)
         d = self.multiprocess_dir
         values: Collector = _WorkerFiles(d) if d else self.registry
+        if can_read is not None:
+            values = ModelFilter(values, can_read)
         sources = [values, _ScrapeTime(store_stats, model_stats)]
         if extra is not None:
             sources.append(extra)

@@ -16,7 +16,7 @@ never a gauge here.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -86,13 +86,13 @@ class OpsMetrics:
         )
         self._scrub_period = Gauge(
             "tlkv_scrub_period_seconds",
-            "The scrub's schedule: one pass per this many seconds (absent: scrub off).",
+            "The scrub's schedule: one pass per this many seconds (0: scrub off).",
             multiprocess_mode="max",
             registry=r,
         )
         self._scrub_rate = Gauge(
             "tlkv_scrub_rate_bytes_per_second",
-            "The scrub's rate limit.",
+            "The scrub's rate limit (0: scrub off).",
             multiprocess_mode="max",
             registry=r,
         )
@@ -137,6 +137,24 @@ class OpsMetrics:
         """Record a finished pass: its duration and end (Unix seconds)."""
         self._scrub_duration.set(seconds)
         self._scrub_end.set(ended)
+
+
+class ModelFilter:
+    """A collector's series without those of models the scraper may not read (a sample
+    labelled ``model`` whose value ``can_read`` refuses is left out)."""
+
+    def __init__(self, collector: Any, can_read: Callable[[str], bool]) -> None:
+        self.collector = collector
+        self.can_read = can_read
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self.collector.collect():
+            metric.samples = [
+                s
+                for s in metric.samples
+                if "model" not in s.labels or self.can_read(s.labels["model"])
+            ]
+            yield metric
 
 
 def sum_backlogs(infos: Iterable[Mapping[str, Any] | None]) -> dict[str, Any] | None:

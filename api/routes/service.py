@@ -44,20 +44,18 @@ async def metrics(request: Request) -> Response:
     stats = dict(store.stats())
     access = request.scope.get(ACCESS_KEY, EVERYTHING)
     per_model = {}
-    hits = misses = 0
     for model in store.models():
-        model_stats = store.model(model).stats()
-        hits += model_stats["hits"] or 0  # this process's reads, of every model
-        misses += model_stats["misses"] or 0
         if access.can_read(model):
-            per_model[model] = model_stats
-    stats["hits"], stats["misses"] = hits, misses
+            per_model[model] = store.model(model).stats()
+    handles = store.open_handles()  # this process's reads, of every model
+    stats["hits"] = sum(h.hits for h in handles)
+    stats["misses"] = sum(h.misses for h in handles)
     stats.update(tier_stats(store.tier_info()))
     metrics = request.app.state.metrics
     metrics.observe_snapshots(store.held_snapshots())
     metrics.ops.observe_handles(store.open_handles())
     backlog = sum_backlogs(store.model(m).tier_info() for m in store.models())
-    text = metrics.render(stats, per_model, ScrapeTime(per_model, backlog))
+    text = metrics.render(stats, per_model, ScrapeTime(per_model, backlog), access.can_read)
     return Response(text, media_type=PROMETHEUS_MEDIA_TYPE)
 
 

@@ -151,6 +151,18 @@ class StoreReads(StoreCore):
         self._flush_soon()
         return out
 
+    def get_from_tier(self, block_hash: int) -> bytes | None:
+        """The block a local read just missed (``get_buffers``), read through from the tier,
+        validated (None without a tier or a valid copy there): counted as that lookup's
+        tier hit, not as another lookup."""
+        if self._tier is None:
+            return None
+        data = self._tier.fetch([check_hash(block_hash)]).get(block_hash)
+        if data is not None:
+            self.tier_hits += 1
+            self.served_bytes += len(data)
+        return data
+
     def get_buffers(self, hashes: Iterable[int]) -> list[memoryview]:
         """Zero-copy ``get_many`` of a chain's prefix: the stored envelopes of the leading
         hashes, each CRC-verified, up to the first one absent or corrupt, from one read
