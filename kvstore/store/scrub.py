@@ -61,20 +61,21 @@ OnBatch = Callable[[int, int, int, int], None]
 
 
 class _Pace:
-    """Sleeps so that the bytes done never run ahead of ``rate`` bytes per second."""
+    """After each batch, sleeps until the bytes read since the pace began (or since it was
+    last idle) fit within ``rate`` bytes per second: no burst, even at a pass's start."""
 
     def __init__(self, rate: float, stop: threading.Event) -> None:
         self.rate = rate
         self.stop = stop
         self.t0 = time.monotonic()
-        self.done = 0
+        self.next_ok = self.t0
 
     def add(self, nbytes: int) -> None:
-        self.done += nbytes
         if self.rate > 0:
-            ahead = self.t0 + self.done / self.rate - time.monotonic()
-            if ahead > 0:
-                self.stop.wait(ahead)
+            now = time.monotonic()
+            self.next_ok = max(self.next_ok, now) + nbytes / self.rate
+            if self.next_ok > now:
+                self.stop.wait(self.next_ok - now)
 
 
 def _batch(handle: Store, after: int) -> tuple[list[int], int, int, int]:
@@ -145,10 +146,10 @@ def scrub_pass(
             report.unrepaired += [(model, h) for h in bad if h not in repaired]
             if on_batch is not None:
                 on_batch(n, size, len(bad), len(repaired))
+            pace.add(size)
             if last < 0:
                 break
             after = last
-            pace.add(size)
     report.seconds = time.monotonic() - pace.t0
     return report
 
