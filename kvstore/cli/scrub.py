@@ -46,7 +46,7 @@ def _cmd_scrub(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(
             f"scrub: {report.blocks} blocks, {report.bytes} bytes checked in "
-            f"{report.seconds:.1f} s; {report.found} corrupt, {report.repaired} repaired",
+            f"{report.seconds:.2f} s; {report.found} corrupt, {report.repaired} repaired",
             file=sys.stderr,
         )
     return EXIT_FAILURE if report.unrepaired else EXIT_OK
