@@ -87,6 +87,9 @@ def test_without_a_tier_the_block_stays_quarantined(
         assert report.unrepaired == [("default", hashes[2])]
         assert s.get(hashes[2]) is None  # quarantined: never served
         assert s.stats()["blocks"] == 11
+        for bad in ({"rate": 0}, {"period": 0}):
+            with pytest.raises(ValueError):
+                Scrubber(s, **bad)  # type: ignore[arg-type]
 
 
 def _tlkv(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -119,6 +122,9 @@ def test_cli_exit_codes(
     assert f"block {hashes[3]:016x} of model 'default': corrupt" in lost.stderr
     assert _tlkv("scrub", "--data", str(data), "--rate", "fast").returncode == 2
     assert _tlkv("scrub", "--data", str(data / "nothing")).returncode == 1
+    for bad in (("--scrub-rate", "fast"), ("--scrub-period", "0"), ("--scrub-period", "x")):
+        refused = _tlkv("serve", "--data", str(data), *bad)
+        assert refused.returncode == 2 and bad[0] in refused.stderr
 
 
 def test_background_scrub_repairs_within_a_pass_and_never_blocks_a_put(
