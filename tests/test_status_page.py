@@ -2,7 +2,8 @@
 headless, driven by selenium through Debian's chromedriver, against `tlkv serve`.
 
 Marked ``ops``: skipped without /usr/bin/chromium and chromedriver (.ci/run installs them).
-Screenshots go to the test's tmp dir and, with ``TLKV_ARTEFACTS=DIR``, to ``DIR/status.png``.
+Screenshots go to the test's tmp dir; with ``TLKV_ARTEFACTS=DIR`` the page without a token
+is also saved as ``DIR/status.png`` (the README's image: ``docs/images``).
 """
 
 from __future__ import annotations
@@ -97,11 +98,12 @@ def _rows(browser: object) -> dict[str, str]:
     }
 
 
-def _save(browser: object, tmp_path: Path, name: str) -> None:
+def _save(browser: object, tmp_path: Path, name: str, publish: bool = False) -> None:
+    """A screenshot in the test's tmp dir (and, ``publish``, in ``$TLKV_ARTEFACTS``)."""
     path = tmp_path / name
     assert browser.save_screenshot(str(path))  # type: ignore[attr-defined]
     artefacts = os.environ.get("TLKV_ARTEFACTS")
-    if artefacts:
+    if artefacts and publish:
         Path(artefacts).mkdir(parents=True, exist_ok=True)
         shutil.copy(path, Path(artefacts) / name)
 
@@ -125,7 +127,7 @@ def test_page_without_a_token(browser: object, tmp_path: Path) -> None:
             By.CSS_SELECTOR, f'tr[data-model="{TEAM}"] .hitrate'
         ).text
         assert hit_rate == f"{100 * 5 / 6:.1f}%"
-        _save(browser, tmp_path, "status.png")
+        _save(browser, tmp_path, "status.png", publish=True)
 
 
 def test_page_with_a_token_table_shows_only_the_tokens_models(
