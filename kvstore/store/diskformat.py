@@ -17,8 +17,9 @@ refuses it instead of evicting blocks it cannot see.
 ``atime``   hash -> u64 tick of the block's last use (unpinned blocks only).
 ``lru``     (u64 tick, u64 hash) big-endian -> empty: oldest first, the eviction order.
 ``seqs``    sequence name (ASCII) -> sequence record (``SEQ_HEADER`` ... CRC-32C).
-``pending`` hash -> empty: blocks stored here and not yet uploaded to the object-store
-            tier (kept only while the store runs with a tier; never evicted meanwhile).
+``pending`` hash -> ``PENDING_SINCE`` (when it joined; empty from earlier releases):
+            blocks stored here and not yet uploaded to the object-store tier (kept
+            only while the store runs with a tier; never evicted meanwhile).
 ``models``  model id (UTF-8) -> ``MODEL_VALUE``: the namespace's number and geometry.
 ``empty``   and ``empty-index``: never written (what a model not created yet reads).
 ==========  =====================================================================
