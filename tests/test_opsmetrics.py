@@ -105,3 +105,25 @@ def test_reads_by_model_and_tier_bytes_backlog_and_scrub(
         assert _value(samples, "tlkv_model_block_hits_total", model=d, tier="local") == 0
         assert _value(samples, "tlkv_model_block_lookups_total", model=d) == 3
         assert _value(samples, "tlkv_scrub_period_seconds") == 0  # scrub off
+
+
+def test_backlog_counts_blocks_bytes_and_the_oldest_age(tmp_path: Path) -> None:
+    """A tier nobody answers: every put stays pending, with its bytes and its age."""
+    from http_server import free_port
+    from s3_server import set_credentials
+
+    from kvstore import Store
+
+    set_credentials()
+    down = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with Store(tmp_path / "s", tier="s3://nowhere/x", tier_endpoint=down) as s:
+        first = make_envelope(SMALL, 4 * 3, seed=31)
+        s.put(first)
+        time.sleep(1.2)
+        s.put(make_envelope(SMALL, 4 * 2, seed=32))
+        info = s.tier_info()
+        assert info is not None
+        stored = [b for b in s.get_many(decode(first).hashes.tolist()) if b is not None]
+        assert info["pending_uploads"] == 5
+        assert info["pending_bytes"] == 5 * len(stored[0])
+        assert 1.0 <= info["oldest_pending_seconds"] < 30
