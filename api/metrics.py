@@ -38,6 +38,9 @@ Every scrape reports:
   without shutting down loses it when the next worker starts).
 - ``tlkv_worker_pid``: the process id of the worker that answered this scrape, the one
   series that depends on which worker answers.
+- the operator's series of :mod:`api.opsmetrics` (reads by model and tier, bytes, evictions
+  and corrupt blocks by model, the tier's backlog, the scrub); those labelled ``model``
+  only for the models the scraper may read.
 
 Block reads answered by ``api.http_protocol`` (plain ``GET /v1/blocks/{hash}``) are
 written out in batches (:meth:`Metrics.observe_request_soon`): within ``BATCH_SECONDS``

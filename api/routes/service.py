@@ -53,7 +53,7 @@ async def metrics(request: Request) -> Response:
     stats.update(tier_stats(store.tier_info()))
     metrics = request.app.state.metrics
     metrics.observe_snapshots(store.held_snapshots())
-    metrics.ops.observe_handles(store.open_handles())
+    metrics.ops.observe_handles(handles)
     backlog = sum_backlogs(store.model(m).tier_info() for m in store.models())
     text = metrics.render(stats, per_model, ScrapeTime(per_model, backlog), access.can_read)
     return Response(text, media_type=PROMETHEUS_MEDIA_TYPE)
