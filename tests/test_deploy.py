@@ -174,6 +174,7 @@ def _load(url: str, grpc_port: int, seconds: float) -> None:
 
 @pytest.fixture
 def served(tmp_path: Path, s3_server: S3Server) -> Iterator[tuple[ServerProcess, int]]:
+    _need("prometheus")  # before starting anything
     grpc_port = free_port()
     args = (
         *("--workers", "2", "--capacity", "64MiB", "--grpc-port", str(grpc_port)),
@@ -187,7 +188,6 @@ def served(tmp_path: Path, s3_server: S3Server) -> Iterator[tuple[ServerProcess,
 def test_every_dashboard_expression_and_recording_rule_returns_data(
     tmp_path: Path, served: tuple[ServerProcess, int]
 ) -> None:
-    _need("promtool")
     srv, grpc_port = served
     prom = _Prometheus(tmp_path, f"127.0.0.1:{srv.port}")
     try:
