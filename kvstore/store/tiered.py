@@ -30,7 +30,7 @@ from ..codec.geometry import Geometry
 from ..codec.layout import U64_MAX
 from ..errors import EnvelopeError, StoreError
 from ..tier import Tier, Uploader, check_block_object, namespace_of
-from .diskformat import BLOCK_KEY
+from .diskformat import BLOCK_KEY, PENDING_SINCE
 from .writetxn import WriteTxn
 
 if TYPE_CHECKING:
@@ -193,6 +193,26 @@ class TierLink:
         finally:
             self._store._end_read(txn)
 
+    def backlog(self) -> tuple[int, int, float]:
+        """The pending set: blocks, their bytes, and the age in seconds of the oldest
+        (0 when empty or of unknown age); one read snapshot, a lookup per pending block."""
+        store, dbs = self._store, self._store._dbs
+        blocks = size = 0
+        oldest = None
+        txn = store._begin_read(True)
+        try:
+            for key, since in txn.cursor(db=dbs.pending):
+                value = txn.get(key, None, dbs.blocks)
+                blocks += 1
+                size += 0 if value is None else len(value)
+                if len(since) == PENDING_SINCE.size:
+                    ms = PENDING_SINCE.unpack(since)[0]
+                    oldest = ms if oldest is None else min(oldest, ms)
+        finally:
+            store._end_read(txn)
+        age = 0.0 if oldest is None else max(0.0, time.time() - oldest / 1000)
+        return blocks, size, age
+
     # --- reads -----------------------------------------------------------------------------------
 
     def fetch(self, hashes: Sequence[int], *, wait: bool = False) -> dict[int, bytes]:
@@ -261,8 +281,11 @@ class TierLink:
     def info(self) -> dict[str, Any]:
         """The tier's state and counters (shared by the store's models), with this model's
         namespace and number of pending uploads."""
+        blocks, size, age = self.backlog()
         return {
             **self.tier.info(),
             "namespace": self.namespace,
-            "pending_uploads": self.pending_count(),
+            "pending_uploads": blocks,
+            "pending_bytes": size,
+            "oldest_pending_seconds": age,
         }
