@@ -22,6 +22,7 @@ from typing import Any
 from fastapi import FastAPI
 
 import kvstore
+from kvstore.store.scrub import Scrubber
 from kvstore.store.store import Store
 
 from .bodies import InflightBudget
@@ -30,7 +31,7 @@ from .metrics import Metrics, MetricsMiddleware
 from .middleware import GuardMiddleware
 from .modelscope import ModelScope
 from .openapi import install_openapi, route_name
-from .routes import blocks, models, sequences, service
+from .routes import blocks, models, sequences, service, status
 from .settings import Settings
 
 DESCRIPTION = (
@@ -47,6 +48,21 @@ _NO_NATIVE_TELEMETRY: dict[str, Any] = (
     if "telemetry" in inspect.signature(FastAPI.__init__).parameters
     else {}
 )
+
+
+def _start_scrub(store: Store, settings: Settings, metrics: Metrics) -> Scrubber | None:
+    """The background scrub of ``--scrub-rate`` (None when off); its progress goes to
+    ``/metrics``. Every worker starts one; the holder of the store's lock scrubs."""
+    if settings.scrub_rate <= 0:
+        return None
+    metrics.ops.scrub_started(settings.scrub_rate, settings.scrub_period)
+    return Scrubber(
+        store,
+        rate=settings.scrub_rate,
+        period=settings.scrub_period,
+        on_batch=metrics.ops.scrub_batch,
+        on_pass=lambda report, ended: metrics.ops.scrub_pass(report.seconds, ended),
+    )
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -67,6 +83,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # The loop releases zero-copy bodies: a remap there must not wait for them.
         store.set_loop_thread(threading.get_ident())
         grpc_server = None
+        scrubber = _start_scrub(store, settings, app.state.metrics)
         try:
             if settings.grpc_address is not None:
                 from .grpc_service import start_server
@@ -85,6 +102,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             if grpc_server is not None:
                 await grpc_server.stop(grace=2.0)
+            if scrubber is not None:
+                scrubber.stop()
             app.state.store = None
             store.close()
             app.state.metrics.close()
@@ -102,7 +121,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.store = None
     install_error_handlers(app)
     install_openapi(app, token=settings.tokens is not None)
-    for module in (service, models, blocks, sequences):
+    for module in (service, models, blocks, sequences, status):
         app.include_router(module.router)
     app.add_middleware(blocks.BlockReadFastPath)
     app.add_middleware(ModelScope)

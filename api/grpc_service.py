@@ -323,6 +323,7 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
         if self.metrics is not None:
             seconds = time.perf_counter() - started
             self.metrics.observe_grpc(f"/{SERVICE_NAME}/{method}", code.name, seconds)
+            self.metrics.ops.observe_handles(self.store.open_handles())  # its reads, by model
 
     async def _fail(self, context: grpc.aio.ServicerContext, exc: Exception) -> grpc.StatusCode:
         """Abort the call with the status of ``exc`` (raises ``grpc.aio.AbortError``)."""

@@ -38,6 +38,9 @@ Every scrape reports:
   without shutting down loses it when the next worker starts).
 - ``tlkv_worker_pid``: the process id of the worker that answered this scrape, the one
   series that depends on which worker answers.
+- the operator's series of :mod:`api.opsmetrics` (reads by model and tier, bytes, evictions
+  and corrupt blocks by model, the tier's backlog, the scrub); those labelled ``model``
+  only for the models the scraper may read.
 
 Block reads answered by ``api.http_protocol`` (plain ``GET /v1/blocks/{hash}``) are
 written out in batches (:meth:`Metrics.observe_request_soon`): within ``BATCH_SECONDS``
@@ -51,13 +54,15 @@ import asyncio
 import bisect
 import os
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from prometheus_client.registry import Collector
+
+from .opsmetrics import ModelFilter, OpsMetrics
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 TRANSPORT_KEY = "tlkv.transport"  # the scope key under which the middleware leaves it
@@ -266,6 +271,7 @@ class Metrics:
             registry=registry,
         )
         started.set(time.time())
+        self.ops = OpsMetrics(registry)  # api/opsmetrics.py: the operator's series
 
     def _children(self, key: tuple[str, str, int]) -> tuple[Any, Any]:
         """The request counter's and the latency histogram's children of a label set."""
@@ -344,8 +350,10 @@ class Metrics:
     def _observe_store(self, store: Any) -> None:
         """The store's read counters and open snapshots, after requests (None: no store)."""
         if store is not None:
-            self.observe_store_reads(store.hits, store.misses)
+            handles = store.open_handles()  # every model's reads
+            self.observe_store_reads(sum(h.hits for h in handles), sum(h.misses for h in handles))
             self.observe_snapshots_of(store)
+            self.ops.observe_handles(handles)
 
     def observe_grpc(self, method: str, code: str, seconds: float) -> None:
         """Count one finished gRPC call and its latency.
@@ -392,19 +400,28 @@ class Metrics:
         self,
         store_stats: Mapping[str, Any] | None,
         model_stats: Mapping[str, Mapping[str, Any]] | None = None,
+        extra: Collector | None = None,
+        can_read: Callable[[str], bool] | None = None,
     ) -> str:
         """The exposition text (format 0.0.4): every worker's metrics, then the store's.
 
         ``store_stats`` is ``Store.stats()``; its ``hits`` and ``misses`` (this process's
         reads) are added to the read counters first. ``model_stats``: ``stats()`` of each
-        model to export (``tlkv_model_blocks``/``_bytes``/``_sequences{model=...}``).
+        model to export (``tlkv_model_blocks``/``_bytes``/``_sequences{model=...}``);
+        ``extra``: more scrape-time series (``api.opsmetrics.ScrapeTime``); ``can_read``:
+        whether the scraper may see a model's series (the per-model counters).
         """
         self.flush()
         if store_stats is not None:
             self.observe_store_reads(store_stats.get("hits") or 0, store_stats.get("misses") or 0)
         d = self.multiprocess_dir
         values: Collector = _WorkerFiles(d) if d else self.registry
-        return generate_latest(_Sources(values, _ScrapeTime(store_stats, model_stats))).decode()
+        if can_read is not None:
+            values = ModelFilter(values, can_read)
+        sources = [values, _ScrapeTime(store_stats, model_stats)]
+        if extra is not None:
+            sources.append(extra)
+        return generate_latest(_Sources(*sources)).decode()
 
     def close(self) -> None:
         """Write out pending requests, then drop this worker's per-process series

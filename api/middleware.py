@@ -26,7 +26,7 @@ from .errors import send_error
 Scope = dict[str, Any]
 Message = dict[str, Any]
 
-OPEN_PATHS = frozenset({"/healthz"})
+OPEN_PATHS = frozenset({"/healthz", "/"})  # "/": the static status page (no data)
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:

@@ -28,6 +28,8 @@ from .errors import send_error
 MODEL_KEY = "tlkv.model"  # the ASGI scope key of the model a request addresses
 MODELS_PREFIX = "/v1/models/"
 MODELS_PATH = "/v1/models"
+STATUS_PATH = "/v1/status"  # like the models list: about every model the token may read
+UNSCOPED = frozenset({MODELS_PATH, STATUS_PATH})  # /v1 routes served for no one model
 # POST routes that only read.
 READ_POSTS = frozenset({"/v1/has-blocks", "/v1/prefix"})
 _READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -66,7 +68,7 @@ class ModelScope:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         path = scope.get("path", "")
-        if scope["type"] != "http" or not path.startswith("/v1/") or path == MODELS_PATH:
+        if scope["type"] != "http" or not path.startswith("/v1/") or path in UNSCOPED:
             await self.app(scope, receive, send)
             return
         model = DEFAULT_MODEL

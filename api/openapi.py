@@ -90,7 +90,7 @@ def _add_model_paths(schema: dict[str, Any]) -> None:
     """The ``/v1/models/{model}/...`` twin of every ``/v1/...`` operation: 404 for a model
     that does not exist (or that the token may not read), 403 for a write it may not make."""
     for path, item in list(schema["paths"].items()):
-        if not path.startswith("/v1/") or path == "/v1/models":
+        if not path.startswith("/v1/") or path in ("/v1/models", "/v1/status"):
             continue
         twin: dict[str, Any] = {}
         for method, op in item.items():

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from kvstore.cli.common import EXIT_OK, geometry_arg, positive_int
+from kvstore.cli.common import EXIT_OK, geometry_arg, positive_int, rate_arg
 
 from . import settings as s
 from .settings import parse_size
@@ -30,6 +30,16 @@ def _size_arg(text: str) -> int:
         return parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _seconds_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, found {text!r}")
+    return value
 
 
 def _tier_arg(text: str) -> str:
@@ -89,6 +99,8 @@ def _serve(args: argparse.Namespace, metrics_dir: str | None) -> int:
         env[s.ENV_FORMATS] = args.formats  # checked by Settings.from_env below
     if args.quota:
         env[s.ENV_QUOTAS] = ",".join(args.quota)  # checked by Settings.from_env below
+    env[s.ENV_SCRUB_RATE] = str(args.scrub_rate)
+    env[s.ENV_SCRUB_PERIOD] = str(args.scrub_period)
     os.environ.update(env)  # the workers (spawned processes) inherit these
     settings = s.Settings.from_env()  # fail here, once, on a bad token file
 
@@ -174,5 +186,17 @@ def register(sub: Any) -> None:
     )
     p.add_argument(
         "--tier-endpoint", default=None, help="S3-compatible server URL (else AWS_ENDPOINT_URL)"
+    )
+    p.add_argument(
+        "--scrub-rate",
+        type=rate_arg,
+        default="64MiB/s",
+        help="background CRC re-check of every block, bytes/s (64MiB/s; 0: off)",
+    )
+    p.add_argument(
+        "--scrub-period",
+        type=_seconds_arg,
+        default=24 * 3600.0,
+        help="seconds from one scrub pass's start to the next (86400)",
     )
     p.set_defaults(func=_cmd_serve)

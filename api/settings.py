@@ -8,11 +8,11 @@ every worker process (spawned, not forked) builds the same :class:`Settings` in
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvstore.cli.common import parse_size
 from kvstore.codec.geometry import Geometry
 from kvstore.codec.layout import SUPPORTED_VERSIONS
 from kvstore.protocol import is_model_id
@@ -33,41 +33,14 @@ ENV_TIER = "TLKV_TIER"  # s3://bucket/prefix or file:///path
 ENV_TIER_ENDPOINT = "TLKV_TIER_ENDPOINT"
 ENV_FORMATS = "TLKV_FORMATS"  # envelope versions this server reads, e.g. "1" or "1,2"
 ENV_QUOTAS = "TLKV_QUOTAS"  # per-model byte quotas: "model=SIZE,other/model=SIZE"
+ENV_SCRUB_RATE = "TLKV_SCRUB_RATE"  # background scrub, bytes per second; 0 or absent: off
+ENV_SCRUB_PERIOD = "TLKV_SCRUB_PERIOD"  # seconds from one scrub pass's start to the next
 
 DEFAULT_DATA = "./tlkv-data"
 DEFAULT_MAX_BODY = 64 * 1024 * 1024
 DEFAULT_GRPC_MAX_STREAM = 1024 * 1024 * 1024
 # --max-inflight by default: this many max-size bodies held by one worker at once.
 DEFAULT_INFLIGHT_BODIES = 2
-
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*", re.IGNORECASE)
-_POWERS = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4}
-
-
-def parse_size(text: str) -> int:
-    """Bytes from a size such as ``64MiB``, ``2GiB``, ``512k`` or ``1000000``.
-
-    ``KiB/MiB/GiB/TiB`` and the bare letters ``K/M/G/T`` are powers of 1024;
-    ``KB/MB/GB/TB`` are powers of 1000.
-
-    Raises:
-        ValueError: the text is not a size.
-    """
-    m = _SIZE.fullmatch(text)
-    if not m:
-        raise ValueError(
-            f"size must be a number with an optional unit (e.g. 64MiB), found {text!r}"
-        )
-    number, prefix, binary, byte = m.groups()
-    if binary and not prefix:
-        raise ValueError(
-            f"size must be a number with an optional unit (e.g. 64MiB), found {text!r}"
-        )
-    base = 1000 if (byte and not binary and prefix) else 1024
-    value = float(number) * base ** _POWERS[prefix.lower()]
-    if value != int(value):
-        raise ValueError(f"size must be a whole number of bytes, found {text!r}")
-    return int(value)
 
 
 def parse_quotas(text: str) -> tuple[tuple[str, int], ...]:
@@ -118,6 +91,10 @@ class Settings:
     quotas: tuple[tuple[str, int], ...] = ()  # (model, quota_bytes) pairs
     tier: str | None = None  # s3://bucket/prefix or file:///path: the shared object-store tier
     tier_endpoint: str | None = None  # an S3-compatible server's URL
+    # The background scrub (kvstore.store.scrub): off unless a rate is given (`tlkv serve`
+    # gives one by default, --scrub-rate).
+    scrub_rate: int = 0
+    scrub_period: float = 24 * 3600.0
 
     def __post_init__(self) -> None:
         if self.tokens is None and self.token is not None:
@@ -168,4 +145,6 @@ class Settings:
             quotas=parse_quotas(env.get(ENV_QUOTAS, "")),
             tier=env.get(ENV_TIER) or None,
             tier_endpoint=env.get(ENV_TIER_ENDPOINT) or None,
+            scrub_rate=int(env.get(ENV_SCRUB_RATE) or 0),
+            scrub_period=float(env.get(ENV_SCRUB_PERIOD) or 24 * 3600.0),
         )

@@ -169,3 +169,25 @@ class ServiceError(TlkvError):
 
 class TruncatedArchiveError(ArchiveError):
     """The archive file ends early: a frame or the seek index at its end is cut off."""
+
+
+# --- errors of the engine bridges -----------------------------------------------------
+
+
+class CacheLayoutError(TlkvError, ValueError):
+    """An engine's KV cache is laid out in a way the bridge cannot show it reads or fills
+    exactly (a quantized, offloaded, encoder-decoder or MLA cache, a batch without ``row=``,
+    a layer kind it does not know): refused by name, nothing stored or loaded."""
+
+    kind = "cache_layout"
+    http_status = 422
+
+
+class SlidingWindowError(CacheLayoutError):
+    """A sliding-window layer does not hold (or could not hold) every position of the
+    prefix; ``layer`` and ``window`` name the layer and its window size."""
+
+    def __init__(self, message: str, *, layer: int, window: int | None) -> None:
+        super().__init__(message)
+        self.layer = layer
+        self.window = window

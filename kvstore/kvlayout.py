@@ -23,7 +23,7 @@ from .codec.hashing import chain_hashes
 from .codec.numerics import as_array
 from .errors import ShapeError
 
-__all__ = ["LayerSlices", "blocks_from_layers", "layers_from_views"]
+__all__ = ["LayerSlices", "blocks_from_layers", "fill_layers", "layers_from_views"]
 
 _FLOATS = (
     np.dtype(np.float16),
@@ -271,3 +271,64 @@ def layers_from_views(
                 dst[...] = _E4M3_TO_F32[codes] * scales[..., None, None]
         pos += n
     return [out[i, 0] for i in range(g.n_layers)], [out[i, 1] for i in range(g.n_layers)]
+
+
+def fill_layers(
+    views: Iterable[BlockView], keys: Sequence[np.ndarray], values: Sequence[np.ndarray]
+) -> int:
+    """Copy blocks' filled positions into an engine's own per-layer buffers.
+
+    Like ``layers_from_views`` with ``out=``, for an engine whose layers are separate
+    arrays (a preallocated cache per layer): each view's data is copied once, straight into
+    ``keys[i][:, pos:pos + n]`` and ``values[i][...]`` (v2 dequantized on the way).
+
+    Args:
+        views: ``BlockView``s in sequence order, all of one geometry.
+        keys, values: one ``[Hkv, >=T, D]`` float array per layer (numpy views of the
+            engine's tensors); positions from ``T`` on are left as they are.
+
+    Returns:
+        ``T``, the number of positions filled.
+
+    Raises:
+        ShapeError: the views' geometries differ, or a buffer does not fit them.
+    """
+    views = list(views)
+    if not views:
+        return 0
+    g = views[0].geometry
+    total = sum(bv.n_tokens for bv in views)
+    if len(keys) != g.n_layers or len(values) != g.n_layers:
+        raise ShapeError(
+            f"expected {g.n_layers} layers of keys and values, found {len(keys)} and {len(values)}"
+        )
+    for i, buf in enumerate((*keys, *values)):
+        if (
+            buf.ndim != 3
+            or (buf.shape[0], buf.shape[2]) != (g.n_kv_heads, g.head_dim)
+            or buf.shape[1] < total
+            or buf.dtype not in _FLOATS
+        ):
+            raise ShapeError(
+                f"buffer {i}: expected a float [Hkv={g.n_kv_heads}][>={total}][D={g.head_dim}], "
+                f"found {buf.dtype} {buf.shape}"
+            )
+    pos = 0
+    for j, bv in enumerate(views):
+        if bv.geometry != g:
+            raise ShapeError(
+                f"view {j}: geometry {bv.geometry.as_tuple()} differs from view 0's {g.as_tuple()}"
+            )
+        n = bv.n_tokens
+        if bv.version == 1:
+            src = bv.kv[:, :, :, :n]
+        else:
+            scales = bv.scales
+            assert scales is not None
+            src = _E4M3_TO_F32[bv.kv[:, :, :, :n]]
+            src *= scales[..., None, None]
+        for index in range(g.n_layers):
+            keys[index][:, pos : pos + n] = src[index, 0]
+            values[index][:, pos : pos + n] = src[index, 1]
+        pos += n
+    return total

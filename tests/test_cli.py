@@ -136,3 +136,42 @@ def test_stats_of_a_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert code == 0 and json.loads(out)["blocks"] == 0
     assert main(["stats", "--data", data, "--model", "a b"]) == 2
     assert "model id" in capsys.readouterr().err
+
+
+def test_stats_of_a_grpc_server_is_a_clear_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["stats", "grpc://127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err
+    assert "tl.kv.v1 (grpc://) has no stats call" in err and "http://HOST:PORT" in err
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["archive", "ls", "{archive}"],
+        ["inspect", "{envelope}"],
+    ],
+    ids=["archive-ls", "inspect"],
+)
+def test_a_closed_pipe_ends_a_command_quietly(tmp_path: Path, command: list[str]) -> None:
+    import shlex
+
+    from kvstore import Store
+    from kvstore.archive import create
+
+    envelope = make_envelope(SMALL, 4 * 4000, seed=3)  # 4,000 blocks: far over a pipe's buffer
+    (tmp_path / "e.tlkv").write_bytes(envelope)
+    with Store(tmp_path / "s") as store:
+        store.put(envelope)
+        create(store, tmp_path / "a.tlkv.tar.zst")
+    args = [
+        a.format(archive=tmp_path / "a.tlkv.tar.zst", envelope=tmp_path / "e.tlkv") for a in command
+    ]
+    line = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "kvstore", *args])
+    done = subprocess.run(
+        ["bash", "-c", f"set -o pipefail; {line} | head -n 1 >/dev/null"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.stderr == ""
+    assert done.returncode == 141

@@ -333,3 +333,100 @@ def test_kvlayout_reads_a_dynamic_cache_as_the_bridge_does() -> None:
         np.asarray(blocks[2].kv)[1, 1, :, :13].astype(np.float32),
         values[1][0, :, 32:45].float().numpy(),
     )
+
+
+def test_a_model_not_created_yet_is_created_by_the_first_save_over_http_and_grpc(
+    tmp_path: Path,
+) -> None:
+    from http_server import free_port
+
+    from kvstore.transfer import TransferClient
+
+    model, ids = _model(torch.float16), _prompt(seed=6)
+    cache = _prefill(model, ids)
+    port = free_port()
+    want = _next_logits(model, ids, 32, _cropped(cache, 32))
+    with ServerProcess(tmp_path / "data", "--grpc-port", str(port)) as srv:
+        with Client(srv.url, model="org/modelA@1/f32") as client:
+            assert load_prefix(client, ids, config=model) == (0, None)
+            assert save_prefix(client, ids, cache, config=model) == 2
+            n, loaded = load_prefix(client, ids, config=model)
+            assert n == 32 and torch.equal(_next_logits(model, ids, n, loaded), want)
+        with TransferClient(f"127.0.0.1:{port}", model="org/modelB@1/f16") as grpc_client:
+            assert load_prefix(grpc_client, ids, config=model) == (0, None)
+            assert load_prefix(grpc_client, ids) == (0, None)
+            assert save_prefix(grpc_client, ids, cache, config=model) == 2
+            n, loaded = load_prefix(grpc_client, ids, config=model)
+            assert n == 32 and torch.equal(_next_logits(model, ids, n, loaded), want)
+        with Client(srv.url) as client:
+            names = {m["model"] for m in client.models()}
+            assert {"org/modelA@1/f32", "org/modelB@1/f16"} <= names
+
+
+def test_grpc_load_without_config_takes_the_servers_geometry(tmp_path: Path) -> None:
+    from http_server import free_port
+
+    from kvstore.transfer import TransferClient
+
+    model, ids = _model(torch.float16), _prompt(seed=7)
+    cache = _prefill(model, ids)
+    port = free_port()
+    args = ("--grpc-port", str(port), "--geometry", "8,2,2,16")  # B=8, not the default 16
+    with (
+        ServerProcess(tmp_path / "data", *args),
+        TransferClient(f"127.0.0.1:{port}") as client,
+    ):
+        assert save_prefix(client, ids, cache, config=model, block_tokens=8) == 5
+        n, loaded = load_prefix(client, ids)  # no config: the blocks carry the geometry
+        assert n == 40
+        assert load_prefix(client, ids, config=model)[0] == 40
+    want = _next_logits(model, ids, n, _cropped(cache, n))
+    assert torch.equal(_next_logits(model, ids, n, loaded), want)
+
+
+def _wait_uploaded(client: Client, timeout: float = 30.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while client.info()["tier"]["pending_uploads"]:
+        assert time.monotonic() < deadline, "uploads did not drain"
+        time.sleep(0.1)
+
+
+def test_a_tiered_store_reads_a_prefix_through_from_the_library(
+    tmp_path: Path, s3_server: Any
+) -> None:
+    model, ids = _model(torch.float16), _prompt(seed=8)
+    cache = _prefill(model, ids)
+    url = f"s3://{s3_server.new_bucket()}/fleet"
+    g = model_geometry(model)
+    with Store(tmp_path / "a", tier=url, tier_endpoint=s3_server.endpoint) as a:
+        assert save_prefix(a, ids, cache, config=model) == 2
+        assert a.wait_uploaded(30)
+    with Store(tmp_path / "b", geometry=g, tier=url, tier_endpoint=s3_server.endpoint) as b:
+        assert b.stats()["blocks"] == 0
+        n, loaded = load_prefix(b, ids, config=model)  # local misses read through
+        assert n == 32 and b.stats()["blocks"] == 2
+    with Store(tmp_path / "c", tier=url, tier_endpoint=s3_server.endpoint) as c:
+        assert load_prefix(c, ids, config=model)[0] == 32  # no geometry: the tier's
+    want = _next_logits(model, ids, n, _cropped(cache, n))
+    assert torch.equal(_next_logits(model, ids, n, loaded), want)
+
+
+def test_a_new_tier_node_learns_the_geometry_from_the_bucket(
+    tmp_path: Path, s3_server: Any
+) -> None:
+    from s3_server import CREDENTIALS
+
+    model, ids = _model(torch.float16), _prompt(seed=9)
+    cache = _prefill(model, ids)
+    tier = ("--tier", f"s3://{s3_server.new_bucket()}/fleet", "--tier-endpoint", s3_server.endpoint)
+    with ServerProcess(tmp_path / "a", *tier, env=CREDENTIALS) as a, Client(a.url) as ca:
+        assert save_prefix(ca, ids, cache, config=model) == 2
+        _wait_uploaded(ca)
+    with ServerProcess(tmp_path / "b", *tier, env=CREDENTIALS) as b, Client(b.url) as cb:
+        assert cb.info()["geometry"] == model_geometry(model).as_dict()  # from the tier
+        n, loaded = load_prefix(cb, ids, config=model)
+        assert n == 32 and cb.info()["blocks"] == 2
+    want = _next_logits(model, ids, n, _cropped(cache, n))
+    assert torch.equal(_next_logits(model, ids, n, loaded), want)

@@ -301,7 +301,6 @@ def test_namespaces() -> None:
     assert salted("m", None) == "m" and len(salted(long, "s")) <= 200
 
 
-SNIPPET_MARK = "<!-- snippet: run by tests/test_engine_vllm.py -->"
 SNIPPET_SHIM = """
 import vllm
 _LLM = vllm.LLM
@@ -320,12 +319,10 @@ tokens = {tokens!r}
 def test_readme_llm_snippet_runs(models: Any, tmp_path: Path) -> None:
     import subprocess
 
-    text = (REPO / "README.md").read_text()
-    assert text.count(SNIPPET_MARK) == 1
-    after = text.split(SNIPPET_MARK, 1)[1]
-    assert after.startswith("\n```python\n")
-    snippet = after[len("\n```python\n") :].split("\n```", 1)[0]
-    script = SNIPPET_SHIM.format(model=models["f16"], tokens=PROMPT) + snippet
+    from readme import snippets_run_by
+
+    (block,) = snippets_run_by("test_engine_vllm.py")
+    script = SNIPPET_SHIM.format(model=models["f16"], tokens=PROMPT) + block.text
     env = {**__import__("os").environ, **ENV, "PYTHONPATH": str(REPO)}
     printed = []
     for _ in range(2):  # cold, then a fresh engine on the same ./tlkv-data

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kvstore import Block, Geometry, ShapeError, Store, chain_hashes, decode, encode
 from kvstore.codec import checksum
-from kvstore.kvlayout import LayerSlices, blocks_from_layers, layers_from_views
+from kvstore.kvlayout import LayerSlices, blocks_from_layers, fill_layers, layers_from_views
 
 G = Geometry(block_tokens=4, n_layers=3, n_kv_heads=2, head_dim=8)
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -269,3 +269,24 @@ def test_layers_from_views_fills_a_given_output() -> None:
         layers_from_views(env, out=out[:, :, :, :9])
     with pytest.raises(ShapeError, match="out: expected"):
         layers_from_views(env, np.float16, out=out)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("dtype", [np.float16, BF16, np.float32])
+def test_fill_layers_fills_an_engines_buffers_as_layers_from_views_does(
+    version: int, dtype: type
+) -> None:
+    ks, vs = _layers(10, seed=7)
+    env = decode(encode(G, blocks_from_layers(ks, vs, range(10), G), version))
+    want_k, want_v = layers_from_views(env, dtype=dtype)
+    keys = [np.full((2, 16, 8), 7, dtype=dtype) for _ in range(3)]  # 16 positions preallocated
+    values = [np.full((2, 16, 8), 7, dtype=dtype) for _ in range(3)]
+    assert fill_layers(env, keys, values) == 10
+    for got, want in zip(keys + values, want_k + want_v):
+        np.testing.assert_array_equal(got[:, :10], want)
+        assert (got[:, 10:].astype(np.float32) == 7).all()  # the rest left as it was
+    assert fill_layers([], keys, values) == 0
+    with pytest.raises(ShapeError, match="buffer 0"):
+        fill_layers(env, [k[:, :8] for k in keys], values)  # 8 positions < 10
+    with pytest.raises(ShapeError, match="expected 3 layers"):
+        fill_layers(env, keys[:2], values)

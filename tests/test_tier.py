@@ -13,7 +13,7 @@ from conftest import SMALL, make_envelope
 from s3_server import S3Process, S3Server, free_port, set_credentials
 
 from kvstore import Geometry, Store, split
-from kvstore.errors import StoreFullError, TierError
+from kvstore.errors import ShapeError, StoreFullError, TierError
 from kvstore.tier import ObjectClient, Tier, block_key, parse_url
 from kvstore.tier.layout import is_object_url
 
@@ -321,3 +321,26 @@ def test_models_have_their_own_namespaces_in_the_tier(tmp_path: Path) -> None:
         assert m.get_many(hashes) == [decode(tuned).single(i) for i in range(3)]
         assert b.get_many(hashes) == [decode(base).single(i) for i in range(3)]
         assert b.model("nobody").get(hashes[0]) is None  # no namespace of its own: a miss
+
+
+def test_a_namespace_geometry_is_written_beside_its_blocks_and_learned(
+    tmp_path: Path, s3_server: S3Server, bucket_url: str
+) -> None:
+    import json
+
+    envelope = make_envelope(SMALL, 4 * 12, seed=7)
+    hashes = _hashes(envelope)
+    with _store(tmp_path / "a", bucket_url, s3_server) as a:
+        a.model("org/m@1").put(envelope)
+        assert a.model("org/m@1").wait_uploaded(30)
+    raw = ObjectClient(bucket_url, endpoint=s3_server.endpoint).get("org%2Fm%401/geometry.json")
+    assert raw is not None and json.loads(raw) == SMALL.as_dict()
+    with _store(tmp_path / "b", bucket_url, s3_server) as b:  # an empty node, no geometry
+        assert b.geometry is None  # the default namespace has none in the tier either
+        m = b.model("org/m@1")
+        assert m.geometry == SMALL  # learned from the tier
+        assert m.read_through(hashes) == len(hashes)
+        with pytest.raises(ShapeError, match="expected"):
+            m.put(make_envelope(OTHER, 8, seed=1))  # the namespace's geometry is the tier's
+    with Store(tmp_path / "b") as b:  # adopted locally by the read-through
+        assert b.model("org/m@1").geometry == SMALL

@@ -4,7 +4,7 @@ Usage: python tools/bench.py {codec,store,http,archive,client,engine,grpc,tier,v
        [--quick] [--markdown]
 
 Each suite lives in tools/bench_<suite>.py and exposes ``run(args) -> list[Row]``;
-this script prints them as one table (Markdown with --markdown, for the README).
+this script prints them as one table (Markdown with --markdown, for BENCHMARKS.md).
 """
 
 from __future__ import annotations

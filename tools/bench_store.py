@@ -1,4 +1,4 @@
-"""Store benchmarks: zero-copy view, durable put, has/longest_prefix, churn at capacity.
+"""Store benchmarks: zero-copy view, durable put, put under scrub, has/longest_prefix, churn.
 
 Geometry (16, 32, 8, 128) -- a 2 MiB v1 payload per block. Every ratio is against a
 baseline measured in this same run, in temporary directories on the same filesystem
@@ -12,6 +12,9 @@ baseline measured in this same run, in temporary directories on the same filesys
   with write-behind turned off (what it adds).
 - finite: ``check_finite`` (NaN/Inf and v2 scales, run by every put unless
   ``allow_nonfinite``) against CRC-32C of the same envelope.
+- scrub: ``Store.put`` latency while the background scrub (``kvstore.store.scrub``) re-checks
+  a store of 2 MiB blocks at 64 MiB/s (``tlkv serve``'s default) and at 1 GiB/s, against
+  the same puts into a twin store with no scrub (interleaved rounds, per-round ratios).
 - churn: puts at capacity until 20x the capacity went through; the last window's put
   throughput against the first's.
 - models: ``has``/``longest_prefix`` of 8,192 hashes in one model of a store holding 4
@@ -346,6 +349,61 @@ def _bench_models(root: Path, n_stored: int, kv: np.ndarray, repeat: int) -> lis
     return rows
 
 
+def _bench_scrub(root: Path, kv: np.ndarray, stored: int, rounds: int, per_put: int) -> list[Row]:
+    from kvstore.store.scrub import Scrubber
+
+    rows = []
+    for rate in (64 << 20, 1 << 30):
+        scrubbed_path, plain_path = root / f"scrubbed-{rate}", root / f"plain-{rate}"
+        with (
+            Store(scrubbed_path, geometry=GEOMETRY) as scrubbed,
+            Store(plain_path, geometry=GEOMETRY) as plain,
+        ):
+            fill = _envelope(GEOMETRY, kv, 1, stored)  # what the scrub re-checks
+            scrubbed.put(fill)
+            plain.put(fill)
+            checked = [0]
+
+            def count(
+                blocks: int, nbytes: int, found: int, repaired: int, c: list = checked
+            ) -> None:
+                c[0] += nbytes
+
+            scrubber = Scrubber(scrubbed, rate=rate, period=1e-3, on_batch=count)
+            t_on, t_off = [], []
+            t_start = time.perf_counter()
+            try:
+                for r in range(rounds + 1):  # round 0 warms up
+                    env = _envelope(GEOMETRY, kv, 1_000_000 * (r + 1), per_put)
+                    # Alternate which store goes first: the second put of a round pays
+                    # for the first one's writeback.
+                    order = (scrubbed, plain) if r % 2 else (plain, scrubbed)
+                    took = {}
+                    for store in order:
+                        t0 = time.perf_counter()
+                        store.put(env)
+                        took[store is scrubbed] = time.perf_counter() - t0
+                    if r:
+                        t_on.append(took[True])
+                        t_off.append(took[False])
+            finally:
+                scrubber.stop()
+                elapsed = time.perf_counter() - t_start
+        ratio = statistics.median(off / on for on, off in zip(t_on, t_off))
+        rows.append(
+            Row(
+                f"put sync, {per_put} x 2 MiB, scrub limited to {rate >> 20} MiB/s "
+                f"(it read {checked[0] >> 20} MiB in {elapsed:.1f} s; median of {rounds})",
+                f"{statistics.median(t_on) * 1e3:.1f} ms",
+                f"no scrub {statistics.median(t_off) * 1e3:.1f} ms",
+                ratio,
+                ">= 0.9x" if rate == 64 << 20 else "",
+                ratio >= 0.9 if rate == 64 << 20 else None,
+            )
+        )
+    return rows
+
+
 def run(args: argparse.Namespace) -> list[Row]:
     quick = bool(args.quick)
     base = Path(os.environ.get("TLKV_BENCH_DIR", tempfile.gettempdir()))
@@ -356,6 +414,7 @@ def run(args: argparse.Namespace) -> list[Row]:
         rows = _bench_view(root, kv, 200 if quick else 2000)
         rows += _bench_finite(kv, 3 if quick else 20)
         rows += _bench_put(root, kv, 2 if quick else 9, 16 if quick else 64)
+        rows += _bench_scrub(root, kv, 32, 8 if quick else 16, 16)
         rows += _bench_lookup(root, 16_384, 20 if quick else 200)
         rows += _bench_models(root, 16_384, kv, 20 if quick else 200)
         capacity = (256 << 20) if quick else (2 << 30)

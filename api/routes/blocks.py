@@ -293,7 +293,8 @@ class BlockReadFastPath:
             except StoreError:  # a remap this thread may not wait for: read in the pool
                 found = [memoryview(b) for b in [await run_in_threadpool(store.get, h)] if b]
             if not found and store.tier is not None:  # a local miss reads through, off the loop
-                found = [memoryview(b) for b in [await run_in_threadpool(store.get, h)] if b]
+                data = await run_in_threadpool(store.get_from_tier, h)
+                found = [memoryview(data)] if data is not None else []
         except TlkvError as exc:
             await send_error(send, exc)
             return

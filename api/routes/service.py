@@ -11,6 +11,7 @@ from kvstore.codec.checksum import KERNEL
 from ..access import EVERYTHING
 from ..access import SCOPE_KEY as ACCESS_KEY
 from ..metrics import tier_stats
+from ..opsmetrics import ScrapeTime, sum_backlogs
 from .common import json_response, store_of
 
 router = APIRouter()
@@ -43,17 +44,18 @@ async def metrics(request: Request) -> Response:
     stats = dict(store.stats())
     access = request.scope.get(ACCESS_KEY, EVERYTHING)
     per_model = {}
-    hits = misses = 0
     for model in store.models():
-        model_stats = store.model(model).stats()
-        hits += model_stats["hits"] or 0  # this process's reads, of every model
-        misses += model_stats["misses"] or 0
         if access.can_read(model):
-            per_model[model] = model_stats
-    stats["hits"], stats["misses"] = hits, misses
+            per_model[model] = store.model(model).stats()
+    handles = store.open_handles()  # this process's reads, of every model
+    stats["hits"] = sum(h.hits for h in handles)
+    stats["misses"] = sum(h.misses for h in handles)
     stats.update(tier_stats(store.tier_info()))
-    request.app.state.metrics.observe_snapshots(store.held_snapshots())
-    text = request.app.state.metrics.render(stats, per_model)
+    metrics = request.app.state.metrics
+    metrics.observe_snapshots(store.held_snapshots())
+    metrics.ops.observe_handles(handles)
+    backlog = sum_backlogs(store.model(m).tier_info() for m in store.models())
+    text = metrics.render(stats, per_model, ScrapeTime(per_model, backlog), access.can_read)
     return Response(text, media_type=PROMETHEUS_MEDIA_TYPE)
 
 

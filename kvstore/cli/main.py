@@ -1,7 +1,7 @@
 """The ``tlkv`` command line: one parser, each command group registered by its module.
 
 Groups: ``codec`` (hash, inspect, verify), ``remote`` (put, get, has against a server),
-``archive``, and those installed packages declare under the ``tlkv.commands`` entry point
+``archive``, ``scrub``, and those installed packages declare under the ``tlkv.commands`` entry point
 (the service's ``serve``). Exit codes are the table of :mod:`kvstore.cli.common`; an error
 is one line on stderr naming the rule.
 """
@@ -9,6 +9,7 @@ is one line on stderr naming the rule.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
@@ -17,10 +18,10 @@ from typing import Any
 from .._version import __version__
 from ..codec.checksum import KERNEL
 from ..errors import TlkvError
-from . import archive, codec, remote
-from .common import EXIT_FAILURE, EXIT_USAGE, exit_code_for
+from . import archive, codec, remote, scrub
+from .common import EXIT_CLOSED_PIPE, EXIT_FAILURE, EXIT_USAGE, exit_code_for
 
-GROUPS = (codec, remote, archive)
+GROUPS = (codec, remote, archive, scrub)
 # Entry-point group under which installed packages add commands (the service adds `serve`).
 PLUGIN_GROUP = "tlkv.commands"
 
@@ -61,13 +62,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
         return int(exc.code or 0)
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        return _closed_pipe()
     except (TlkvError, ValueError) as exc:
         print(f"tlkv {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return exit_code_for(exc) if isinstance(exc, TlkvError) else EXIT_USAGE
     except OSError as exc:
         print(f"tlkv {args.command}: {exc}", file=sys.stderr)
         return EXIT_FAILURE
+
+
+def _closed_pipe() -> int:
+    """The reader of stdout went away (``| head``): stop quietly. stdout is pointed at
+    /dev/null so that the interpreter's final flush does not report the pipe again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_CLOSED_PIPE
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..protocol import hash_hex, is_hash_hex, read_token_file
-from .common import EXIT_FAILURE, EXIT_OK, model_arg, positive_int
+from .common import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, model_arg, positive_int
 
 DEFAULT_URL_HELP = "server: http://127.0.0.1:8000, or grpc://127.0.0.1:50051 for tl.kv.v1"
 
@@ -139,7 +139,7 @@ def _print_stats(stats: dict[str, Any], as_json: bool) -> int:
 def _cmd_stats(args: argparse.Namespace) -> int:
     if (args.url is None) == (args.data is None):
         print("tlkv stats: give a server URL or --data DIR (one of them)", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     if args.data is not None:
         from ..store.store import Store
 
@@ -154,6 +154,13 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         stats.pop("misses", None)
         stats = {"geometry": None if g is None else g.as_dict(), **stats}
         return _print_stats(stats, args.json)
+    if _is_grpc(args):
+        print(
+            f"tlkv stats: tl.kv.v1 (grpc://) has no stats call; ask the server's HTTP port "
+            f"(tlkv stats http://HOST:PORT) or its store (tlkv stats --data DIR), not {args.url}",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     return _run_client(args, lambda client: _print_stats(client.info(), args.json))
 
 

@@ -4,7 +4,8 @@ One module per engine (``kvstore.engines.transformers``: Hugging Face transforme
 ``tlkv[hf]`` extra); each imports its framework lazily. What an engine bridge needs from
 the place that holds blocks is ``BlockTarget``: a ``Store``, an HTTP ``Client``, a tl.kv.v1
 ``TransferClient``, or any object with these four methods, which ``as_target`` passes
-through as it is.
+through as it is. A target that cannot tell its geometry (``knows_geometry = False``, as
+tl.kv.v1's) also has ``prefix_views_for_tokens``: the source hashes the tokens itself.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from ..codec.envelope import BlockView, decode
 from ..codec.geometry import Geometry
+from ..errors import NotFoundError
 from ..store import Store
 
 __all__ = ["BlockTarget", "ClientTarget", "StoreTarget", "TransferTarget", "as_target"]
@@ -46,7 +48,10 @@ class StoreTarget:
     """A local ``Store``: zero-copy reader views, one transaction per put.
 
     Views are CRC-checked before use (a block that fails reads as absent, ends the prefix
-    and is quarantined, as ``Store.get`` does): KV fed to a model is never unverified.
+    and is quarantined, as ``Store.get`` does): KV fed to a model is never unverified. On a
+    store with a tier, the local misses of a prefix are read through first (validated and
+    kept locally, as the server's ``/v1/prefix`` does), and a store without a geometry yet
+    takes its namespace's from the tier.
     """
 
     def __init__(self, store: Store) -> None:
@@ -63,6 +68,8 @@ class StoreTarget:
 
     @contextlib.contextmanager
     def prefix_views(self, hashes: Sequence[int]) -> Iterator[Sequence[BlockView]]:
+        if self.store.tier is not None and len(hashes):
+            self.store.read_through(hashes)
         with self.store.reader() as reader:
             views: list[BlockView] = []
             for h in hashes:
@@ -74,19 +81,33 @@ class StoreTarget:
 
 
 class ClientTarget:
-    """A ``tlkv serve`` over HTTP: has-blocks, one PUT, one ``/v1/prefix`` round trip."""
+    """A ``tlkv serve`` over HTTP: has-blocks, one PUT, one ``/v1/prefix`` round trip.
+
+    A model (namespace) the server does not have yet (404 ``not_found``, which is also
+    the answer for one the token may not read) has no geometry and holds nothing: the
+    first save creates it with its PUT, as any first PUT does (a token that may not write
+    it gets that PUT's 404 or 403), and a load finds nothing.
+    """
 
     def __init__(self, client: Any) -> None:
         self.client = client
 
     def block_geometry(self) -> Geometry | None:
-        g = self.client.info()["geometry"]
+        try:
+            g = self.client.info()["geometry"]
+        except NotFoundError:
+            return None
         if g is None:
             return None
         return Geometry.from_dict(g)
 
     def has_blocks(self, hashes: Sequence[int]) -> list[bool]:
-        return list(self.client.has_blocks(hashes).present) if len(hashes) else []
+        if not len(hashes):
+            return []
+        try:
+            return list(self.client.has_blocks(hashes).present)
+        except NotFoundError:
+            return [False] * len(hashes)
 
     def put_envelope(self, envelope: bytes) -> int:
         return len(self.client.put(envelope).stored)
@@ -96,7 +117,11 @@ class ClientTarget:
         if not len(hashes):
             yield []
             return
-        yield list(decode(self.client.prefix(hashes=hashes)))
+        try:
+            data = self.client.prefix(hashes=hashes)
+        except NotFoundError:
+            data = b""
+        yield list(decode(data)) if data else []
 
 
 class TransferTarget:
@@ -105,8 +130,11 @@ class TransferTarget:
     they arrived (``TransferClient.fetch_blocks``: no joined envelope, no second CRC pass).
 
     The protocol carries no geometry, so ``block_geometry`` is None and ``knows_geometry``
-    False: the bridge uses the model's, and a server holding another geometry refuses the
-    push by the reader rules (``ShapeError``).
+    False: a save uses the model's (a server holding another geometry refuses the push by
+    the reader rules, ``ShapeError``), and a load asks by tokens
+    (``prefix_views_for_tokens``: the server hashes them with its geometry, which the
+    blocks then carry). A model the server does not have yet holds nothing; the first push
+    creates it.
     """
 
     knows_geometry = False  # None from block_geometry means "unknown", not "none held"
@@ -118,16 +146,30 @@ class TransferTarget:
         return None
 
     def has_blocks(self, hashes: Sequence[int]) -> list[bool]:
-        return list(self.client.has_blocks(hashes).present) if len(hashes) else []
+        if not len(hashes):
+            return []
+        try:
+            return list(self.client.has_blocks(hashes).present)
+        except NotFoundError:
+            return [False] * len(hashes)
 
     def put_envelope(self, envelope: bytes) -> int:
         return int(self.client.push(envelope).stored)
 
+    def _views(self, **query: Any) -> list[BlockView]:
+        try:
+            return [env[0] for env in self.client.fetch_blocks(**query)]
+        except NotFoundError:
+            return []
+
     @contextlib.contextmanager
     def prefix_views(self, hashes: Sequence[int]) -> Iterator[Sequence[BlockView]]:
-        yield (
-            [env[0] for env in self.client.fetch_blocks(hashes=list(hashes))] if len(hashes) else []
-        )
+        yield self._views(hashes=list(hashes)) if len(hashes) else []
+
+    @contextlib.contextmanager
+    def prefix_views_for_tokens(self, tokens: Sequence[int]) -> Iterator[Sequence[BlockView]]:
+        """Views of the longest held prefix of ``tokens``, hashed by the server."""
+        yield self._views(tokens=[int(t) for t in tokens]) if len(tokens) else []
 
 
 def as_target(obj: Any) -> BlockTarget:

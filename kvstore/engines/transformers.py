@@ -19,7 +19,16 @@ Choices where an engine has several reasonable answers:
   store loads ``len - 1`` tokens rounded down to a block, as vLLM does, so the model
   still produces the next-token logits.
 - dtype: the cache is returned in ``dtype``, else the model's (``config=model``), else
-  the stored one (f16 for v1, f32 for dequantized v2). Batch size 1 only.
+  the stored one (f16 for v1, f32 for dequantized v2). One sequence per call: ``row=``
+  saves one row of a batched cache.
+- Never wrong KV (``hfcache``): every layer's positions are read from the cache's own
+  attributes. A sliding-window layer that has dropped the prompt's first positions is
+  refused on save, and a prefix longer than a layer of the cache to fill keeps is refused
+  on load (``SlidingWindowError``, before anything is stored or built); quantized,
+  offloaded, encoder-decoder and MLA caches are refused by name (``CacheLayoutError``).
+- ``load_prefix(..., cache=StaticCache(...))`` fills the engine's preallocated buffers in
+  place; without ``cache=`` a new ``DynamicCache`` is built (with the model's layer kinds
+  when ``config=`` is given).
 """
 
 from __future__ import annotations
@@ -31,9 +40,18 @@ import numpy as np
 from ..codec.envelope import encode
 from ..codec.geometry import Geometry
 from ..codec.hashing import chain_hashes
-from ..errors import ShapeError
-from ..kvlayout import blocks_from_layers, layers_from_views
+from ..errors import CacheLayoutError, InvalidRequestError, ShapeError
+from ..kvlayout import blocks_from_layers, fill_layers, layers_from_views
 from . import as_target
+from .hfcache import (
+    check_fits,
+    fill_cache,
+    held_layers,
+    refuse_cache,
+    set_length,
+    static_buffers,
+    window_error,
+)
 
 __all__ = ["DEFAULT_BLOCK_TOKENS", "load_prefix", "model_geometry", "save_prefix"]
 
@@ -68,43 +86,26 @@ def model_geometry(config: Any, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> Geo
     return Geometry(block_tokens, int(cfg.num_hidden_layers), int(kv_heads), int(head_dim))
 
 
-def _one_sequence(input_ids: Any) -> np.ndarray:
-    """Token ids of the one sequence in ``input_ids`` (``[1, T]`` or ``[T]``)."""
+def _token_row(input_ids: Any, row: int | None = None) -> np.ndarray:
+    """Token ids of one sequence of ``input_ids`` (``[1, T]`` or ``[T]``; row ``row`` of
+    ``[batch, T]``)."""
     if hasattr(input_ids, "detach"):
         input_ids = input_ids.detach().cpu()
     ids = np.asarray(input_ids)
     if ids.ndim == 2:
+        if row is not None and ids.shape[0] != 1:
+            if not 0 <= row < ids.shape[0]:
+                raise CacheLayoutError(f"row={row} is outside input_ids' batch of {ids.shape[0]}")
+            return np.asarray(ids[row])
         if ids.shape[0] != 1:
-            raise ValueError(
+            raise CacheLayoutError(
                 f"batch size must be 1 (one sequence per call), found input_ids of shape "
-                f"{tuple(ids.shape)}"
+                f"{tuple(ids.shape)}; pass row=i to save one row of a batch"
             )
         ids = ids[0]
     if ids.ndim != 1:
         raise ValueError(f"input_ids must be [1, T] or [T], found shape {tuple(ids.shape)}")
     return ids
-
-
-def _cache_layers(cache: Any) -> tuple[list[Any], list[Any]]:
-    """Per-layer key and value tensors ``[batch, Hkv, T, D]`` of a transformers cache
-    (``Cache.layers`` from 4.54 on, ``key_cache``/``value_cache`` before) or of the
-    legacy tuple of ``(key, value)`` pairs."""
-    layers = getattr(cache, "layers", None)
-    if layers is not None:
-        keys, values = [layer.keys for layer in layers], [layer.values for layer in layers]
-    elif hasattr(cache, "key_cache"):
-        keys, values = list(cache.key_cache), list(cache.value_cache)
-    else:
-        keys, values = [kv[0] for kv in cache], [kv[1] for kv in cache]
-    if not keys or any(k is None for k in keys):
-        raise ValueError("the cache holds no keys and values (run the model on the prompt)")
-    for i, k in enumerate(keys):
-        if k.ndim != 4 or k.shape[0] != 1:
-            raise ValueError(
-                f"batch size must be 1 (one sequence per call), found layer {i} keys of "
-                f"shape {tuple(k.shape)}"
-            )
-    return keys, values
 
 
 def _check_geometry(stored: Geometry | None, model: Geometry) -> Geometry:
@@ -120,11 +121,23 @@ def _check_geometry(stored: Geometry | None, model: Geometry) -> Geometry:
     return stored
 
 
+def _the_cache(past_key_values: Any, cache: Any) -> Any:
+    """The one cache given, as ``cache=`` (transformers 5's name) or ``past_key_values``."""
+    if cache is not None and past_key_values is not None:
+        raise TypeError("give the cache once: as cache= or past_key_values, not both")
+    found = cache if cache is not None else past_key_values
+    if found is None:
+        raise TypeError("save_prefix needs the model's cache: cache=out.cache or past_key_values")
+    return found
+
+
 def save_prefix(
     target: Any,
     input_ids: Any,
-    past_key_values: Any,
+    past_key_values: Any = None,
     *,
+    cache: Any = None,
+    row: int | None = None,
     version: int = 1,
     config: Any = None,
     block_tokens: int | None = None,
@@ -132,12 +145,17 @@ def save_prefix(
     """Store every full block of the prompt's KV that ``target`` lacks.
 
     Args:
-        target: a ``Store``, a ``kvstore.client.Client`` or a ``BlockTarget``.
-        input_ids: the prompt, ``[1, T]`` or ``[T]`` (tensor, array or list).
-        past_key_values: the model's cache after running it on the prompt (a
-            ``DynamicCache`` or the legacy tuple of ``(key, value)`` per layer); it may
-            hold fewer positions than ``input_ids`` (after ``generate``, the last token
-            has none): the positions it holds are saved.
+        target: a ``Store``, a ``kvstore.client.Client``, a ``TransferClient`` or a
+            ``BlockTarget``.
+        input_ids: the prompt, ``[1, T]`` or ``[T]`` (tensor, array or list); with
+            ``row``, ``[batch, T]`` too.
+        past_key_values, cache: the model's cache after running it on the prompt, given
+            either way (``cache=out.cache`` in transformers 5, ``out.past_key_values``
+            before): a ``DynamicCache``, a ``StaticCache`` or the legacy tuple of
+            ``(key, value)`` per layer. It may hold fewer positions than ``input_ids``
+            (after ``generate``, the last token has none): the positions it holds are saved.
+        row: the batch row to save, for a batched cache (one unpadded sequence per row:
+            a left-padded row's KV sits at shifted positions).
         version: 1 (f16: exact for f16 models, and for bf16 ones above f16's normal
             range) or 2 (FP8 E4M3 with per-slab scales).
         config: the model or its config: checks the cache and the target against it.
@@ -148,16 +166,25 @@ def save_prefix(
         or sent).
 
     Raises:
-        ValueError: batch size is not 1.  ShapeError: the cache, the model and the
-        target disagree on the geometry.  TypeError: unknown target.
+        SlidingWindowError: a sliding-window layer no longer holds the prompt's first
+            positions (nothing is stored).  CacheLayoutError: a cache the bridge refuses
+            (quantized, offloaded, encoder-decoder, MLA, a batch without ``row``).
+        ShapeError: the cache, the model and the target disagree on the geometry.
+        TypeError: unknown target, or no cache.
     """
     _torch()
+    the_cache = _the_cache(past_key_values, cache)
     tgt = as_target(target)
-    ids = _one_sequence(input_ids)
-    keys, values = _cache_layers(past_key_values)
-    _, n_heads, held, head_dim = keys[0].shape
+    ids = _token_row(input_ids, row)
+    layers = held_layers(the_cache, row, _config_of(config) if config is not None else None)
+    ends = {layer.end for layer in layers}
+    if len(ends) != 1:
+        raise CacheLayoutError(
+            f"the cache's layers hold different numbers of positions ({sorted(ends)}): refused"
+        )
+    n_heads, _, head_dim = (int(x) for x in layers[0].keys.shape)
     b = block_tokens or DEFAULT_BLOCK_TOKENS
-    model = Geometry(b, len(keys), int(n_heads), int(head_dim))
+    model = Geometry(b, len(layers), n_heads, head_dim)
     if config is not None:
         expected = model_geometry(config, b)
         if expected != model:
@@ -172,15 +199,18 @@ def save_prefix(
             f"the target holds block_tokens {stored.block_tokens}, asked for {block_tokens}"
         )
     g = _check_geometry(stored, model)
-    ids = ids[: min(len(ids), int(held))]
+    ids = ids[: min(len(ids), ends.pop())]
     hashes = chain_hashes(ids, g.block_tokens)
     if not hashes:
         return 0
+    for layer in layers:
+        if layer.start > 0:  # checked before anything is asked of the target
+            raise window_error(layer, len(hashes) * g.block_tokens, g.block_tokens)
     present = tgt.has_blocks(hashes)
     if all(present):
         return 0
-    cpu_keys = [k.detach().cpu() for k in keys]  # no copy for CPU tensors
-    cpu_values = [v.detach().cpu() for v in values]
+    cpu_keys = [layer.keys.detach().cpu() for layer in layers]  # no copy for CPU tensors
+    cpu_values = [layer.values.detach().cpu() for layer in layers]
     blocks = blocks_from_layers(cpu_keys, cpu_values, ids, g, tail=False)
     missing = [blk for blk, here in zip(blocks, present) if not here]
     return tgt.put_envelope(encode(g, missing, version))
@@ -205,31 +235,32 @@ def _numpy_dtype(torch: Any, dtype: Any) -> Any:
     return torch.empty(0, dtype=dtype).numpy().dtype
 
 
-def _make_cache(keys: list[Any], values: list[Any], config: Any) -> Any:
-    """A ``DynamicCache`` holding the tensors themselves, not a copy.
-
-    ``DynamicCache.update`` concatenates onto an empty tensor (a copy); a plain
-    ``DynamicLayer`` is given the tensors after its public initialization instead. Other
-    layer kinds (sliding windows, from a config) go through ``update``.
-    """
+def _empty_cache(config: Any) -> Any:
+    """A new ``DynamicCache``: with the model's layer kinds (sliding windows) when
+    ``config`` is given."""
     from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer  # 4.54 and later
 
-    cache = DynamicCache(config=_config_of(config)) if config is not None else DynamicCache()
-    for i, (k, v) in enumerate(zip(keys, values)):
-        layers = getattr(cache, "layers", None)
-        if layers is not None and i < len(layers) and type(layers[i]) is DynamicLayer:
-            layers[i].update(k[..., :0, :], v[..., :0, :])  # initializes dtype and device
-            layers[i].keys, layers[i].values = k, v
-        else:
-            cache.update(k, v, i)
-    return cache
+    return DynamicCache(config=_config_of(config)) if config is not None else DynamicCache()
+
+
+def _fetch_geometry(src: Any, ids: np.ndarray, config: Any, block_tokens: int | None) -> Any:
+    """The geometry to hash ``ids`` with: the source's, or for a source that cannot tell
+    it (tl.kv.v1) None, which makes ``load_prefix`` fetch by tokens."""
+    g = src.block_geometry()
+    if g is not None or getattr(src, "knows_geometry", True):
+        return g
+    if block_tokens is not None:
+        if config is None:
+            raise ValueError("block_tokens= needs config= (the model's L, Hkv and D)")
+        return model_geometry(config, block_tokens)
+    return None
 
 
 def load_prefix(
     source: Any,
     input_ids: Any,
     *,
+    cache: Any = None,
     dtype: Any = None,
     device: Any = "cpu",
     config: Any = None,
@@ -238,45 +269,92 @@ def load_prefix(
     """The longest stored prefix of the prompt as a transformers cache.
 
     Args:
-        source: a ``Store``, a ``kvstore.client.Client`` or a ``BlockTarget``.
+        source: a ``Store`` (reading through its tier), a ``kvstore.client.Client``, a
+            ``TransferClient`` or a ``BlockTarget``.
         input_ids: the prompt, ``[1, T]`` or ``[T]``.
-        dtype: torch dtype of the cache; default the model's (``config=model``), else
-            f16 for v1 blocks and f32 for dequantized v2 blocks.
+        cache: an empty cache of the engine's to fill instead of a new ``DynamicCache``:
+            a ``StaticCache`` (its preallocated buffers are filled in place, allocated by
+            transformers first if still lazy) or a ``DynamicCache``; returned filled.
+        dtype: torch dtype of the cache; default the static cache's, else the model's
+            (``config=model``), else f16 for v1 blocks and f32 for dequantized v2 blocks.
         device: where the cache's tensors go.
-        config: the model or its config: the source's geometry is checked against it.
-        block_tokens: B, for a source that cannot tell its geometry (a tl.kv.v1
-            ``TransferClient``: the protocol carries none), which is then read with the
-            model's (``config`` required; default 16).
+        config: the model or its config: the source's geometry is checked against it,
+            and the new cache has the model's layer kinds (sliding windows: pass it for a
+            sliding-window model).
+        block_tokens: B, to hash the prompt with on a source that cannot tell its
+            geometry (a tl.kv.v1 ``TransferClient``) with ``config``. Without it such a
+            source is asked by tokens and hashes them with its own geometry.
 
     Returns:
         ``(n_tokens, cache)``: ``n_tokens`` is a multiple of the source's block_tokens
         and below ``len(input_ids)``; run the model on ``input_ids[:, n_tokens:]`` with
-        ``cache``. ``(0, None)`` when nothing is stored.
+        ``cache``. ``(0, None)`` when nothing is stored (``(0, cache)`` with ``cache=``,
+        left empty).
 
     Raises:
-        ValueError: batch size is not 1.  ShapeError: the source holds blocks of a
-        geometry other than the model's.
+        SlidingWindowError: the stored prefix is longer than a sliding-window layer of
+            the cache keeps (nothing is loaded).  CacheLayoutError: ``cache`` is not
+            empty or of a refused kind, or a batch.  ShapeError: the source holds blocks
+            of a geometry other than the model's.
     """
     torch = _torch()
     src = as_target(source)
-    ids = _one_sequence(input_ids)
-    g = src.block_geometry()
-    if g is None and config is not None and not getattr(src, "knows_geometry", True):
-        g = model_geometry(config, block_tokens or DEFAULT_BLOCK_TOKENS)
-    if g is None:
-        return 0, None
+    ids = _token_row(input_ids)
+    if cache is not None:
+        refuse_cache(cache)
+        if cache.get_seq_length() != 0:
+            raise CacheLayoutError(
+                f"cache= must be empty, it holds {cache.get_seq_length()} positions"
+            )
     if config is not None:
+        refuse_cache(None, _config_of(config))
+    g = _fetch_geometry(src, ids, config, block_tokens)
+    if g is None and getattr(src, "knows_geometry", True):
+        return 0, cache
+    if g is not None and config is not None:
         _check_geometry(g, model_geometry(config, g.block_tokens))
-        if dtype is None:
-            dtype = getattr(config, "dtype", None) if hasattr(config, "config") else None
-    hashes = chain_hashes(ids[: max(len(ids) - 1, 0)], g.block_tokens)
-    if not hashes:
-        return 0, None
-    with src.prefix_views(hashes) as views:
+    if dtype is None and config is not None and hasattr(config, "config"):
+        dtype = getattr(config, "dtype", None)
+    target = cache if cache is not None else _empty_cache(config)
+    prompt = ids[: max(len(ids) - 1, 0)]
+    if g is not None:
+        hashes = chain_hashes(prompt, g.block_tokens)
+        views_cm = src.prefix_views(hashes) if hashes else None
+    else:
+        by_tokens: Any = src  # a source with knows_geometry False asks by tokens
+        if not hasattr(by_tokens, "prefix_views_for_tokens"):
+            raise InvalidRequestError(
+                f"{type(src).__name__} cannot tell its geometry and has no "
+                f"prefix_views_for_tokens: pass config= and block_tokens="
+            )
+        views_cm = by_tokens.prefix_views_for_tokens(prompt) if len(prompt) else None
+    if views_cm is None:
+        return 0, cache
+    with views_cm as views:
         if not views:
-            return 0, None
+            return 0, cache
         n_tokens = sum(bv.n_tokens for bv in views)
+        vg = views[0].geometry
+        if config is not None:
+            _check_geometry(vg, model_geometry(config, vg.block_tokens))
+        check_fits(target, n_tokens)
+        static = static_buffers(
+            torch, target, vg.n_kv_heads, vg.head_dim, dtype or _stored_dtype(torch, views), device
+        )
+        if static is not None:
+            fill_layers(views, *static)
+            set_length(target, n_tokens)
+            return n_tokens, target
+        if dtype is None and cache is not None and getattr(cache, "layers", None):
+            held = getattr(cache.layers[0], "keys", None)  # a static cache's own buffers
+            dtype = held.dtype if held is not None and held.numel() else None
         keys, values = layers_from_views(views, _numpy_dtype(torch, dtype))
     tk = [_to_torch(torch, k, dtype, device) for k in keys]
     tv = [_to_torch(torch, v, dtype, device) for v in values]
-    return n_tokens, _make_cache(tk, tv, config)
+    fill_cache(target, tk, tv)
+    return n_tokens, target
+
+
+def _stored_dtype(torch: Any, views: Any) -> Any:
+    """f16 when every view is v1, else f32 (what v2 dequantizes to)."""
+    return torch.float16 if all(bv.version == 1 for bv in views) else torch.float32

@@ -72,6 +72,10 @@ class StoreCore:
     _tier: TierLink | None
     hits: int
     misses: int
+    # This process's figures for the service's metrics (``api.metrics``):
+    tier_hits: int  # local misses answered from the object tier (read through)
+    served_bytes: int  # envelope bytes handed out by get, get_many and get_buffers
+    written_bytes: int  # block bytes written (puts, read-through copies, repairs)
 
     @property
     def path(self) -> str:
@@ -140,6 +144,7 @@ class StoreCore:
                 raise
         self._last_flush = time.monotonic()
         self._pending = None
+        self.written_bytes += w.inserted
         for hook in w.after_commit:
             hook()
         return result

@@ -17,8 +17,9 @@ refuses it instead of evicting blocks it cannot see.
 ``atime``   hash -> u64 tick of the block's last use (unpinned blocks only).
 ``lru``     (u64 tick, u64 hash) big-endian -> empty: oldest first, the eviction order.
 ``seqs``    sequence name (ASCII) -> sequence record (``SEQ_HEADER`` ... CRC-32C).
-``pending`` hash -> empty: blocks stored here and not yet uploaded to the object-store
-            tier (kept only while the store runs with a tier; never evicted meanwhile).
+``pending`` hash -> ``PENDING_SINCE`` (when it joined; empty from earlier releases):
+            blocks stored here and not yet uploaded to the object-store tier (kept
+            only while the store runs with a tier; never evicted meanwhile).
 ``models``  model id (UTF-8) -> ``MODEL_VALUE``: the namespace's number and geometry.
 ``empty``   and ``empty-index``: never written (what a model not created yet reads).
 ==========  =====================================================================
@@ -78,8 +79,9 @@ MAX_DBS = 10 + len(MODEL_DBS) * MAX_MODELS
 
 # blocks/refs/atime key: the u64 block hash, big-endian so LMDB's key order is numeric.
 BLOCK_KEY = struct.Struct(">Q")
-# pending key: BLOCK_KEY, value PENDING_VALUE (empty).
-PENDING_VALUE = b""
+# pending key: BLOCK_KEY, value PENDING_SINCE: u64 Unix milliseconds when the block joined
+# the set (an empty value, written by earlier releases: unknown).
+PENDING_SINCE = struct.Struct(">Q")
 # lru key: (u64 tick, u64 hash), big-endian, value empty: a cursor walks oldest first.
 LRU_KEY = struct.Struct(">QQ")
 # index: the one key INDEX_KEY holding every stored hash as a native-endian u64 duplicate.

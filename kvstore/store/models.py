@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from ..codec.geometry import Geometry
 from ..errors import ShapeError
 from ..protocol import DEFAULT_MODEL, check_model_id
+from ..tier import namespace_of
 from .checks import check_bound
 from .core import StoreCore
 
@@ -96,12 +97,17 @@ class StoreModels(StoreCore):
             self._end_read(txn)
 
     def has_model(self, model_id: str) -> bool:
-        """Whether ``model_id`` exists (``"default"`` always does)."""
+        """Whether ``model_id`` exists (``"default"`` always does): here, or with a tier,
+        as a namespace of the tier (its geometry object is there: another node created
+        it, and this store reads its blocks through)."""
         if model_id == DEFAULT_MODEL:
             return True
         check_model_id(model_id)
         txn = self._begin_read(False)
         try:
-            return self._registry.exists(txn, model_id)
+            if self._registry.exists(txn, model_id):
+                return True
         finally:
             self._end_read(txn)
+        link = self._tier
+        return link is not None and link.tier.get_geometry(namespace_of(model_id)) is not None

@@ -134,18 +134,34 @@ class StoreReads(StoreCore):
             if data is None:
                 self.misses += 1
                 data = fetched.get(h)
-                if data is not None and version is not None and envelope_version(data) != version:
-                    data = transcode_stored(h, data, version)
+                if data is not None:
+                    self.tier_hits += 1
+                    if version is not None and envelope_version(data) != version:
+                        data = transcode_stored(h, data, version)
             else:
                 self.hits += 1
                 self._recency.touch(h)
                 if version is not None and envelope_version(data) != version:
                     data = transcode_stored(h, data, version)
+            if data is not None:
+                self.served_bytes += len(data)
             out.append(data)
         if corrupt:
             self._quarantine(corrupt)
         self._flush_soon()
         return out
+
+    def get_from_tier(self, block_hash: int) -> bytes | None:
+        """The block a local read just missed (``get_buffers``), read through from the tier,
+        validated (None without a tier or a valid copy there): counted as that lookup's
+        tier hit, not as another lookup."""
+        if self._tier is None:
+            return None
+        data = self._tier.fetch([check_hash(block_hash)]).get(block_hash)
+        if data is not None:
+            self.tier_hits += 1
+            self.served_bytes += len(data)
+        return data
 
     def get_buffers(self, hashes: Iterable[int]) -> list[memoryview]:
         """Zero-copy ``get_many`` of a chain's prefix: the stored envelopes of the leading
@@ -174,6 +190,7 @@ class StoreReads(StoreCore):
                     self.misses += 1
                     break
                 self.hits += 1
+                self.served_bytes += len(data)
                 touch(h)
                 values.append(data)
         except BaseException:
@@ -266,6 +283,8 @@ class StoreReads(StoreCore):
             size = min(2 * size, _READ_THROUGH_BATCH)
             here = self.has(batch)
             fetched = self._tier.fetch([h for h, ok in zip(batch, here) if not ok], wait=True)
+            self.misses += len(fetched)  # local misses the tier answered (served from here next)
+            self.tier_hits += len(fetched)
             n = 0
             while n < len(batch) and (here[n] or batch[n] in fetched):
                 n += 1

@@ -162,6 +162,7 @@ class Store(StoreModels, StoreReads, StoreWrites, StoreStats, StoreCore):
         self._rconsts = None
         self.hits = 0
         self.misses = 0
+        self.tier_hits = self.served_bytes = self.written_bytes = 0
         initial = _INITIAL_MAP_SIZE if map_bytes is None else map_bytes
         map_size = initial
         if capacity_bytes is not None:
@@ -279,6 +280,7 @@ class Store(StoreModels, StoreReads, StoreWrites, StoreStats, StoreCore):
         h._rconsts = None
         h._pending = None
         h.hits = h.misses = 0
+        h.tier_hits = h.served_bytes = h.written_bytes = 0
         if model_id == DEFAULT_MODEL:
             h._dbs, h._keys = root._dbs, root._keys
         else:
@@ -294,13 +296,17 @@ class Store(StoreModels, StoreReads, StoreWrites, StoreStats, StoreCore):
 
     @property
     def geometry(self) -> Geometry | None:
-        """The store's block geometry (None until given or adopted by a first put)."""
+        """The store's block geometry (None until given or adopted by a first put); with a
+        tier, until then the geometry of its namespace in the tier, if any (which a put or
+        a read-through then adopts)."""
         if self._geometry is None and not self._closed:
             txn = self._begin_read(False)
             try:
                 self._geometry_in(txn)
             finally:
                 self._end_read(txn)
+            if self._geometry is None and self._tier is not None:
+                return self._tier.learned_geometry()
         return self._geometry
 
     @property
@@ -367,6 +373,13 @@ class Store(StoreModels, StoreReads, StoreWrites, StoreStats, StoreCore):
         state = "closed" if self._closed or self._root._closed else "open"
         model = "" if self._model == DEFAULT_MODEL else f", model={self._model!r}"
         return f"Store({self._path!r}{model}, geometry={self._geometry}, {state})"
+
+    def open_handles(self) -> list[Store]:
+        """This store and the model handles this process has open (each model's read and
+        write counters live on its handles)."""
+        root = self._root
+        with root._handles_lock:
+            return [root, *root._handles.values()]
 
     # --- the tier ----------------------------------------------------------------------
 

@@ -7,7 +7,8 @@ of ``get``/``get_many``/``read_through`` fetches the objects concurrently, valid
 by every reader rule, the CRC, the store's geometry and the key's hash
 (``tier.validate``), and inserts the good ones as ordinary evictable blocks (not
 pending: the tier has them). A refused object is counted and logged, never stored or
-served.
+served. The namespace's geometry object is created before its first block is uploaded,
+and a store without a geometry yet reads it from there (``learned_geometry``).
 
 The local copy of a read-through block is committed by a filler thread (``_Filler``), so
 ``get`` serves the validated bytes without waiting for a durable local write of a block
@@ -19,15 +20,17 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..codec.assembly import crc_matches
 from ..codec.envelope import Envelope
+from ..codec.geometry import Geometry
 from ..codec.layout import U64_MAX
 from ..errors import EnvelopeError, StoreError
 from ..tier import Tier, Uploader, check_block_object, namespace_of
-from .diskformat import BLOCK_KEY
+from .diskformat import BLOCK_KEY, PENDING_SINCE
 from .writetxn import WriteTxn
 
 if TYPE_CHECKING:
@@ -36,6 +39,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("tlkv.store")
 
 QUERY_BATCH = 256  # hashes per round of HEADs when a prefix is looked up in the tier
+GEOMETRY_RETRY = 1.0  # seconds before a tier without the namespace's geometry is asked again
 FILL_QUEUE_BYTES = 512 << 20  # read-through bytes awaiting their local commit, at most
 
 
@@ -105,6 +109,9 @@ class TierLink:
         # The store's model is its namespace in the tier (one Tier serves every model).
         self.namespace = namespace_of(store.model_id)
         self.filler = _Filler(self._insert)
+        self._geometry_written = False
+        self._learned: Geometry | None = None
+        self._asked_at = -GEOMETRY_RETRY
         self.uploader = Uploader(self, tier, store.path, self.namespace)
 
     def close(self) -> None:
@@ -120,8 +127,14 @@ class TierLink:
     ) -> list[tuple[int, bytes]]:
         """Pending blocks with hashes above ``after``, in hash order, copied from one
         snapshot; a block deleted meanwhile leaves the set, a corrupt one is quarantined
-        (never uploaded)."""
+        (never uploaded). Nothing is handed out before the namespace's geometry object
+        exists in the tier."""
         store, dbs = self._store, self._store._dbs
+        if not self._geometry_written:
+            geometry = store.geometry
+            if geometry is None or not self.tier.put_geometry(geometry, self.namespace):
+                return []  # no block yet, or the tier failed: asked again on the next poll
+            self._geometry_written = True
         out: list[tuple[int, bytes]] = []
         gone: list[int] = []
         corrupt: list[int] = []
@@ -164,6 +177,14 @@ class TierLink:
 
         self._store._write(body)
 
+    def learned_geometry(self) -> Geometry | None:
+        """The namespace's geometry from the tier, for a store that has none yet: read
+        once it exists (kept), asked at most every ``GEOMETRY_RETRY`` seconds until then."""
+        if self._learned is None and time.monotonic() - self._asked_at >= GEOMETRY_RETRY:
+            self._asked_at = time.monotonic()
+            self._learned = self.tier.get_geometry(self.namespace)
+        return self._learned
+
     def pending_count(self) -> int:
         """Blocks waiting for upload."""
         txn = self._store._begin_read(False)
@@ -171,6 +192,26 @@ class TierLink:
             return int(txn.stat(self._store._dbs.pending)["entries"])
         finally:
             self._store._end_read(txn)
+
+    def backlog(self) -> tuple[int, int, float]:
+        """The pending set: blocks, their bytes, and the age in seconds of the oldest
+        (0 when empty or of unknown age); one read snapshot, a lookup per pending block."""
+        store, dbs = self._store, self._store._dbs
+        blocks = size = 0
+        oldest = None
+        txn = store._begin_read(True)
+        try:
+            for key, since in txn.cursor(db=dbs.pending):
+                value = txn.get(key, None, dbs.blocks)
+                blocks += 1
+                size += 0 if value is None else len(value)
+                if len(since) == PENDING_SINCE.size:
+                    ms = PENDING_SINCE.unpack(since)[0]
+                    oldest = ms if oldest is None else min(oldest, ms)
+        finally:
+            store._end_read(txn)
+        age = 0.0 if oldest is None else max(0.0, time.time() - oldest / 1000)
+        return blocks, size, age
 
     # --- reads -----------------------------------------------------------------------------------
 
@@ -205,8 +246,10 @@ class TierLink:
         return valid
 
     def _insert(self, envs: list[Envelope]) -> None:
-        """Store read-through blocks as ordinary evictable blocks (not pending)."""
+        """Store read-through blocks as ordinary evictable blocks (not pending); a model
+        this store has not created yet is created by them."""
         store = self._store
+        store._resolve(create=True)
 
         def body(w: WriteTxn) -> None:
             w.pending = False  # the tier has them
@@ -238,8 +281,11 @@ class TierLink:
     def info(self) -> dict[str, Any]:
         """The tier's state and counters (shared by the store's models), with this model's
         namespace and number of pending uploads."""
+        blocks, size, age = self.backlog()
         return {
             **self.tier.info(),
             "namespace": self.namespace,
-            "pending_uploads": self.pending_count(),
+            "pending_uploads": blocks,
+            "pending_bytes": size,
+            "oldest_pending_seconds": age,
         }

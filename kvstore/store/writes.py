@@ -31,6 +31,8 @@ class StoreWrites(StoreCore):
 
     def _validate(self, data: Any, geometry: Geometry | None = None) -> Envelope:
         """Every reader rule but the CRC (checked while writing); errors in the codec's order."""
+        if geometry is None and self._geometry is None and self._tier is not None:
+            geometry = self._tier.learned_geometry()  # the namespace's in the tier, if any
         geometry = geometry or self._geometry
         try:
             env = decode(data, geometry, verify_crc=False)

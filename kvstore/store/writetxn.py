@@ -14,6 +14,7 @@ model's own counters too (``diskformat``).
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -40,7 +41,7 @@ from .diskformat import (
     INDEX_VALUE,
     META_BYTES,
     MODEL_COUNTER_KEYS,
-    PENDING_VALUE,
+    PENDING_SINCE,
     REFCOUNT,
     Dbs,
     counter,
@@ -111,6 +112,7 @@ class WriteTxn:
         # pending blocks are evicted (``keep_pending``).
         self.pending = False
         self.keep_pending = False
+        self.inserted = 0  # bytes of the block values this transaction wrote
         self.after_commit: list[Callable[[], None]] = []
         # model number -> changes of its (bytes, evictions, corrupt) in this transaction
         self._deltas: dict[int, list[int]] = {}
@@ -177,11 +179,12 @@ class WriteTxn:
         self.txn.put(hk, value, db=self.dbs.blocks)
         self.txn.put(INDEX_KEY, INDEX_VALUE.pack(h), db=self.dbs.index)
         self.bytes += len(value)
+        self.inserted += len(value)
         self._count(self.dbs.number, 0, len(value))
         if self.txn.get(hk, None, self.dbs.refs) is None:
             self.lru.add(hk, h)
         if self.pending:
-            self.txn.put(hk, PENDING_VALUE, db=self.dbs.pending)
+            self.txn.put(hk, PENDING_SINCE.pack(int(time.time() * 1000)), db=self.dbs.pending)
 
     def remove_block(self, hk: bytes, h: int, size: int) -> None:
         self.txn.delete(hk, db=self.dbs.blocks)

@@ -6,7 +6,14 @@ n_blocks = 1), the bytes ``Store.get`` returns, under
     PREFIX/<namespace>/blocks/<16 lowercase hex>.tlkv
 
 ``<namespace>`` is the store namespace (model id) the block belongs to, percent-encoded
-into one path segment (:func:`namespace_of`): ``default`` for a store's own blocks.
+into one path segment (:func:`namespace_of`): ``default`` for a store's own blocks. Beside
+its blocks, each namespace has one geometry object,
+
+    PREFIX/<namespace>/geometry.json
+
+``{"block_tokens": B, "n_layers": L, "n_kv_heads": H, "head_dim": D}`` (the JSON form of
+``Geometry.as_dict``), created before the namespace's first block is uploaded, so that a
+node holding nothing of a namespace yet learns its geometry from the tier.
 
 ``PREFIX`` is the path of the tier URL inside its bucket (``s3://bucket/PREFIX``) or
 directory (``file:///PREFIX``). Objects never change once written: content addressing
@@ -25,6 +32,7 @@ from ..protocol import hash_hex
 DEFAULT_NAMESPACE = "default"
 BLOCKS_DIR = "blocks"
 BLOCK_SUFFIX = ".tlkv"
+GEOMETRY_OBJECT = "geometry.json"
 SCHEMES = ("s3", "file")
 # One path segment: unreserved characters, and %XX for the others of a model id.
 _NAMESPACE = re.compile(r"(?:[A-Za-z0-9._-]|%[0-9A-F]{2}){1,600}")
@@ -87,3 +95,8 @@ def namespace_of(model_id: str) -> str:
 def block_key(namespace: str, block_hash: int) -> str:
     """The object key of a block, relative to the tier's prefix."""
     return f"{namespace}/{BLOCKS_DIR}/{hash_hex(block_hash)}{BLOCK_SUFFIX}"
+
+
+def geometry_key(namespace: str) -> str:
+    """The object key of a namespace's geometry, relative to the tier's prefix."""
+    return f"{namespace}/{GEOMETRY_OBJECT}"

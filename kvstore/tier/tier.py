@@ -10,14 +10,16 @@ HEADs meanwhile answer "absent" at once, so an unreachable tier never slows what
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..codec.geometry import Geometry
 from ..errors import TierError
-from .layout import DEFAULT_NAMESPACE, block_key, check_namespace
+from .layout import DEFAULT_NAMESPACE, block_key, check_namespace, geometry_key
 from .objects import DEFAULT_CONCURRENCY, ObjectClient
 
 log = logging.getLogger("tlkv.tier")
@@ -152,3 +154,42 @@ class Tier:
         self.client.submit_put_new(self.key(block_hash, namespace), data).add_done_callback(
             finished
         )
+
+    # --- a namespace's geometry -------------------------------------------------------------
+
+    def put_geometry(self, geometry: Geometry, namespace: str | None = None) -> bool:
+        """Create the namespace's geometry object unless it exists (the first writer wins);
+        True when it exists now, False when the tier failed (counted)."""
+        key = geometry_key(self.namespace if namespace is None else namespace)
+        data = json.dumps(geometry.as_dict(), sort_keys=True).encode()
+        if not self.available():
+            return False
+        try:
+            self.client.put_new(key, data)
+        except TierError as exc:
+            self._record([exc])
+            return False
+        self._record([True])
+        return True
+
+    def get_geometry(self, namespace: str | None = None) -> Geometry | None:
+        """The namespace's geometry from its object; None when absent, unreadable
+        (counted as refused) or the tier failed."""
+        key = geometry_key(self.namespace if namespace is None else namespace)
+        if not self.available():
+            return None
+        try:
+            data = self.client.get(key)
+        except TierError as exc:
+            self._record([exc])
+            return None
+        self._record([True])
+        if data is None:
+            return None
+        try:
+            return Geometry.from_dict(json.loads(data))
+        except (ValueError, TypeError) as exc:
+            with self._lock:
+                self.refused += 1
+            log.warning("tier object %s refused: %s", key, exc)
+            return None
