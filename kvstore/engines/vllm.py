@@ -30,8 +30,9 @@ Choices:
   or comes back short (a block evicted, corrupt and quarantined, a server down) reports
   its blocks through ``get_block_ids_with_load_errors`` and vLLM recomputes them (the
   connector sets ``kv_load_failure_policy`` to ``recompute``); a save that fails is
-  dropped. Each is counted (``KVConnectorStats``: vLLM's log line and metrics hooks) and
-  logged once per kind.
+  dropped. Each is counted in ``TlkvConnectorStats`` (handed to vLLM's stats loggers
+  through ``get_kv_connector_stats``: the "KV Transfer metrics" line of a server with
+  stats logging; no Prometheus series of its own) and logged once per kind.
 - A layout the connector cannot show it reads exactly is refused at start-up by name
   (``UnsupportedLayoutError``, logged); the connector then does nothing. A target whose
   namespace holds another geometry stops the engine at start-up (``ShapeError`` naming
