@@ -289,18 +289,6 @@ def test_another_connector_api_fails_at_load_naming_the_version() -> None:
     assert "0.99.0 differs: get_block_ids_with_load_errors missing" in proc.stdout
 
 
-def test_namespaces() -> None:
-    assert namespace("meta-llama/Llama-3.1-8B", "5206a32", "bfloat16") == (
-        "meta-llama/Llama-3.1-8B@5206a32/bfloat16"
-    )
-    assert namespace("/models/my model", None, "float16") == "/models/my_model@main/float16"
-    long = namespace("x" * 400, None, "float16")
-    assert len(long) <= 200 - len("+salt:") - 16 and long != namespace("x" * 399, None, "float16")
-    a, b = salted("m@main/float16", "tenant-a"), salted("m@main/float16", "tenant-b")
-    assert a.startswith("m@main/float16+salt:") and a != b and "tenant" not in a
-    assert salted("m", None) == "m" and len(salted(long, "s")) <= 200
-
-
 SNIPPET_SHIM = """
 import vllm
 _LLM = vllm.LLM

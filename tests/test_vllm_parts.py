@@ -1,0 +1,62 @@
+"""kvstore.engines._vllm_parts without vLLM: namespace and salt rules, and the saver
+thread finishing its queue at interpreter exit (a put large enough to go through the
+store's helper pool)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from http_server import REPO
+
+from kvstore import Store
+from kvstore.engines._vllm_parts import namespace, salted
+
+
+def test_namespaces() -> None:
+    assert namespace("meta-llama/Llama-3.1-8B", "5206a32", "bfloat16") == (
+        "meta-llama/Llama-3.1-8B@5206a32/bfloat16"
+    )
+    assert namespace("/models/my model", None, "float16") == "/models/my_model@main/float16"
+    long = namespace("x" * 400, None, "float16")
+    assert len(long) <= 200 - len("+salt:") - 16 and long != namespace("x" * 399, None, "float16")
+    a, b = salted("m@main/float16", "tenant-a"), salted("m@main/float16", "tenant-b")
+    assert a.startswith("m@main/float16+salt:") and a != b and "tenant" not in a
+    assert salted("m", None) == "m" and len(salted(long, "s")) <= 200
+
+
+SAVE_AT_EXIT = """
+import sys
+import numpy as np
+from kvstore import Geometry
+from kvstore.engines._vllm_parts import Saver, open_target
+from kvstore.codec.envelope import Block, encode
+from kvstore.codec.hashing import chain_hashes
+
+g = Geometry(32, 12, 4, 64)  # 384 KiB a block: 32 blocks go through the store's pool
+target = open_target(sys.argv[1], "m", None, 5.0)
+blocks = np.ones((32, *g.kv_shape), dtype=np.float16)
+hashes = chain_hashes(list(range(32 * 32)), 32)
+
+
+def save(model, hs, arr):
+    target.put(encode(g, [Block(h, 32, arr[i]) for i, h in enumerate(hs)]))
+
+
+assert Saver(save).submit("m", hashes, blocks)
+"""  # the interpreter exits with the save still queued
+
+
+def test_saver_finishes_its_queue_at_exit(tmp_path: Path) -> None:
+    data = tmp_path / "tlkv-data"
+    proc = subprocess.run(
+        [sys.executable, "-c", SAVE_AT_EXIT, str(data)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    with Store(str(data)) as store:
+        assert store.model("m").stats()["blocks"] == 32
