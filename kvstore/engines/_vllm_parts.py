@@ -35,6 +35,7 @@ from ..client import Client
 from ..codec.envelope import BlockView, decode
 from ..codec.geometry import Geometry
 from ..errors import NotFoundError, TlkvError
+from ..fileio import populate_mapped_pages
 from ..protocol import MODEL_ID_MAX
 from ..store import Store
 from ..transfer import GRPC_SCHEME, TransferClient
@@ -156,12 +157,20 @@ class _StoreTarget(Target):
     @contextlib.contextmanager
     def views(self, hashes: Sequence[int]) -> Iterator[list[BlockView]]:
         with self.store.reader() as reader:
-            out: list[BlockView] = []
+            held = []
             for h in hashes:
+                buf = reader.envelope(h)
+                if buf is None:
+                    break
+                held.append(buf)
+            populate_mapped_pages(held)  # LMDB maps without readahead: one call, not a fault a page
+            out: list[BlockView] = []
+            for h in hashes[: len(held)]:
                 bv = reader.view(h, verify=True)  # a corrupt block is quarantined: a miss
                 if bv is None:
                     break
                 out.append(bv)
+            del held
             yield out
 
 
