@@ -56,7 +56,8 @@ _ERRORS = {
     "is not the store's, or the request is malformed (path, query, media type, JSON)",
     503: "busy: the worker holds --max-inflight bytes of request bodies; retry after "
     "Retry-After seconds",
-    507: "store_full: the blocks do not fit even after evicting every unpinned one",
+    507: "store_full: the blocks do not fit even after evicting every unpinned one; "
+    "model_limit: the write would create a model beyond --max-models",
 }
 
 # Statuses beyond the generic ones (401; 413, 422, 503 with a body; 422 with parameters).

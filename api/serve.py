@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.cli.common import EXIT_OK, geometry_arg, positive_int
+from kvstore.protocol import MAX_MODELS, MAX_MODELS_LIMIT
 
 from . import settings as s
 from .settings import parse_size
@@ -30,6 +31,12 @@ def _size_arg(text: str) -> int:
         return parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _max_models_arg(text: str) -> int:
+    if not text.isdigit() or int(text) > MAX_MODELS_LIMIT:
+        raise argparse.ArgumentTypeError(f"expected an integer in 0..{MAX_MODELS_LIMIT}")
+    return int(text)
 
 
 def _tier_arg(text: str) -> str:
@@ -87,6 +94,8 @@ def _serve(args: argparse.Namespace, metrics_dir: str | None) -> int:
         env[s.ENV_TIER_ENDPOINT] = args.tier_endpoint
     if args.formats is not None:
         env[s.ENV_FORMATS] = args.formats  # checked by Settings.from_env below
+    if args.max_models is not None:
+        env[s.ENV_MAX_MODELS] = str(args.max_models)
     if args.quota:
         env[s.ENV_QUOTAS] = ",".join(args.quota)  # checked by Settings.from_env below
     os.environ.update(env)  # the workers (spawned processes) inherit these
@@ -96,7 +105,12 @@ def _serve(args: argparse.Namespace, metrics_dir: str | None) -> int:
     # unusable directory is reported here instead of by every worker in a restart loop.
     from kvstore.store import Store
 
-    Store(settings.data, geometry=settings.geometry, capacity_bytes=settings.capacity_bytes).close()
+    Store(
+        settings.data,
+        geometry=settings.geometry,
+        capacity_bytes=settings.capacity_bytes,
+        max_models=settings.max_models,
+    ).close()
     auth = "on" if settings.tokens is not None else "off"
     grpc = f", grpc://{settings.grpc_address}" if settings.grpc_address else ""
     metrics = "" if metrics_dir is None else f"metrics {metrics_dir}, "
@@ -165,6 +179,12 @@ def register(sub: Any) -> None:
         default=[],
         metavar="MODEL=SIZE",
         help="bound a model's stored bytes (its puts evict its own oldest blocks); repeatable",
+    )
+    p.add_argument(
+        "--max-models",
+        type=_max_models_arg,
+        default=None,
+        help=f"models besides default a write may create (0..{MAX_MODELS_LIMIT}; {MAX_MODELS})",
     )
     p.add_argument(
         "--tier",

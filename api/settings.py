@@ -15,7 +15,7 @@ from pathlib import Path
 
 from kvstore.codec.geometry import Geometry
 from kvstore.codec.layout import SUPPORTED_VERSIONS
-from kvstore.protocol import is_model_id
+from kvstore.protocol import MAX_MODELS, is_model_id
 
 from .access import TokenTable, read_tokens
 
@@ -33,6 +33,7 @@ ENV_TIER = "TLKV_TIER"  # s3://bucket/prefix or file:///path
 ENV_TIER_ENDPOINT = "TLKV_TIER_ENDPOINT"
 ENV_FORMATS = "TLKV_FORMATS"  # envelope versions this server reads, e.g. "1" or "1,2"
 ENV_QUOTAS = "TLKV_QUOTAS"  # per-model byte quotas: "model=SIZE,other/model=SIZE"
+ENV_MAX_MODELS = "TLKV_MAX_MODELS"  # models besides default the store admits
 
 DEFAULT_DATA = "./tlkv-data"
 DEFAULT_MAX_BODY = 64 * 1024 * 1024
@@ -118,6 +119,7 @@ class Settings:
     quotas: tuple[tuple[str, int], ...] = ()  # (model, quota_bytes) pairs
     tier: str | None = None  # s3://bucket/prefix or file:///path: the shared object-store tier
     tier_endpoint: str | None = None  # an S3-compatible server's URL
+    max_models: int = MAX_MODELS  # models besides default a write may create
 
     def __post_init__(self) -> None:
         if self.tokens is None and self.token is not None:
@@ -168,4 +170,5 @@ class Settings:
             quotas=parse_quotas(env.get(ENV_QUOTAS, "")),
             tier=env.get(ENV_TIER) or None,
             tier_endpoint=env.get(ENV_TIER_ENDPOINT) or None,
+            max_models=int(env.get(ENV_MAX_MODELS) or MAX_MODELS),
         )

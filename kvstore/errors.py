@@ -65,6 +65,13 @@ class StoreFullError(StoreError):
     http_status = 507
 
 
+class ModelLimitError(StoreFullError):
+    """A write would register a model beyond the models the store admits (``max_models``)."""
+
+    kind = "model_limit"
+    http_status = 507
+
+
 class PinnedError(StoreError):
     """The block is referenced by a sequence and cannot be deleted."""
 

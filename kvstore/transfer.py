@@ -424,7 +424,9 @@ class TransferClient:
 
         Full blocks the server holds travel as empty-payload references; every other
         block, the partial tail included, as its single-block envelope. With ``sequence``
-        the server pins the whole state under that name (as ``Store.put_sequence``). When
+        the server pins the whole state under that name (as ``Store.put_sequence``). A
+        HasBlocks answered NOT_FOUND (a model the push creates, a write-only token) sends
+        every payload. When
         a referenced block was evicted meanwhile (FAILED_PRECONDITION naming it), the push
         is sent once more with every payload.
 
@@ -437,7 +439,10 @@ class TransferClient:
         full = np.flatnonzero(hashes != NO_HASH)
         held: set[int] = set()
         if len(full):
-            present = self.has_blocks(hashes[full]).present
+            try:
+                present = self.has_blocks(hashes[full]).present
+            except NotFoundError:  # a model not created yet, or a token that may only write
+                present = [False] * len(full)
             held = {int(hashes[i]) for i, here in zip(full.tolist(), present) if here}
         try:
             return self._push(env, held, sequence)

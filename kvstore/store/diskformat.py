@@ -71,10 +71,17 @@ DB_EMPTY = b"empty"
 DB_EMPTY_INDEX = b"empty-index"
 # The sub-databases every model has a copy of (model 0: the names above).
 MODEL_DBS = (DB_BLOCKS, DB_INDEX, DB_REFS, DB_ATIME, DB_SEQS, DB_PENDING)
-# Models beside the default one a store may hold (LMDB fixes its number of sub-databases
-# when the environment opens: the shared ones + 6 per model).
-MAX_MODELS = 200
-MAX_DBS = 10 + len(MODEL_DBS) * MAX_MODELS
+# Every sub-database of a store holding only the default model.
+SHARED_DBS = (*MODEL_DBS, DB_META, DB_LRU, DB_MODELS, DB_EMPTY, DB_EMPTY_INDEX)
+
+
+def max_dbs(models: int) -> int:
+    """LMDB's ``max_dbs`` for an environment holding ``models`` models besides the default
+    one: the shared sub-databases and 6 per model, plus one model's more (the number a
+    writer reserves before the registry refuses it). LMDB fixes it when the environment
+    opens."""
+    return len(SHARED_DBS) + len(MODEL_DBS) * (models + 1)
+
 
 # blocks/refs/atime key: the u64 block hash, big-endian so LMDB's key order is numeric.
 BLOCK_KEY = struct.Struct(">Q")
