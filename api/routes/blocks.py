@@ -81,7 +81,12 @@ FormatQuery = Annotated[
 ]
 TierQuery = Annotated[
     int | None,
-    Query(ge=0, le=1, description="1: a hash absent here counts when the object-store tier has it"),
+    Query(
+        ge=0,
+        le=1,
+        description="1: a hash absent here counts when the object-store tier has an object "
+        "under its key (existence only: a read checks the object and may refuse it)",
+    ),
 ]
 
 
@@ -340,7 +345,8 @@ def _present_json(present: list[bool], prefix: int) -> bytes:
 @router.post("/v1/has-blocks", openapi_extra=HASHES_BODY)
 async def has_blocks(request: Request, tier: TierQuery = None) -> Response:
     """Which of the hashes are stored, and how many leading ones (``prefix``); with
-    ``tier=1`` also those the object-store tier holds (HEADs, nothing read through)."""
+    ``tier=1`` also those the object-store tier holds (HEADs, nothing read through): an
+    object's existence, not its validity, which a read checks and may refuse."""
     store = store_of(request)
     hashes = await request_hashes(request, store)
     if tier == 1 and store.tier is not None and len(hashes):

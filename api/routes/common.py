@@ -143,9 +143,24 @@ def hex_list(hashes: Any) -> list[str]:
     return [hash_hex(h) for h in hashes]
 
 
+def content_type(request: Request) -> str | None:
+    """The request's one ``Content-Type`` value (None when absent).
+
+    Raises:
+        InvalidRequestError: the field is sent more than once (RFC 9110 8.3: a singleton
+            field; two values cannot be told apart from a forged one).
+    """
+    values = request.headers.getlist("content-type")
+    if len(values) > 1:
+        raise InvalidRequestError(
+            f"rule 'Content-Type is sent at most once' failed: found {len(values)} fields"
+        )
+    return values[0] if values else None
+
+
 def media_type(request: Request) -> str | None:
     """The request's media type without parameters, lower case (None when absent)."""
-    value = request.headers.get("content-type")
+    value = content_type(request)
     if value is None:
         return None
     return value.split(";", 1)[0].strip().lower()
@@ -164,7 +179,7 @@ def require_envelope_type(request: Request) -> None:
     Raises:
         InvalidRequestError: no content type, another one, or one with parameters.
     """
-    value = request.headers.get("content-type")
+    value = content_type(request)
     kind = None if value is None else value.strip().lower()
     if kind not in ENVELOPE_TYPES:
         found = "none" if value is None else repr(value[:100])

@@ -53,7 +53,7 @@ from .diskformat import (
     Dbs,
 )
 from .eviction import RecencyBuffer
-from .journal import RestoreJournal, journal_model, pending, rollback
+from .journal import RestoreJournal, journal_model, pending, remove_orphan_locks, rollback
 from .keyset import KeySet
 from .lmdbenv import MAP_ALIGN, LmdbEnv
 from .models import StoreModels
@@ -252,6 +252,8 @@ class Store(StoreModels, StoreReads, StoreWrites, StoreStats, StoreCore):
             ]
         finally:
             self._end_read(txn)
+        if remove_orphan_locks(self._path, {t for t, _ in tokens}):
+            log.warning("%s: removed the lock files of restores killed before writing", self._path)
         for token, model in tokens:
             claimed = RestoreJournal.claim(self._path, token)
             if claimed is None:
