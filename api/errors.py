@@ -103,7 +103,7 @@ def _validation_message(exc: RequestValidationError) -> str:
 
 async def _on_tlkv_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, TlkvError)
-    if exc.http_status >= 500 and not isinstance(exc, StoreFullError):
+    if exc.http_status >= 500 and not isinstance(exc, StoreFullError | BusyError):
         log.error("%s %s failed: %r", request.method, request.url.path, exc)
     return error_response(exc)
 

@@ -104,6 +104,11 @@ class UnsafeArchiveError(ArchiveError):
     """An archive member would escape its destination or exceed the allowed sizes."""
 
 
+class IncompleteArchiveError(ArchiveError):
+    """``archive create`` would leave something out (a sequence, a corrupt block), and was
+    not allowed to (``--allow-skipped``)."""
+
+
 class TierError(StoreError):
     """The object-store tier could not be reached or refused a request (local data is
     unaffected; the operation that needed the tier can be retried)."""
@@ -162,6 +167,10 @@ class BusyError(TlkvError):
 
     kind = "busy"
     http_status = 503
+
+
+class StoreBusyError(BusyError, StoreError):
+    """The map cannot be remapped now: zero-copy bodies still hold snapshots; retry."""
 
 
 class ServiceError(TlkvError):

@@ -43,6 +43,7 @@ from .codec.layout import (
     U64_MAX,
 )
 from .errors import (
+    BusyError,
     EnvelopeError,
     FormatError,
     InvalidRequestError,
@@ -124,7 +125,8 @@ def grpc_status_of(error: BaseException) -> grpc.StatusCode:
 
     Reader-rule failures (format, shape, CRC) are DATA_LOSS, a version the server does not
     read and a referenced block it does not hold FAILED_PRECONDITION, a payload over 4 MiB
-    and a full store RESOURCE_EXHAUSTED, a malformed request INVALID_ARGUMENT.
+    and a full store RESOURCE_EXHAUSTED, a store busy remapping UNAVAILABLE (retry), a
+    malformed request INVALID_ARGUMENT.
     """
     if isinstance(error, UnsupportedVersionError | NotFoundError):
         return grpc.StatusCode.FAILED_PRECONDITION
@@ -132,6 +134,8 @@ def grpc_status_of(error: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.DATA_LOSS
     if isinstance(error, TooLargeError | StoreFullError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(error, BusyError):
+        return grpc.StatusCode.UNAVAILABLE
     if isinstance(error, UnauthorizedError):
         return grpc.StatusCode.UNAUTHENTICATED
     if isinstance(error, InvalidRequestError | ValueError):

@@ -215,6 +215,22 @@ class SequenceRecord(NamedTuple):
         return self.records[j * self.record_bytes : (j + 1) * self.record_bytes]
 
 
+def own_full_blocks(raw: Any) -> int:
+    """How many full blocks a sequence record keeps itself (not pinned in the block space):
+    its own records but a partial tail. Reads the header, the positions and the last hash
+    only (no CRC check: a count for ``stats``); 0 for a record too short to say."""
+    mv = memoryview(raw)
+    if len(mv) < SEQ_HEADER.size:
+        return 0
+    n, m = SEQ_HEADER.unpack_from(mv, 0)[3:]
+    at_positions = SEQ_HEADER.size + SEQ_HASH_DTYPE.itemsize * n
+    if not m or len(mv) < at_positions + SEQ_POSITION_DTYPE.itemsize * m:
+        return 0
+    last = int(np.frombuffer(mv, SEQ_POSITION_DTYPE, 1, at_positions + 4 * (m - 1))[0])
+    tail = last == n - 1 and int(np.frombuffer(mv, SEQ_HASH_DTYPE, 1, at_positions - 8)[0]) == 0
+    return m - int(tail)
+
+
 def pack_sequence(version: int, hashes: list[int], own: list[int], records: list[Any]) -> bytes:
     """A sequence record: ``records[j]`` is the block record at position ``own[j]``."""
     parts: list[Any] = [

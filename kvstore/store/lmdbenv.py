@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import lmdb
 import numpy as np
 
-from ..errors import StoreError, StoreFullError
+from ..errors import StoreBusyError, StoreError, StoreFullError
 from ..protocol import MAX_MODELS
 from .diskformat import (
     DB_ATIME,
@@ -66,8 +66,10 @@ _SPARE_TXNS = 8
 _SPACE_SLACK = 16 << 20  # a failed write with less free disk than need + this: disk full
 
 
-# How long a remap waits for zero-copy bodies held by transports to be released.
-HOLD_DRAIN_SECONDS = 30.0
+# How long a remap waits for zero-copy bodies held by transports to be released: longer
+# than the service's watch (which aborts a body unread 30 s after its first byte), so a
+# put needing a remap outlasts a client that stopped reading.
+HOLD_DRAIN_SECONDS = 35.0
 
 
 class _Held:
@@ -412,6 +414,9 @@ class LmdbEnv:
 
         First waits, up to ``HOLD_DRAIN_SECONDS``, for read transactions held for
         zero-copy bodies to end (no new one is held meanwhile).
+
+        Raises:
+            StoreBusyError: some are still held then (at once in ``loop_thread``): retry.
         """
         deadline = time.monotonic() + HOLD_DRAIN_SECONDS
         if threading.get_ident() == self.loop_thread:
@@ -426,7 +431,7 @@ class LmdbEnv:
                     return
                 except _HoldRefused:
                     if time.monotonic() >= deadline:
-                        raise StoreError(
+                        raise StoreBusyError(
                             f"{self.path}: cannot remap LMDB's map now: zero-copy response "
                             "bodies are still held by their transports; retry"
                         ) from None
