@@ -83,6 +83,8 @@ def _serve(args: argparse.Namespace, metrics_dir: str | None) -> int:
         env[s.ENV_CAPACITY] = str(args.capacity)
     if args.token_file is not None:
         env[s.ENV_TOKEN_FILE] = str(Path(args.token_file).resolve())
+    if args.metrics_token_file is not None:
+        env[s.ENV_METRICS_TOKEN_FILE] = str(Path(args.metrics_token_file).resolve())
     if args.grpc_port is not None:
         grpc_host = args.host if args.grpc_host is None else args.grpc_host
         host = f"[{grpc_host}]" if ":" in grpc_host else grpc_host
@@ -144,6 +146,11 @@ def register(sub: Any) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--workers", type=positive_int, default=1, help="worker processes")
     p.add_argument("--token-file", default=None, help="bearer token file (else $TLKV_TOKEN)")
+    p.add_argument(
+        "--metrics-token-file",
+        default=None,
+        help="a token (file) that reads every /metrics series and no model (for Prometheus)",
+    )
     p.add_argument(
         "--max-body", type=_size_arg, default=64 * 1024 * 1024, help="body limit (64MiB)"
     )

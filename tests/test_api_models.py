@@ -57,8 +57,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     token_file = data.parent / "tokens.toml"
     token_file.write_text(TOKENS)
     grpc_port = free_port()
+    metrics_token = data.parent / "metrics-token"
+    metrics_token.write_text("prometheus-9d1e\n")
     args = ("--token-file", str(token_file), "--grpc-port", str(grpc_port))
     args += ("--quota", f"q={2 * SMALL.envelope_bytes(1)}")
+    args += ("--metrics-token-file", str(metrics_token))
     with ServerProcess(data, *args) as srv:
         srv.grpc_port = grpc_port  # type: ignore[attr-defined]
         with client(srv, "admin") as c:
@@ -200,6 +203,35 @@ def test_metrics_have_per_model_gauges_the_token_may_read(server: ServerProcess)
         text = c.get("/metrics").text
     assert 'tlkv_model_blocks{model="shared"} 3.0' in text
     assert 'model="b"' not in text and LLAMA not in text
+
+
+def test_store_wide_metrics_only_for_tokens_that_read_every_model(
+    server: ServerProcess,
+) -> None:
+    """A token that may read some models gets their ``tlkv_model_*`` series and nothing
+    store-wide (the default model's counts, hits and misses moving with other tenants'
+    reads, request counts); a token that reads every model and the metrics token get
+    everything; the metrics token reads no model."""
+    with client(server, "admin") as c:
+        c.get(f"/v1/blocks/{HASHES[0]}")  # a read of default: store-wide counters move
+        full = c.get("/metrics").text
+    with client(server, "alice") as c:
+        scoped = c.get("/metrics").text
+    with client(server, "prometheus-9d1e") as c:
+        metrics_token = c.get("/metrics").text
+        assert c.get("/v1/models").json()["models"] == []
+        assert c.get(f"/v1/blocks/{HASHES[0]}").status_code == 404
+        assert c.post("/v1/has-blocks", json={"hashes": HASHES}).status_code == 404
+        assert c.put("/v1/blocks", content=PROMPT_A, headers=ENVELOPE).status_code == 404
+    for text in (full, metrics_token):
+        assert "tlkv_store_blocks " in text and "tlkv_store_hits_total " in text
+        assert "tlkv_http_requests_total{" in text
+        assert f'tlkv_model_blocks{{model="{LLAMA}"}} 3.0' in text
+    assert 'tlkv_model_blocks{model="shared"} 3.0' in scoped
+    for series in ("tlkv_store_", "tlkv_http_", "tlkv_grpc_", "tlkv_worker_", 'model="b"'):
+        assert series not in scoped, series
+    with client(server, "writer") as c:  # reads nothing: no series at all
+        assert "model=" not in c.get("/metrics").text
 
 
 def test_a_models_quota_from_the_command_line(server: ServerProcess) -> None:

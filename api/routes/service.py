@@ -10,7 +10,7 @@ from kvstore.codec.checksum import KERNEL
 
 from ..access import EVERYTHING
 from ..access import SCOPE_KEY as ACCESS_KEY
-from ..metrics import tier_stats
+from ..metrics import render_model_series, tier_stats
 from .common import json_response, store_of
 
 router = APIRouter()
@@ -38,17 +38,25 @@ async def healthz(request: Request) -> Response:
 )
 async def metrics(request: Request) -> Response:
     """Prometheus text: request counts and latency (all workers summed); the store's (its
-    ``default`` model's), and blocks/bytes/sequences of each model the token may read."""
+    ``default`` model's), and blocks/bytes/sequences of each model the token may read.
+
+    Store-wide series go only to a token that may read every model or to the metrics
+    token (``--metrics-token-file``); any other token gets the per-model series of the
+    models it may read, nothing else."""
     store = store_of(request)
-    stats = dict(store.stats())
     access = request.scope.get(ACCESS_KEY, EVERYTHING)
+    if not access.sees_store_metrics():
+        readable = access.readable(store.models())
+        scoped = {m: store.model(m).stats() for m in readable}
+        return Response(render_model_series(scoped), media_type=PROMETHEUS_MEDIA_TYPE)
+    stats = dict(store.stats())
     per_model = {}
     hits = misses = 0
     for model in store.models():
         model_stats = store.model(model).stats()
         hits += model_stats["hits"] or 0  # this process's reads, of every model
         misses += model_stats["misses"] or 0
-        if access.can_read(model):
+        if access.metrics or access.can_read(model):
             per_model[model] = model_stats
     stats["hits"], stats["misses"] = hits, misses
     stats.update(tier_stats(store.tier_info()))
