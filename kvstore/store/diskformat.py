@@ -226,9 +226,10 @@ def own_full_blocks(raw: Any) -> int:
     at_positions = SEQ_HEADER.size + SEQ_HASH_DTYPE.itemsize * n
     if not m or len(mv) < at_positions + SEQ_POSITION_DTYPE.itemsize * m:
         return 0
-    last = int(np.frombuffer(mv, SEQ_POSITION_DTYPE, 1, at_positions + 4 * (m - 1))[0])
-    tail = last == n - 1 and int(np.frombuffer(mv, SEQ_HASH_DTYPE, 1, at_positions - 8)[0]) == 0
-    return m - int(tail)
+    at_last = at_positions + SEQ_POSITION_DTYPE.itemsize * (m - 1)
+    last = int(np.frombuffer(mv, SEQ_POSITION_DTYPE, 1, at_last)[0])
+    last_hash = np.frombuffer(mv, SEQ_HASH_DTYPE, 1, at_positions - SEQ_HASH_DTYPE.itemsize)
+    return m - int(last == n - 1 and int(last_hash[0]) == NO_HASH)
 
 
 def pack_sequence(version: int, hashes: list[int], own: list[int], records: list[Any]) -> bytes:
