@@ -54,9 +54,11 @@ _ERRORS = {
     415: "version: the envelope's format version is not one the server accepts",
     422: "format, shape or invalid_request: the envelope breaks a reader rule, its geometry "
     "is not the store's, or the request is malformed (path, query, media type, JSON)",
-    503: "busy: the worker holds --max-inflight bytes of request bodies; retry after "
-    "Retry-After seconds",
-    507: "store_full: the blocks do not fit even after evicting every unpinned one",
+    503: "busy: the worker holds --max-inflight bytes of request bodies, or the store "
+    "cannot grow its map while response bodies a client stopped reading are held; retry "
+    "after Retry-After seconds",
+    507: "store_full: the blocks do not fit even after evicting every unpinned one; "
+    "model_limit: the write would create a model beyond --max-models",
 }
 
 # Statuses beyond the generic ones (401; 413, 422, 503 with a body; 422 with parameters).

@@ -15,7 +15,7 @@ from pathlib import Path
 from kvstore.cli.common import parse_size
 from kvstore.codec.geometry import Geometry
 from kvstore.codec.layout import SUPPORTED_VERSIONS
-from kvstore.protocol import is_model_id
+from kvstore.protocol import MAX_MODELS, is_model_id, read_token_file
 
 from .access import TokenTable, read_tokens
 
@@ -35,6 +35,8 @@ ENV_FORMATS = "TLKV_FORMATS"  # envelope versions this server reads, e.g. "1" or
 ENV_QUOTAS = "TLKV_QUOTAS"  # per-model byte quotas: "model=SIZE,other/model=SIZE"
 ENV_SCRUB_RATE = "TLKV_SCRUB_RATE"  # background scrub, bytes per second; 0 or absent: off
 ENV_SCRUB_PERIOD = "TLKV_SCRUB_PERIOD"  # seconds from one scrub pass's start to the next
+ENV_MAX_MODELS = "TLKV_MAX_MODELS"  # models besides default the store admits
+ENV_METRICS_TOKEN_FILE = "TLKV_METRICS_TOKEN_FILE"  # a token that may read all of /metrics
 
 DEFAULT_DATA = "./tlkv-data"
 DEFAULT_MAX_BODY = 64 * 1024 * 1024
@@ -95,6 +97,7 @@ class Settings:
     # gives one by default, --scrub-rate).
     scrub_rate: int = 0
     scrub_period: float = 24 * 3600.0
+    max_models: int = MAX_MODELS  # models besides default a write may create
 
     def __post_init__(self) -> None:
         if self.tokens is None and self.token is not None:
@@ -126,6 +129,12 @@ class Settings:
         token_file = env.get(ENV_TOKEN_FILE)
         tokens = read_tokens(token_file) if token_file else None
         token = tokens.bare if tokens is not None else (env.get(ENV_TOKEN) or None)
+        metrics_file = env.get(ENV_METRICS_TOKEN_FILE)
+        if metrics_file:
+            if tokens is None and token is None:
+                raise ValueError("a metrics token needs the service's tokens (--token-file)")
+            table = tokens if tokens is not None else TokenTable.single(str(token))
+            tokens = table.with_metrics_token(read_token_file(metrics_file))
         max_body = env.get(ENV_MAX_BODY)
         max_stream = env.get(ENV_GRPC_MAX_STREAM)
         formats = env.get(ENV_FORMATS)
@@ -147,4 +156,5 @@ class Settings:
             tier_endpoint=env.get(ENV_TIER_ENDPOINT) or None,
             scrub_rate=int(env.get(ENV_SCRUB_RATE) or 0),
             scrub_period=float(env.get(ENV_SCRUB_PERIOD) or 24 * 3600.0),
+            max_models=int(env.get(ENV_MAX_MODELS) or MAX_MODELS),
         )

@@ -41,6 +41,10 @@ MODEL_ID_REGEX = "[A-Za-z0-9._:@/+-]{1,200}"
 MODEL_ID_PATTERN = f"^{MODEL_ID_REGEX}$"
 _MODEL_ID = re.compile(MODEL_ID_REGEX)
 DEFAULT_MODEL = "default"  # the namespace of every unscoped call (stores before namespaces)
+# Models besides the default one a store admits by default (``Store(max_models=)``,
+# ``tlkv serve --max-models``), and the most that setting may say.
+MAX_MODELS = 200
+MAX_MODELS_LIMIT = 1000  # an archive of every model (manifest.MAX_MODELS, 1024) stays possible
 MODEL_HEADER = "x-tlkv-model"  # tl.kv.v1 metadata selecting the model
 
 
@@ -139,6 +143,7 @@ ERROR_KINDS: dict[str, type[errors.TlkvError]] = {
         errors.UnauthorizedError,
         errors.ForbiddenError,
         errors.StoreFullError,
+        errors.ModelLimitError,
         errors.InvalidRequestError,
         errors.MethodNotAllowedError,
         errors.BusyError,

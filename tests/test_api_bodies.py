@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from conftest import SMALL, make_envelope
 from http_server import ServerProcess, assert_error
@@ -419,4 +420,62 @@ def test_worker_rss_under_16_max_size_junk_uploads(tmp_path: Path, junk: str) ->
             t.join()
         peak = _mib(srv.proc.pid, "VmHWM")
         assert statuses == [422] * 16
+    assert peak <= 2 * max_body // 2**20 + 150, peak
+
+
+# --- 4: the worker's memory under 16 concurrent max-size JSON queries ---------------------
+
+
+def _json_query(form: str, size: int) -> bytes:
+    """A ``{"hashes": [...]}`` or ``{"tokens": [...]}`` body of about ``size`` bytes."""
+    rng = np.random.default_rng(9)
+    if form == "hashes":
+        items = [b'"%016x"' % h for h in rng.integers(0, 2**63, size // 20, dtype=np.uint64)]
+    else:  # 8-byte items, as 8.4 M token ids in 64 MiB
+        items = [b"%d" % t for t in rng.integers(10**6, 10**7, size // 9, dtype=np.int64)]
+    return b'{"%s": [%s]}' % (form.encode(), b", ".join(items))
+
+
+def _query(port: int, route: str, body: bytes, statuses: list[int]) -> None:
+    request = _head(
+        "POST", route, {"content-type": "application/json", "content-length": str(len(body))}
+    )
+    with socket.create_connection(("127.0.0.1", port), timeout=300) as sock:
+        try:
+            sock.sendall(request)
+            sock.sendall(body)
+            statuses.append(_response(sock)[0])
+        except (OSError, AssertionError):  # a 503 closes the connection: we may see a reset
+            statuses.append(0)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")
+@pytest.mark.parametrize(
+    ("route", "form"), [("/v1/has-blocks", "hashes"), ("/v1/prefix", "tokens")]
+)
+def test_worker_rss_under_16_max_size_json_queries(tmp_path: Path, route: str, form: str) -> None:
+    """Issue target: 16 concurrent 64 MiB JSON queries keep the worker within
+    2 x max-body + 150 MiB (json.loads alone took it past 500 MiB with one)."""
+    import threading
+
+    max_body = 64 * 1024 * 1024
+    body = _json_query(form, max_body - 64)
+    assert max_body - 2**20 < len(body) <= max_body
+    geometry = ",".join(map(str, RSS_GEOMETRY.as_tuple()))
+    with ServerProcess(tmp_path / "store", "--geometry", geometry) as srv:
+        assert srv.proc is not None
+        statuses: list[int] = []
+        threads = [
+            threading.Thread(target=_query, args=(srv.port, route, body, statuses))
+            for _ in range(16)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        peak = _mib(srv.proc.pid, "VmHWM")
+    print(f"{route} {form}: peak worker RSS {peak} MiB, statuses {sorted(statuses)}")
+    assert len(statuses) == 16 and set(statuses) <= {200, 503, 0}, statuses
+    assert 200 in statuses
     assert peak <= 2 * max_body // 2**20 + 150, peak

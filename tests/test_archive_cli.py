@@ -20,9 +20,10 @@ from archive_helpers import (
     snapshot,
     valid_members,
 )
-from conftest import SMALL
+from conftest import SMALL, make_envelope
 
 from kvstore import Geometry, decode
+from kvstore.archive import list_archive
 from kvstore.cli import main
 from kvstore.cli.archive import ProgressBar
 from kvstore.store.store import Store
@@ -237,3 +238,28 @@ def test_refused_restore_into_a_new_directory_leaves_nothing(
     assert code == 3 and err and not target.exists()
     code, _, _ = tlkv(capsys, "restore", str(archive_file), "--data", str(target), "--quiet")
     assert code == 0 and target.is_dir()
+
+
+def test_create_refuses_to_leave_a_sequence_out_silently(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A sequence whose blocks are stored in another version keeps its own copies and
+    cannot be archived by reference: ``create`` exits 7 naming it and writes nothing;
+    with ``--allow-skipped`` it writes the rest and reports the sequence left out. Its
+    blocks count as pinned."""
+    data = tmp_path / "store"
+    with Store(data) as s:
+        s.put(make_envelope(SMALL, 8, version=1, seed=3))
+        s.put_sequence("own", make_envelope(SMALL, 8, version=2, seed=3))  # same hashes
+        s.put_sequence("plain", make_envelope(SMALL, 9, version=1, seed=4))
+        assert s.stats()["pinned_blocks"] == 2 + 2  # own's 2 kept copies, plain's 2 blocks
+    out = tmp_path / "a.tar.zst"
+    code, _, err = tlkv(capsys, "create", "--data", str(data), "-o", str(out), "--quiet")
+    assert code == 7, err
+    assert "'own'" in err and "--allow-skipped" in err
+    assert not out.exists() and list(tmp_path.glob("a.tar.zst*")) == []
+    code, _, err = tlkv(
+        capsys, "create", "--data", str(data), "-o", str(out), "--quiet", "--allow-skipped"
+    )
+    assert code == 0 and "skipped sequence 'own'" in err
+    assert [x.name for x in list_archive(out).sequences] == ["plain"]

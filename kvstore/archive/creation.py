@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..codec.envelope import decode
-from ..errors import ArchiveError, ChecksumError
+from ..errors import ArchiveError, ChecksumError, IncompleteArchiveError
 from ..fileio import drop_mapped_pages, populate_mapped_pages
 from ..protocol import DEFAULT_MODEL, check_model_id, check_sequence_name
 from .manifest import DEFAULT_LEVEL, SequenceRecord, find_positions
@@ -57,6 +57,7 @@ def create(
     sequences: Sequence[str] | None = None,
     threads: int = 0,
     progress: Progress | None = None,
+    allow_skipped: bool = True,
 ) -> CreateSummary:
     """Archive a snapshot of models of ``store`` (one read transaction per model) into
     ``path``: version 2 for one model, version 3 for several (ARCHIVE.md 1).
@@ -72,9 +73,14 @@ def create(
         sequences: archive only these sequences (of whichever model has them) and the
             blocks they reference.
         level: zstd level; threads: compression threads (0: one per CPU).
+        allow_skipped: False: anything that would be left out (a sequence that keeps its
+            own copy of a block, or uses a missing one; a block failing its CRC) fails
+            the create before an archive is written (``tlkv archive create`` without
+            ``--allow-skipped``).
 
     Raises:
         KeyError: a requested model or sequence does not exist.
+        IncompleteArchiveError: something would be left out and ``allow_skipped`` is False.
     """
     if sequences is not None:
         for name in sequences:
@@ -83,14 +89,26 @@ def create(
     quarantined: list[int] = []
     for _attempt in range(MAX_CORRUPT_RETRIES):
         try:
-            summary = _create_once(handles, path, level, sequences, threads, progress)
+            summary = _create_once(
+                handles, path, level, sequences, threads, progress, allow_skipped
+            )
         except CorruptBlock as exc:
             exc.store.get(exc.hash)  # the store verifies the CRC and quarantines the block
             quarantined.append(exc.hash)
+            if not allow_skipped:
+                raise _incomplete([f"block {exc.hash:016x}: fails its CRC; quarantined"]) from None
             continue
         summary.skipped[:0] = [f"block {h:016x}: fails its CRC; quarantined" for h in quarantined]
         return summary
     raise ArchiveError(f"{len(quarantined)} corrupt blocks found while archiving; giving up")
+
+
+def _incomplete(skipped: list[str]) -> IncompleteArchiveError:
+    return IncompleteArchiveError(
+        f"the archive would leave out {len(skipped)} item(s): {'; '.join(skipped[:3])}"
+        f"{'; ...' if len(skipped) > 3 else ''} (nothing written; allow it with "
+        "--allow-skipped)"
+    )
 
 
 def _models_to_archive(store: Any, models: Sequence[str] | None) -> list[str]:
@@ -182,6 +200,7 @@ def _create_once(
     names: Sequence[str] | None,
     threads: int,
     progress: Progress | None,
+    allow_skipped: bool,
 ) -> CreateSummary:
     skipped: list[str] = []
     wanted = None if names is None else set(names)
@@ -194,6 +213,8 @@ def _create_once(
             unknown = wanted.difference(*(snap.named for snap in snaps))
             if unknown:
                 raise KeyError(f"no sequence named {sorted(unknown)[0]!r} in the store")
+        if skipped and not allow_skipped:
+            raise _incomplete(skipped)
         parts = [snap.content() for snap in snaps]
         if progress is not None:
             progress.start(sum(p.n_blocks for p in parts))

@@ -106,6 +106,7 @@ def _cmd_create(args: argparse.Namespace) -> int:
                 sequences=args.sequence or None,
                 threads=args.threads,
                 progress=bar,
+                allow_skipped=args.allow_skipped,
             )
         finally:
             bar.close()
@@ -313,6 +314,12 @@ def register(sub: Any) -> None:
         action="append",
         metavar="NAME",
         help="archive only this sequence and its blocks (repeatable)",
+    )
+    q.add_argument(
+        "--allow-skipped",
+        action="store_true",
+        help="write the archive even if a sequence or a corrupt block is left out "
+        "(default: exit 7, nothing written)",
     )
     common(q)
     q.set_defaults(func=_run(_cmd_create))

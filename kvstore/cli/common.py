@@ -3,9 +3,10 @@
 Exit codes: 0 success; 1 any other failure (e.g. a block not found); 2 usage; 3 a format
 error (of an envelope or an archive); 4 shape mismatch; 5 unsupported version; 6 done, but
 the input is inconsistent where the command looked (``archive extract`` wrote a valid block
-from an archive whose index or manifest disagrees with it); 141 the reader of the output
-closed it (``tlkv archive ls A | head``: the command stops quietly, the shell's code for a
-tool ended by SIGPIPE).
+from an archive whose index or manifest disagrees with it); 7 incomplete (``archive
+create`` would leave a sequence or a corrupt block out, and ``--allow-skipped`` was not
+given: no archive is written); 141 the reader of the output closed it (``tlkv archive ls A
+| head``: the command stops quietly, the shell's code for a tool ended by SIGPIPE).
 """
 
 from __future__ import annotations
@@ -14,7 +15,13 @@ import argparse
 import re
 
 from ..codec.geometry import Geometry
-from ..errors import ArchiveError, EnvelopeError, ShapeError, UnsupportedVersionError
+from ..errors import (
+    ArchiveError,
+    EnvelopeError,
+    IncompleteArchiveError,
+    ShapeError,
+    UnsupportedVersionError,
+)
 from ..protocol import check_model_id
 
 EXIT_OK = 0
@@ -24,6 +31,7 @@ EXIT_FORMAT = 3
 EXIT_SHAPE = 4
 EXIT_VERSION = 5
 EXIT_INCONSISTENT = 6
+EXIT_INCOMPLETE = 7
 EXIT_CLOSED_PIPE = 141  # 128 + SIGPIPE
 
 
@@ -77,8 +85,10 @@ def rate_arg(text: str) -> int:
 
 
 def exit_code_for(error: BaseException) -> int:
-    """The exit code of an error: 4 shape, 5 version, 3 any other envelope or archive
-    error, else 1."""
+    """The exit code of an error: 4 shape, 5 version, 7 an incomplete archive, 3 any other
+    envelope or archive error, else 1."""
+    if isinstance(error, IncompleteArchiveError):
+        return EXIT_INCOMPLETE
     if isinstance(error, ShapeError):
         return EXIT_SHAPE
     if isinstance(error, UnsupportedVersionError):
