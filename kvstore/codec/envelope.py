@@ -236,13 +236,14 @@ class Envelope(Sequence[BlockView]):
         return _from_records(self.version, self.geometry, [self.record(index)])
 
     def _field(self, dtype: str, offset: int) -> np.ndarray:
-        return np.ndarray(
+        field: np.ndarray = np.ndarray(
             shape=(self._n,),
             dtype=dtype,
             buffer=self.data,
             offset=HEADER_SIZE + offset,
             strides=(self.record_bytes,),
         )
+        return field
 
     @property
     def hashes(self) -> np.ndarray:

@@ -115,7 +115,8 @@ def chain_hashes(tokens: TokenInput, block_tokens: int = 16, parent: int = NO_HA
         raise ValueError(f"parent hash must fit u64, found {parent}")
     if _native is None:
         return _chain_hashes_py(tokens, block_tokens, parent)
-    return chain_hashes_array(tokens, block_tokens, parent).tolist()
+    hashes: list[int] = chain_hashes_array(tokens, block_tokens, parent).tolist()
+    return hashes
 
 
 def chain_hashes_array(
