@@ -1,4 +1,4 @@
-"""The chained FNV-1a block hash of the spec (section "Block hash").
+"""The chained FNV-1a block hash of FORMAT.md (section 1).
 
 ``hash(block i) = H(hash(block i-1), tokens[i*B:(i+1)*B])`` with
 ``H(parent, toks) = fnv1a64(le_u64(parent) || le_u32(toks[0]) || ...)``, a 0 result
