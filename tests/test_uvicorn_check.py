@@ -18,7 +18,14 @@ import uvicorn.protocols.http.httptools_impl as httptools_impl
 import uvicorn.protocols.utils as uvicorn_utils
 from http_server import REPO, ServerProcess
 
-from api.uvicorn_check import FAST_PATH, RELIED_ON, STANDARD, fast_path_problem, http_protocol
+from api.uvicorn_check import (
+    FAST_PATH,
+    RELIED_ON,
+    STANDARD,
+    _assigned_names,
+    fast_path_problem,
+    http_protocol,
+)
 from kvstore import Block, Geometry, encode
 from kvstore.protocol import ENVELOPE_MEDIA_TYPE as ENVELOPE
 
@@ -41,8 +48,6 @@ def test_every_relied_on_name_exists(module: str, cls: str | None, name: str) ->
     owner = importlib.import_module(module)
     if cls is not None:
         owner = getattr(owner, cls)
-    from api.uvicorn_check import _assigned_names
-
     assert hasattr(owner, name) or (isinstance(owner, type) and name in _assigned_names(owner))
 
 
