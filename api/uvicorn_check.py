@@ -129,7 +129,7 @@ def fast_path_problem() -> str | None:
     config = uvicorn.Config(_no_app, http=FAST_PATH, log_config=None)
     try:
         config.load()
-    except (KeyError, ImportError, AttributeError) as exc:
+    except Exception as exc:  # whatever keeps this uvicorn from loading it: fall back
         return f"uvicorn {version} cannot load http={FAST_PATH!r} ({type(exc).__name__}: {exc})"
     loaded = getattr(config, "http_protocol_class", None)
     if getattr(loaded, "__name__", None) != FAST_PATH.rpartition(":")[2]:

@@ -116,3 +116,17 @@ def test_serve_without_the_internals_serves_through_uvicorn_with_one_warning(
     assert log.count(WARNING) == 1, log
     assert "uvicorn.protocols.utils.get_client_addr" in log
     assert f"serving through uvicorn's {STANDARD!r} protocol" in log
+
+
+def test_a_uvicorn_without_class_paths_for_http_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """uvicorn before 0.36 looks ``http=`` up among its own protocols' names only, and
+    fails with a ``KeyError`` on a class path: simulated by a ``Config.load`` doing so."""
+    import uvicorn
+
+    def load(self: uvicorn.Config) -> None:
+        raise KeyError(self.http)
+
+    monkeypatch.setattr(uvicorn.Config, "load", load)
+    problem = fast_path_problem()
+    assert problem is not None and f"cannot load http={FAST_PATH!r} (KeyError" in problem
+    assert http_protocol()[0] == STANDARD
