@@ -36,12 +36,13 @@ from kvstore.errors import (
     TooLargeError,
     UnauthorizedError,
 )
+from kvstore.protocol import JSON_MEDIA_TYPE
 
 log = logging.getLogger("tlkv.api")
 
 RETRY_AFTER_SECONDS = 1  # the Retry-After of a 503 busy
 
-ERROR_MEDIA_TYPE = "application/json"
+ERROR_MEDIA_TYPE = JSON_MEDIA_TYPE
 _MAX_MESSAGE = 500
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]

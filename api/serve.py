@@ -21,6 +21,7 @@ from kvstore.protocol import MAX_MODELS, MAX_MODELS_LIMIT
 
 from . import settings as s
 from .settings import parse_size
+from .uvicorn_check import http_protocol
 
 PROMETHEUS_MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"  # prometheus-client's multiprocess mode
 LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
@@ -127,6 +128,9 @@ def _serve(args: argparse.Namespace, metrics_dir: str | None) -> int:
     ).close()
     auth = "on" if settings.tokens is not None else "off"
     grpc = f", grpc://{settings.grpc_address}" if settings.grpc_address else ""
+    http, warning = http_protocol()  # the fast path, unless this uvicorn lacks its parts
+    if warning is not None:
+        print(f"tlkv serve: warning: {warning}", file=sys.stderr)
     metrics = "" if metrics_dir is None else f"metrics {metrics_dir}, "
     tier = f", tier {settings.tier}" if settings.tier else ""
     print(
@@ -141,7 +145,7 @@ def _serve(args: argparse.Namespace, metrics_dir: str | None) -> int:
         port=args.port,
         workers=args.workers,
         loop="uvloop",
-        http="api.http_protocol:TlkvHttpProtocol",  # httptools; block reads answered in it
+        http=http,  # api.http_protocol (httptools; block reads answered in it) or "auto"
         log_level=args.log_level,
         access_log=args.access_log,
     )

@@ -15,7 +15,7 @@ from pathlib import Path
 from kvstore.cli.common import parse_size
 from kvstore.codec.geometry import Geometry
 from kvstore.codec.layout import SUPPORTED_VERSIONS
-from kvstore.protocol import MAX_MODELS, is_model_id, read_token_file
+from kvstore.protocol import MAX_MODELS, is_model_id, parse_versions, read_token_file
 
 from .access import TokenTable, read_tokens
 
@@ -58,21 +58,6 @@ def parse_quotas(text: str) -> tuple[tuple[str, int], ...]:
             raise ValueError(f"a quota is MODEL=SIZE, once per model, found {item!r}")
         quotas[model.strip()] = parse_size(size)
     return tuple(sorted(quotas.items()))
-
-
-def parse_formats(text: str) -> tuple[int, ...]:
-    """Envelope versions from ``"1"`` or ``"1,2"`` (each one tlkv reads).
-
-    Raises:
-        ValueError: an item is not a supported version, or none is given.
-    """
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    if not items or not all(t.isdigit() and int(t) in SUPPORTED_VERSIONS for t in items):
-        raise ValueError(
-            f"formats are a comma-separated subset of {','.join(map(str, SUPPORTED_VERSIONS))}"
-            f", found {text!r}"
-        )
-    return tuple(sorted({int(t) for t in items}))
 
 
 @dataclass(frozen=True)
@@ -148,7 +133,7 @@ class Settings:
             max_body=parse_size(max_body) if max_body else DEFAULT_MAX_BODY,
             grpc_address=env.get(ENV_GRPC) or None,
             grpc_max_stream=parse_size(max_stream) if max_stream else DEFAULT_GRPC_MAX_STREAM,
-            formats=parse_formats(formats) if formats else SUPPORTED_VERSIONS,
+            formats=parse_versions(formats) if formats else SUPPORTED_VERSIONS,
             max_inflight=parse_size(max_inflight) if max_inflight else None,
             allow_nonfinite=env.get(ENV_ALLOW_NONFINITE, "") == "1",
             quotas=parse_quotas(env.get(ENV_QUOTAS, "")),

@@ -252,7 +252,8 @@ def test_budget_grants_in_order_and_times_out() -> None:
         big = asyncio.ensure_future(take("big", 80))
         await asyncio.sleep(0)
         small = asyncio.ensure_future(take("small", 10))  # fits, but waits behind "big"
-        await asyncio.sleep(0.01)
+        while len(budget._waiters) < 2:  # both queued, "small" behind "big"
+            await asyncio.sleep(0)
         assert order == [] and budget.used == 60
         budget.release(60)
         await asyncio.gather(big, small)
@@ -291,6 +292,7 @@ def test_busy_answer_is_503_with_retry_after(
     data = make_envelope(SMALL, 8, seed=5)
     app = create_app(Settings(data=tmp_path / "store", max_body=len(data), max_inflight=len(data)))
     release = asyncio.Event()
+    parked = asyncio.Event()
 
     def scope() -> dict[str, Any]:
         headers = [(b"content-length", str(len(data)).encode())]
@@ -316,6 +318,7 @@ def test_busy_answer_is_503_with_retry_after(
 
         async def receive() -> dict[str, Any]:
             if len(parts) == 1 and slow:
+                parked.set()  # holding its body's bytes in the budget
                 await release.wait()
             chunk = parts.pop(0)
             return {"type": "http.request", "body": chunk, "more_body": bool(parts)}
@@ -329,7 +332,7 @@ def test_busy_answer_is_503_with_retry_after(
     async def run() -> None:
         async with app.router.lifespan_context(app):
             first = asyncio.ensure_future(request(slow=True))
-            await asyncio.sleep(0.05)
+            await parked.wait()
             status, headers = await request(slow=False)
             assert status == 503
             assert headers[b"retry-after"] == b"1" and headers[b"connection"] == b"close"

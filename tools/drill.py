@@ -46,9 +46,10 @@ import numpy as np
 from bench_common import REPO, free_port, server_env
 
 from kvstore import Block, Geometry, chain_hashes, encode, split
+from kvstore.protocol import ENVELOPE_MEDIA_TYPE, JSON_MEDIA_TYPE
 
 GEOMETRY = Geometry(block_tokens=16, n_layers=2, n_kv_heads=2, head_dim=64)  # 16 KiB blocks
-ENVELOPE = {"content-type": "application/vnd.tlkv"}
+ENVELOPE = {"content-type": ENVELOPE_MEDIA_TYPE}
 START_TIMEOUT = 60.0
 OPS = ("put", "get", "has-blocks", "prefix")
 MIX = (0.4, 0.3, 0.15, 0.15)  # of OPS; the first operation of a client is a put
@@ -201,7 +202,7 @@ def _one(conn: http.client.HTTPConnection, op: str, rng: Any, seed: int, r: Clie
             r.wrong.append(f"GET {hashes[i]} (seed {mine}): {status}, {len(body)} bytes")
         return status
     payload = json.dumps({"hashes": hashes})
-    headers = {"content-type": "application/json"}
+    headers = {"content-type": JSON_MEDIA_TYPE}
     if op == "has-blocks":
         status, body = _request(conn, "POST", "/v1/has-blocks", body=payload, headers=headers)
         if status != 200 or json.loads(body)["present"] != [True] * len(hashes):

@@ -7,6 +7,7 @@ from starlette.responses import PlainTextResponse, Response
 
 import kvstore
 from kvstore.codec.checksum import KERNEL
+from kvstore.protocol import PROMETHEUS_MEDIA_TYPE, TEXT_MEDIA_TYPE
 
 from ..access import EVERYTHING
 from ..access import SCOPE_KEY as ACCESS_KEY
@@ -15,8 +16,6 @@ from ..opsmetrics import ScrapeTime, sum_backlogs
 from .common import json_response, store_of
 
 router = APIRouter()
-
-PROMETHEUS_MEDIA_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 @router.get("/healthz", tags=["service"])
@@ -35,7 +34,7 @@ async def healthz(request: Request) -> Response:
     "/metrics",
     tags=["service"],
     response_class=PlainTextResponse,
-    responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+    responses={200: {"content": {TEXT_MEDIA_TYPE: {"schema": {"type": "string"}}}}},
 )
 async def metrics(request: Request) -> Response:
     """Prometheus text: request counts and latency (all workers summed); the store's (its

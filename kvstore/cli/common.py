@@ -22,7 +22,7 @@ from ..errors import (
     ShapeError,
     UnsupportedVersionError,
 )
-from ..protocol import check_model_id
+from ..protocol import check_model_id, parse_versions
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -115,11 +115,11 @@ def model_arg(text: str) -> str:
 
 
 def versions_arg(text: str) -> tuple[int, ...]:
-    """argparse type for ``1,2``."""
+    """argparse type for ``1,2`` (``kvstore.protocol.parse_versions``)."""
     try:
-        return tuple(int(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"versions must be like 1,2; found {text!r}") from None
+        return parse_versions(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def positive_int(text: str) -> int:
