@@ -26,7 +26,8 @@ from .operations import (
     restore,
     verify,
 )
-from .reader import ArchiveBlock, ArchiveReader, ArchiveSequence, Problem
+from .reader import ArchiveReader
+from .scan import ArchiveBlock, ArchiveSequence, Problem
 from .writer import ModelContent, write_archive, write_models
 
 __all__ = [
