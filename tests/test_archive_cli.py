@@ -269,6 +269,41 @@ def test_create_archives_a_sequence_keeping_its_own_blocks(
         assert s.stats()["pinned_blocks"] == 2 + 2
 
 
+def _flip_on_disk(data: Path, record: bytes) -> None:
+    """Flip bytes of every copy of ``record`` (random KV: unique on disk) in the store's
+    file, as a bit rot would (LMDB is copy-on-write: old pages may hold one too)."""
+    mdb = data / "data.mdb"
+    raw = bytearray(mdb.read_bytes())
+    at = raw.find(record[64:104])
+    assert at > 0
+    while at > 0:
+        raw[at] ^= 0xFF
+        at = raw.find(record[64:104], at + 1)
+    mdb.write_bytes(bytes(raw))
+
+
+def test_create_refuses_to_leave_a_damaged_sequence_record_out_silently(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A sequence record failing its CRC (here in the tail it keeps) cannot be archived:
+    ``create`` exits 7 naming it; with ``--allow-skipped`` the rest is archived."""
+    data = tmp_path / "store"
+    damaged = make_envelope(SMALL, 4 + 3, seed=6)
+    with Store(data) as s:
+        s.put_sequence("damaged", damaged)
+        s.put_sequence("fine", make_envelope(SMALL, 8, seed=7))
+    _flip_on_disk(data, bytes(decode(damaged)[1].raw))
+    out = tmp_path / "a.tar.zst"
+    code, _, err = tlkv(capsys, "create", "--data", str(data), "-o", str(out), "--quiet")
+    assert code == 7 and "'damaged'" in err and "fails its CRC" in err, err
+    assert not out.exists()
+    code, _, err = tlkv(
+        capsys, "create", "--data", str(data), "-o", str(out), "--quiet", "--allow-skipped"
+    )
+    assert code == 0 and "skipped sequence 'damaged'" in err, err
+    assert [x.name for x in list_archive(out).sequences] == ["fine"]
+
+
 def test_create_refuses_to_leave_a_corrupt_block_out_silently(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -281,15 +316,7 @@ def test_create_refuses_to_leave_a_corrupt_block_out_silently(
         s.put_sequence("plain", victim_env)
         s.put_sequence("other", make_envelope(SMALL, 8, version=1, seed=5))
     victim = int(decode(victim_env).hashes[0])
-    record = bytes(decode(victim_env)[0].raw)  # random KV: its bytes are unique on disk
-    mdb = data / "data.mdb"
-    raw = bytearray(mdb.read_bytes())
-    at = raw.find(record[64:104])
-    assert at > 0
-    while at > 0:  # every copy (LMDB is copy-on-write: old pages may hold one too)
-        raw[at] ^= 0xFF
-        at = raw.find(record[64:104], at + 1)
-    mdb.write_bytes(bytes(raw))
+    _flip_on_disk(data, bytes(decode(victim_env)[0].raw))
     out = tmp_path / "a.tar.zst"
     code, _, err = tlkv(capsys, "create", "--data", str(data), "-o", str(out), "--quiet")
     assert code == 7, err

@@ -4,7 +4,8 @@ Each model is read in one LMDB read transaction (all open together); every block
 checked by every reader rule as it is written (``writer``), and a block failing its CRC
 is quarantined by the store, left out with the sequences using it, and the archive
 started over. The file is a sibling temp file, fsynced and renamed into place
-(``sources.open_output``): version 2 for one model, 3 for several.
+(``sources.open_output``): version 2 for one model, 3 for several, 4 when a sequence
+keeps blocks of its own (written with them, ``Reader.iter_sequence_parts`` of the store).
 """
 
 from __future__ import annotations
@@ -60,11 +61,13 @@ def create(
     allow_skipped: bool = True,
 ) -> CreateSummary:
     """Archive a snapshot of models of ``store`` (one read transaction per model) into
-    ``path``: version 2 for one model, version 3 for several (ARCHIVE.md 1).
+    ``path``: version 2 for one model, version 3 for several, version 4 (either shape)
+    when a sequence keeps blocks of its own (ARCHIVE.md 1, 1.6).
 
     Written to a sibling temp file, fsynced, then renamed: a crash never leaves a half
     archive under ``path``. A block that fails its CRC is quarantined by the store and
-    left out (listed in ``skipped``), with every sequence that references it.
+    left out (listed in ``skipped``), with every sequence that references it; so is a
+    sequence record that fails its CRC.
 
     Args:
         models: the model ids to archive; None: the model of ``store`` when it is a
@@ -73,8 +76,8 @@ def create(
         sequences: archive only these sequences (of whichever model has them) and the
             blocks they reference.
         level: zstd level; threads: compression threads (0: one per CPU).
-        allow_skipped: False: anything that would be left out (a sequence that keeps its
-            own copy of a block, or uses a missing one; a block failing its CRC) fails
+        allow_skipped: False: anything that would be left out (a sequence that uses a
+            missing block, or whose record fails its CRC; a block failing its CRC) fails
             the create before an archive is written (``tlkv archive create`` without
             ``--allow-skipped``).
 
