@@ -191,7 +191,9 @@ class _ScanState:
         found = SEQUENCE_JSON_NAME.fullmatch(rest)
         if found:
             return self._sequence(m, found.group(1))
-        raise ArchiveError(f"member {m.name!r} out of place (a tail follows its record)")
+        raise ArchiveError(
+            f"member {m.name!r} out of place (own blocks and a tail follow their record)"
+        )
 
     def _block(self, m: Member, block_hash: int) -> Item:
         if self.present is not None:
