@@ -36,10 +36,17 @@ SCOPE_KEY = "tlkv.access"  # the ASGI scope key of the request's Access
 
 @dataclass(frozen=True)
 class Access:
-    """The models one token may read and write (``"*"``: all)."""
+    """The models one token may read and write (``"*"``: all); ``metrics``: it may read
+    the store-wide series of ``/metrics`` though it reads no model (the metrics token)."""
 
     read: frozenset[str]
     write: frozenset[str]
+    metrics: bool = False
+
+    def sees_store_metrics(self) -> bool:
+        """Whether ``/metrics`` shows this token the store-wide series (which move with
+        every model's traffic): a token that may read every model, or the metrics token."""
+        return self.metrics or ALL in self.read
 
     def can_read(self, model: str) -> bool:
         """Whether the token may read ``model``."""
@@ -55,6 +62,7 @@ class Access:
 
 
 EVERYTHING = Access(frozenset({ALL}), frozenset({ALL}))
+METRICS_ONLY = Access(frozenset(), frozenset(), metrics=True)  # the metrics token
 
 
 class TokenTable:
@@ -71,6 +79,19 @@ class TokenTable:
         """One token that may read and write every model."""
         table = cls({token: EVERYTHING})
         table.bare = token
+        return table
+
+    def with_metrics_token(self, token: str) -> TokenTable:
+        """This table plus ``token``, which reads every ``/metrics`` series and no model.
+
+        Raises:
+            ValueError: the token is one of the table's already.
+        """
+        if self.lookup(token.encode()) is not None:
+            raise ValueError("the metrics token must differ from every other token")
+        table = TokenTable({t.decode(): a for t, a in self._entries})
+        table._entries.append((token.encode(), METRICS_ONLY))
+        table.bare = self.bare
         return table
 
     def lookup(self, credentials: bytes) -> Access | None:

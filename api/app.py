@@ -78,6 +78,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             allow_nonfinite=settings.allow_nonfinite,
             tier=settings.tier,
             tier_endpoint=settings.tier_endpoint,
+            max_models=settings.max_models,
         )
         app.state.store = store
         # The loop releases zero-copy bodies: a remap there must not wait for them.

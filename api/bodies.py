@@ -150,8 +150,10 @@ async def _fill(buf: bytearray, pos: int, chunks: Any) -> int:
     return pos
 
 
-async def read_body(request: Request) -> bytes | bytearray:
-    """The whole request body, its bytes held against the worker's in-flight budget.
+async def read_body(request: Request, weight: int = 1) -> bytes | bytearray:
+    """The whole request body, ``weight`` times its bytes held against the worker's
+    in-flight budget (at most the whole budget; ``weight`` > 1 for a body whose parsing
+    takes memory of its own, reserved in the same single wait).
 
     The guard middleware bounds it by ``--max-body``. With a Content-Length it is read into
     one preallocated buffer (no join copy).
@@ -165,10 +167,11 @@ async def read_body(request: Request) -> bytes | bytearray:
     if length is None:
         buf = bytearray()
         async for chunk in request.stream():
-            await ticket.take(len(chunk))
+            await ticket.take(len(chunk) * weight)
             buf += chunk
         return buf
-    await ticket.take(length)
+    limit = ticket.budget.limit if ticket.budget is not None else length
+    await ticket.take(max(length, min(length * weight, limit)))
     buf = bytearray(length)
     pos = await _fill(buf, 0, request.stream())
     if pos > length:  # cannot happen: the server frames the body by Content-Length

@@ -3,11 +3,12 @@
 Kinds and statuses come from ``kvstore.errors`` (``kind``/``http_status`` of each class):
 ``format`` 422, ``shape`` 422, ``version`` 415, ``not_found`` 404, ``pinned`` 409,
 ``unconvertible`` 409, ``too_large`` 413, ``unauthorized`` 401, ``store_full`` 507,
-``invalid_request`` 422, ``busy`` 503 (with Retry-After), plus ``method_not_allowed`` 405
-and ``internal`` 500 (a bug, logged; never the answer to bad input). FastAPI's validation
-errors, unknown routes and methods, malformed bodies and a client that disconnects
-mid-body are all mapped here, so no other shape ever leaves. A 405 lists in ``Allow``
-every method of every route at the path; ``OPTIONS`` answers 204 with it.
+``model_limit`` 507, ``invalid_request`` 422, ``busy`` 503 (with Retry-After), plus
+``method_not_allowed`` 405 and ``internal`` 500 (a bug, logged; never the answer to bad
+input). FastAPI's validation errors, unknown routes and methods, malformed bodies and a
+client that disconnects mid-body are all mapped here, so no other shape ever leaves. A
+405 lists in ``Allow`` every method of every route at the path; ``OPTIONS`` answers 204
+with it.
 """
 
 from __future__ import annotations
@@ -30,16 +31,18 @@ from kvstore.errors import (
     MethodNotAllowedError,
     NotFoundError,
     ServiceError,
+    StoreFullError,
     TlkvError,
     TooLargeError,
     UnauthorizedError,
 )
+from kvstore.protocol import JSON_MEDIA_TYPE
 
 log = logging.getLogger("tlkv.api")
 
 RETRY_AFTER_SECONDS = 1  # the Retry-After of a 503 busy
 
-ERROR_MEDIA_TYPE = "application/json"
+ERROR_MEDIA_TYPE = JSON_MEDIA_TYPE
 _MAX_MESSAGE = 500
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -101,7 +104,7 @@ def _validation_message(exc: RequestValidationError) -> str:
 
 async def _on_tlkv_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, TlkvError)
-    if exc.http_status >= 500 and exc.kind != "store_full":
+    if exc.http_status >= 500 and not isinstance(exc, StoreFullError | BusyError):
         log.error("%s %s failed: %r", request.method, request.url.path, exc)
     return error_response(exc)
 

@@ -144,7 +144,12 @@ class _Push:
         """Every rule of one chunk but "the referenced block is held" (thread pool)."""
         h, fmt, payload = chunk.block_hash, chunk.kv_format, chunk.payload
         if not len(payload):
-            if fmt and fmt not in self.formats:
+            if not fmt:  # proto3's unset value: a reference names its format too
+                raise InvalidRequestError(
+                    f"chunk {index}: rule 'kv_format is one of "
+                    f"{', '.join(map(str, SUPPORTED_VERSIONS))}' failed: found 0"
+                )
+            if fmt not in self.formats:
                 raise UnsupportedVersionError(
                     f"chunk {index}: kv_format {fmt} is not a format this server reads "
                     f"(it reads {', '.join(map(str, self.formats))})"

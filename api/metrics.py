@@ -470,3 +470,24 @@ class MetricsMiddleware:
                 time.perf_counter() - t0,
                 getattr(scope["app"].state, "store", None),
             )
+
+
+class _ModelSeries:
+    """Collector of the per-model series alone."""
+
+    def __init__(self, model_stats: Mapping[str, Mapping[str, Any]]) -> None:
+        self.model_stats = model_stats
+
+    def collect(self) -> Iterator[Metric]:
+        for key, help_text in _MODEL_METRICS:
+            gauge = GaugeMetricFamily(f"tlkv_model_{key}", help_text, labels=["model"])
+            for model, stats in self.model_stats.items():
+                gauge.add_metric([model], stats[key])
+            yield gauge
+
+
+def render_model_series(model_stats: Mapping[str, Mapping[str, Any]]) -> str:
+    """The exposition text a token scoped to some models gets: ``tlkv_model_*`` of the
+    models in ``model_stats`` (those it may read) and nothing store-wide (no block, byte,
+    hit or request counts that move with other tenants' work)."""
+    return generate_latest(_ModelSeries(model_stats)).decode()  # type: ignore[arg-type]

@@ -24,7 +24,13 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 
-from kvstore.protocol import ENVELOPE_MEDIA_TYPE, ERROR_KINDS, MODEL_ID_PATTERN
+from kvstore.protocol import (
+    ENVELOPE_MEDIA_TYPE,
+    ERROR_KINDS,
+    HASHES_MEDIA_TYPE,
+    JSON_MEDIA_TYPE,
+    MODEL_ID_PATTERN,
+)
 
 ERROR_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -54,9 +60,11 @@ _ERRORS = {
     415: "version: the envelope's format version is not one the server accepts",
     422: "format, shape or invalid_request: the envelope breaks a reader rule, its geometry "
     "is not the store's, or the request is malformed (path, query, media type, JSON)",
-    503: "busy: the worker holds --max-inflight bytes of request bodies; retry after "
-    "Retry-After seconds",
-    507: "store_full: the blocks do not fit even after evicting every unpinned one",
+    503: "busy: the worker holds --max-inflight bytes of request bodies, or the store "
+    "cannot grow its map while response bodies a client stopped reading are held; retry "
+    "after Retry-After seconds",
+    507: "store_full: the blocks do not fit even after evicting every unpinned one; "
+    "model_limit: the write would create a model beyond --max-models",
 }
 
 # Statuses beyond the generic ones (401; 413, 422, 503 with a body; 422 with parameters).
@@ -113,7 +121,7 @@ _MODEL_EXTRA: dict[tuple[str, str], tuple[int, ...]] = {}
 
 ENVELOPE_BODY_DESCRIPTION = (
     f"One export envelope (28-byte header, n block records, CRC-32C trailer), sent with "
-    f"Content-Type exactly {ENVELOPE_MEDIA_TYPE} or application/octet-stream (any case, no "
+    f"Content-Type exactly {ENVELOPE_MEDIA_TYPE} or {HASHES_MEDIA_TYPE} (any case, no "
     f"parameters; none or another is refused with 422 invalid_request). Its header is checked "
     f"from the first 28 bytes (magic, version, dtype, geometry against the store's, the exact "
     f"length against Content-Length) and the request refused before the rest is read; the CRC "
@@ -143,7 +151,7 @@ _LINKS: dict[tuple[str, str, str], dict[str, Any]] = {
 def _error_response(status: int) -> dict[str, Any]:
     return {
         "description": _ERRORS[status],
-        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+        "content": {JSON_MEDIA_TYPE: {"schema": {"$ref": "#/components/schemas/Error"}}},
     }
 
 
@@ -182,7 +190,7 @@ def complete(schema: dict[str, Any], *, token: bool) -> dict[str, Any]:
             op["responses"] = responses = dict(sorted(responses.items()))
             ok = responses.get("200", {}).get("content", {})
             if ENVELOPE_MEDIA_TYPE in ok:
-                ok.pop("application/json", None)  # an envelope answer is never JSON
+                ok.pop(JSON_MEDIA_TYPE, None)  # an envelope answer is never JSON
             for (m, p, code), links in _LINKS.items():
                 if (m, p) == (method, path) and code in responses:
                     responses[code]["links"] = {

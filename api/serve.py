@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from kvstore.cli.common import EXIT_OK, geometry_arg, positive_int, rate_arg
+from kvstore.protocol import MAX_MODELS, MAX_MODELS_LIMIT
 
 from . import settings as s
 from .settings import parse_size
+from .uvicorn_check import http_protocol
 
 PROMETHEUS_MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"  # prometheus-client's multiprocess mode
 LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
@@ -40,6 +42,12 @@ def _seconds_arg(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected seconds > 0, found {text!r}")
     return value
+
+
+def _max_models_arg(text: str) -> int:
+    if not text.isdigit() or int(text) > MAX_MODELS_LIMIT:
+        raise argparse.ArgumentTypeError(f"expected an integer in 0..{MAX_MODELS_LIMIT}")
+    return int(text)
 
 
 def _tier_arg(text: str) -> str:
@@ -86,6 +94,8 @@ def _serve(args: argparse.Namespace, metrics_dir: str | None) -> int:
         env[s.ENV_CAPACITY] = str(args.capacity)
     if args.token_file is not None:
         env[s.ENV_TOKEN_FILE] = str(Path(args.token_file).resolve())
+    if args.metrics_token_file is not None:
+        env[s.ENV_METRICS_TOKEN_FILE] = str(Path(args.metrics_token_file).resolve())
     if args.grpc_port is not None:
         grpc_host = args.host if args.grpc_host is None else args.grpc_host
         host = f"[{grpc_host}]" if ":" in grpc_host else grpc_host
@@ -97,6 +107,8 @@ def _serve(args: argparse.Namespace, metrics_dir: str | None) -> int:
         env[s.ENV_TIER_ENDPOINT] = args.tier_endpoint
     if args.formats is not None:
         env[s.ENV_FORMATS] = args.formats  # checked by Settings.from_env below
+    if args.max_models is not None:
+        env[s.ENV_MAX_MODELS] = str(args.max_models)
     if args.quota:
         env[s.ENV_QUOTAS] = ",".join(args.quota)  # checked by Settings.from_env below
     env[s.ENV_SCRUB_RATE] = str(args.scrub_rate)
@@ -108,9 +120,17 @@ def _serve(args: argparse.Namespace, metrics_dir: str | None) -> int:
     # unusable directory is reported here instead of by every worker in a restart loop.
     from kvstore.store import Store
 
-    Store(settings.data, geometry=settings.geometry, capacity_bytes=settings.capacity_bytes).close()
+    Store(
+        settings.data,
+        geometry=settings.geometry,
+        capacity_bytes=settings.capacity_bytes,
+        max_models=settings.max_models,
+    ).close()
     auth = "on" if settings.tokens is not None else "off"
     grpc = f", grpc://{settings.grpc_address}" if settings.grpc_address else ""
+    http, warning = http_protocol()  # the fast path, unless this uvicorn lacks its parts
+    if warning is not None:
+        print(f"tlkv serve: warning: {warning}", file=sys.stderr)
     metrics = "" if metrics_dir is None else f"metrics {metrics_dir}, "
     tier = f", tier {settings.tier}" if settings.tier else ""
     print(
@@ -125,7 +145,7 @@ def _serve(args: argparse.Namespace, metrics_dir: str | None) -> int:
         port=args.port,
         workers=args.workers,
         loop="uvloop",
-        http="api.http_protocol:TlkvHttpProtocol",  # httptools; block reads answered in it
+        http=http,  # api.http_protocol (httptools; block reads answered in it) or "auto"
         log_level=args.log_level,
         access_log=args.access_log,
     )
@@ -142,6 +162,11 @@ def register(sub: Any) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--workers", type=positive_int, default=1, help="worker processes")
     p.add_argument("--token-file", default=None, help="bearer token file (else $TLKV_TOKEN)")
+    p.add_argument(
+        "--metrics-token-file",
+        default=None,
+        help="a token (file) that reads every /metrics series and no model (for Prometheus)",
+    )
     p.add_argument(
         "--max-body", type=_size_arg, default=64 * 1024 * 1024, help="body limit (64MiB)"
     )
@@ -177,6 +202,12 @@ def register(sub: Any) -> None:
         default=[],
         metavar="MODEL=SIZE",
         help="bound a model's stored bytes (its puts evict its own oldest blocks); repeatable",
+    )
+    p.add_argument(
+        "--max-models",
+        type=_max_models_arg,
+        default=None,
+        help=f"models besides default a write may create (0..{MAX_MODELS_LIMIT}; {MAX_MODELS})",
     )
     p.add_argument(
         "--tier",

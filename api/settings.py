@@ -15,7 +15,7 @@ from pathlib import Path
 from kvstore.cli.common import parse_size
 from kvstore.codec.geometry import Geometry
 from kvstore.codec.layout import SUPPORTED_VERSIONS
-from kvstore.protocol import is_model_id
+from kvstore.protocol import MAX_MODELS, is_model_id, parse_versions, read_token_file
 
 from .access import TokenTable, read_tokens
 
@@ -35,6 +35,8 @@ ENV_FORMATS = "TLKV_FORMATS"  # envelope versions this server reads, e.g. "1" or
 ENV_QUOTAS = "TLKV_QUOTAS"  # per-model byte quotas: "model=SIZE,other/model=SIZE"
 ENV_SCRUB_RATE = "TLKV_SCRUB_RATE"  # background scrub, bytes per second; 0 or absent: off
 ENV_SCRUB_PERIOD = "TLKV_SCRUB_PERIOD"  # seconds from one scrub pass's start to the next
+ENV_MAX_MODELS = "TLKV_MAX_MODELS"  # models besides default the store admits
+ENV_METRICS_TOKEN_FILE = "TLKV_METRICS_TOKEN_FILE"  # a token that may read all of /metrics
 
 DEFAULT_DATA = "./tlkv-data"
 DEFAULT_MAX_BODY = 64 * 1024 * 1024
@@ -56,21 +58,6 @@ def parse_quotas(text: str) -> tuple[tuple[str, int], ...]:
             raise ValueError(f"a quota is MODEL=SIZE, once per model, found {item!r}")
         quotas[model.strip()] = parse_size(size)
     return tuple(sorted(quotas.items()))
-
-
-def parse_formats(text: str) -> tuple[int, ...]:
-    """Envelope versions from ``"1"`` or ``"1,2"`` (each one tlkv reads).
-
-    Raises:
-        ValueError: an item is not a supported version, or none is given.
-    """
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    if not items or not all(t.isdigit() and int(t) in SUPPORTED_VERSIONS for t in items):
-        raise ValueError(
-            f"formats are a comma-separated subset of {','.join(map(str, SUPPORTED_VERSIONS))}"
-            f", found {text!r}"
-        )
-    return tuple(sorted({int(t) for t in items}))
 
 
 @dataclass(frozen=True)
@@ -95,6 +82,7 @@ class Settings:
     # gives one by default, --scrub-rate).
     scrub_rate: int = 0
     scrub_period: float = 24 * 3600.0
+    max_models: int = MAX_MODELS  # models besides default a write may create
 
     def __post_init__(self) -> None:
         if self.tokens is None and self.token is not None:
@@ -126,6 +114,12 @@ class Settings:
         token_file = env.get(ENV_TOKEN_FILE)
         tokens = read_tokens(token_file) if token_file else None
         token = tokens.bare if tokens is not None else (env.get(ENV_TOKEN) or None)
+        metrics_file = env.get(ENV_METRICS_TOKEN_FILE)
+        if metrics_file:
+            if tokens is None and token is None:
+                raise ValueError("a metrics token needs the service's tokens (--token-file)")
+            table = tokens if tokens is not None else TokenTable.single(str(token))
+            tokens = table.with_metrics_token(read_token_file(metrics_file))
         max_body = env.get(ENV_MAX_BODY)
         max_stream = env.get(ENV_GRPC_MAX_STREAM)
         formats = env.get(ENV_FORMATS)
@@ -139,7 +133,7 @@ class Settings:
             max_body=parse_size(max_body) if max_body else DEFAULT_MAX_BODY,
             grpc_address=env.get(ENV_GRPC) or None,
             grpc_max_stream=parse_size(max_stream) if max_stream else DEFAULT_GRPC_MAX_STREAM,
-            formats=parse_formats(formats) if formats else SUPPORTED_VERSIONS,
+            formats=parse_versions(formats) if formats else SUPPORTED_VERSIONS,
             max_inflight=parse_size(max_inflight) if max_inflight else None,
             allow_nonfinite=env.get(ENV_ALLOW_NONFINITE, "") == "1",
             quotas=parse_quotas(env.get(ENV_QUOTAS, "")),
@@ -147,4 +141,5 @@ class Settings:
             tier_endpoint=env.get(ENV_TIER_ENDPOINT) or None,
             scrub_rate=int(env.get(ENV_SCRUB_RATE) or 0),
             scrub_period=float(env.get(ENV_SCRUB_PERIOD) or 24 * 3600.0),
+            max_models=int(env.get(ENV_MAX_MODELS) or MAX_MODELS),
         )

@@ -42,6 +42,8 @@ from .errors import (
 from .protocol import (
     ENVELOPE_MEDIA_TYPE,
     ERROR_KINDS,
+    HASHES_MEDIA_TYPE,
+    JSON_MEDIA_TYPE,
     check_model_id,
     check_sequence_name,
     error_for_kind,
@@ -383,10 +385,10 @@ class Client:
             raise ValueError("pass exactly one of hashes= or tokens=")
         if hashes is not None:
             body: bytes = _u64(hashes).tobytes()
-            kind = "application/octet-stream"
+            kind = HASHES_MEDIA_TYPE
         else:
             body = json.dumps({"tokens": [int(t) for t in tokens or ()]}).encode()
-            kind = "application/json"
+            kind = JSON_MEDIA_TYPE
         return self._ok("POST", url, content=body, body_type=kind, **kw)
 
     def has_blocks(

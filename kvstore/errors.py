@@ -65,6 +65,13 @@ class StoreFullError(StoreError):
     http_status = 507
 
 
+class ModelLimitError(StoreFullError):
+    """A write would register a model beyond the models the store admits (``max_models``)."""
+
+    kind = "model_limit"
+    http_status = 507
+
+
 class PinnedError(StoreError):
     """The block is referenced by a sequence and cannot be deleted."""
 
@@ -95,6 +102,11 @@ class ArchiveError(TlkvError):
 
 class UnsafeArchiveError(ArchiveError):
     """An archive member would escape its destination or exceed the allowed sizes."""
+
+
+class IncompleteArchiveError(ArchiveError):
+    """``archive create`` would leave something out (a sequence, a corrupt block), and was
+    not allowed to (``--allow-skipped``)."""
 
 
 class TierError(StoreError):
@@ -155,6 +167,10 @@ class BusyError(TlkvError):
 
     kind = "busy"
     http_status = 503
+
+
+class StoreBusyError(BusyError, StoreError):
+    """The map cannot be remapped now: zero-copy bodies still hold snapshots; retry."""
 
 
 class ServiceError(TlkvError):

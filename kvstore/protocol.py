@@ -18,11 +18,14 @@ from typing import Any
 import numpy as np
 
 from . import errors
-from .codec.layout import U64_MAX
+from .codec.layout import SUPPORTED_VERSIONS, U64_MAX
 
 ENVELOPE_MEDIA_TYPE = "application/vnd.tlkv"
 HASHES_MEDIA_TYPE = "application/octet-stream"  # a has-blocks/prefix body of raw u64 LE hashes
-JSON_MEDIA_TYPE = "application/json"
+JSON_MEDIA_TYPE = "application/json"  # request bodies of tokens, every error, listings
+# /metrics: the Prometheus text exposition format, version 0.0.4.
+PROMETHEUS_MEDIA_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+TEXT_MEDIA_TYPE = "text/plain"  # the OpenAPI content key of /metrics
 PREFIX_HEADER = "x-tlkv-prefix-blocks"  # number of blocks in a /v1/prefix answer
 
 HASH_HEX_DIGITS = 16
@@ -41,7 +44,28 @@ MODEL_ID_REGEX = "[A-Za-z0-9._:@/+-]{1,200}"
 MODEL_ID_PATTERN = f"^{MODEL_ID_REGEX}$"
 _MODEL_ID = re.compile(MODEL_ID_REGEX)
 DEFAULT_MODEL = "default"  # the namespace of every unscoped call (stores before namespaces)
+# Models besides the default one a store admits by default (``Store(max_models=)``,
+# ``tlkv serve --max-models``), and the most that setting may say.
+MAX_MODELS = 200
+MAX_MODELS_LIMIT = 1000  # an archive of every model (manifest.MAX_MODELS, 1024) stays possible
 MODEL_HEADER = "x-tlkv-model"  # tl.kv.v1 metadata selecting the model
+
+
+def parse_versions(text: str) -> tuple[int, ...]:
+    """Envelope format versions from ``"1"`` or ``"1,2"``: a comma-separated, non-empty
+    subset of the versions tlkv reads, returned sorted, each once (``tlkv serve --formats``,
+    ``TLKV_FORMATS``, ``tlkv verify --versions``).
+
+    Raises:
+        ValueError: an item is not a supported version, or none is given.
+    """
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items or not all(t.isdigit() and int(t) in SUPPORTED_VERSIONS for t in items):
+        raise ValueError(
+            "versions are a comma-separated subset of "
+            f"{','.join(map(str, SUPPORTED_VERSIONS))}, found {text!r}"
+        )
+    return tuple(sorted({int(t) for t in items}))
 
 
 def is_hash_hex(text: Any) -> bool:
@@ -139,6 +163,7 @@ ERROR_KINDS: dict[str, type[errors.TlkvError]] = {
         errors.UnauthorizedError,
         errors.ForbiddenError,
         errors.StoreFullError,
+        errors.ModelLimitError,
         errors.InvalidRequestError,
         errors.MethodNotAllowedError,
         errors.BusyError,

@@ -43,6 +43,7 @@ from .codec.layout import (
     U64_MAX,
 )
 from .errors import (
+    BusyError,
     EnvelopeError,
     FormatError,
     InvalidRequestError,
@@ -124,7 +125,8 @@ def grpc_status_of(error: BaseException) -> grpc.StatusCode:
 
     Reader-rule failures (format, shape, CRC) are DATA_LOSS, a version the server does not
     read and a referenced block it does not hold FAILED_PRECONDITION, a payload over 4 MiB
-    and a full store RESOURCE_EXHAUSTED, a malformed request INVALID_ARGUMENT.
+    and a full store RESOURCE_EXHAUSTED, a store busy remapping UNAVAILABLE (retry), a
+    malformed request INVALID_ARGUMENT.
     """
     if isinstance(error, UnsupportedVersionError | NotFoundError):
         return grpc.StatusCode.FAILED_PRECONDITION
@@ -132,6 +134,8 @@ def grpc_status_of(error: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.DATA_LOSS
     if isinstance(error, TooLargeError | StoreFullError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(error, BusyError):
+        return grpc.StatusCode.UNAVAILABLE
     if isinstance(error, UnauthorizedError):
         return grpc.StatusCode.UNAUTHENTICATED
     if isinstance(error, InvalidRequestError | ValueError):
@@ -424,10 +428,11 @@ class TransferClient:
 
         Full blocks the server holds travel as empty-payload references; every other
         block, the partial tail included, as its single-block envelope. With ``sequence``
-        the server pins the whole state under that name (as ``Store.put_sequence``). When
-        a referenced block was evicted meanwhile (FAILED_PRECONDITION naming it), the push
-        is sent once more with every payload. A model the server does not have yet is
-        created by the push (as by a first HTTP ``PUT``), every block with its payload.
+        the server pins the whole state under that name (as ``Store.put_sequence``). A
+        HasBlocks answered NOT_FOUND (a model the push creates, a write-only token) sends
+        every payload: a model the server does not have yet is created by the push (as by
+        a first HTTP ``PUT``). When a referenced block was evicted meanwhile
+        (FAILED_PRECONDITION naming it), the push is sent once more with every payload.
 
         Raises:
             EnvelopeError: ``envelope`` breaks a reader rule (nothing is sent).
@@ -440,7 +445,7 @@ class TransferClient:
         if len(full):
             try:
                 present = self.has_blocks(hashes[full]).present
-            except NotFoundError:  # a model not created yet: this push creates it
+            except NotFoundError:  # a model not created yet, or a token that may only write
                 present = [False] * len(full)
             held = {int(hashes[i]) for i, here in zip(full.tolist(), present) if here}
         try:

@@ -91,6 +91,27 @@ def valid_members(
     return manifest, blocks, seqs
 
 
+def valid_own_members(
+    geometry: Geometry = SMALL, seed: int = 7
+) -> tuple[list[Raw], list[Raw], list[Raw]]:
+    """(manifest, blocks, sequences) members of a small valid version-4 archive: the v2
+    sequence ``s`` keeps its first block of its own (``sequences/s.0.tlkv``), because the
+    archive's block of that hash is its v1 copy; its other two blocks are referenced."""
+    v1 = split(make_envelope(geometry, 4 * 3 + 2, version=1, seed=seed))
+    v2 = split(make_envelope(geometry, 4 * 3 + 2, version=2, seed=seed))
+    hashes = [int(decode(p).hashes[0]) for p in v2[:3]]
+    stored = [v1[0], *v2[1:3]]
+    blocks = [Raw(f"blocks/{h:016x}.tlkv", p) for h, p in sorted(zip(hashes, stored))]
+    record = SequenceRecord("s", hashes, v2[3], [(0, v2[0])])
+    seqs = [
+        Raw("sequences/s.json", record.to_json()),
+        Raw("sequences/s.0.tlkv", v2[0]),
+        Raw("sequences/s.tail.tlkv", v2[3]),
+    ]
+    manifest = Manifest(geometry, len(blocks), 1, archive_version=4, own_blocks=1)
+    return [Raw("manifest.json", manifest.to_json())], blocks, seqs
+
+
 def manifest_member(
     geometry: Geometry | None, blocks: int, sequences: int, **extra: Any
 ) -> list[Raw]:

@@ -133,6 +133,21 @@ def test_put_accepts_octet_stream_and_refuses_untyped(http: httpx.Client) -> Non
             assert r.headers["connection"] == "close"  # the body was not read
 
 
+def test_two_content_types_are_refused(http: httpx.Client) -> None:
+    """Content-Type is a singleton field (RFC 9110): two, even of one value, are 422."""
+    data = make_envelope(SMALL, 4, seed=31)
+    twice = [("content-type", "application/vnd.tlkv"), ("content-type", "application/json")]
+    same = [("content-type", "application/vnd.tlkv")] * 2
+    for headers in (twice, same):
+        for path in ("/v1/blocks", "/v1/sequences/twice"):
+            r = http.put(path, content=data, headers=headers)
+            assert "at most once" in assert_error(r, 422, "invalid_request")
+    query = [("content-type", "application/json")] * 2
+    r = http.post("/v1/has-blocks", content=b'{"hashes": []}', headers=query)
+    assert "at most once" in assert_error(r, 422, "invalid_request")
+    assert http.get(f"/v1/blocks/{_hex(decode(data)[0].hash)}").status_code == 404
+
+
 def test_put_v2_and_transcode_on_get(http: httpx.Client) -> None:
     data = make_envelope(SMALL, 8, version=2, seed=4)
     reply = _put(http, data)

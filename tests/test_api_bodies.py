@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from conftest import SMALL, make_envelope
 from http_server import ServerProcess, assert_error
@@ -251,7 +252,8 @@ def test_budget_grants_in_order_and_times_out() -> None:
         big = asyncio.ensure_future(take("big", 80))
         await asyncio.sleep(0)
         small = asyncio.ensure_future(take("small", 10))  # fits, but waits behind "big"
-        await asyncio.sleep(0.01)
+        while len(budget._waiters) < 2:  # both queued, "small" behind "big"
+            await asyncio.sleep(0)
         assert order == [] and budget.used == 60
         budget.release(60)
         await asyncio.gather(big, small)
@@ -290,6 +292,7 @@ def test_busy_answer_is_503_with_retry_after(
     data = make_envelope(SMALL, 8, seed=5)
     app = create_app(Settings(data=tmp_path / "store", max_body=len(data), max_inflight=len(data)))
     release = asyncio.Event()
+    parked = asyncio.Event()
 
     def scope() -> dict[str, Any]:
         headers = [(b"content-length", str(len(data)).encode())]
@@ -315,6 +318,7 @@ def test_busy_answer_is_503_with_retry_after(
 
         async def receive() -> dict[str, Any]:
             if len(parts) == 1 and slow:
+                parked.set()  # holding its body's bytes in the budget
                 await release.wait()
             chunk = parts.pop(0)
             return {"type": "http.request", "body": chunk, "more_body": bool(parts)}
@@ -328,7 +332,7 @@ def test_busy_answer_is_503_with_retry_after(
     async def run() -> None:
         async with app.router.lifespan_context(app):
             first = asyncio.ensure_future(request(slow=True))
-            await asyncio.sleep(0.05)
+            await parked.wait()
             status, headers = await request(slow=False)
             assert status == 503
             assert headers[b"retry-after"] == b"1" and headers[b"connection"] == b"close"
@@ -419,4 +423,62 @@ def test_worker_rss_under_16_max_size_junk_uploads(tmp_path: Path, junk: str) ->
             t.join()
         peak = _mib(srv.proc.pid, "VmHWM")
         assert statuses == [422] * 16
+    assert peak <= 2 * max_body // 2**20 + 150, peak
+
+
+# --- 4: the worker's memory under 16 concurrent max-size JSON queries ---------------------
+
+
+def _json_query(form: str, size: int) -> bytes:
+    """A ``{"hashes": [...]}`` or ``{"tokens": [...]}`` body of about ``size`` bytes."""
+    rng = np.random.default_rng(9)
+    if form == "hashes":
+        items = [b'"%016x"' % h for h in rng.integers(0, 2**63, size // 20, dtype=np.uint64)]
+    else:  # 8-byte items, as 8.4 M token ids in 64 MiB
+        items = [b"%d" % t for t in rng.integers(10**6, 10**7, size // 9, dtype=np.int64)]
+    return b'{"%s": [%s]}' % (form.encode(), b", ".join(items))
+
+
+def _query(port: int, route: str, body: bytes, statuses: list[int]) -> None:
+    request = _head(
+        "POST", route, {"content-type": "application/json", "content-length": str(len(body))}
+    )
+    with socket.create_connection(("127.0.0.1", port), timeout=300) as sock:
+        try:
+            sock.sendall(request)
+            sock.sendall(body)
+            statuses.append(_response(sock)[0])
+        except (OSError, AssertionError):  # a 503 closes the connection: we may see a reset
+            statuses.append(0)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc")
+@pytest.mark.parametrize(
+    ("route", "form"), [("/v1/has-blocks", "hashes"), ("/v1/prefix", "tokens")]
+)
+def test_worker_rss_under_16_max_size_json_queries(tmp_path: Path, route: str, form: str) -> None:
+    """Issue target: 16 concurrent 64 MiB JSON queries keep the worker within
+    2 x max-body + 150 MiB (json.loads alone took it past 500 MiB with one)."""
+    import threading
+
+    max_body = 64 * 1024 * 1024
+    body = _json_query(form, max_body - 64)
+    assert max_body - 2**20 < len(body) <= max_body
+    geometry = ",".join(map(str, RSS_GEOMETRY.as_tuple()))
+    with ServerProcess(tmp_path / "store", "--geometry", geometry) as srv:
+        assert srv.proc is not None
+        statuses: list[int] = []
+        threads = [
+            threading.Thread(target=_query, args=(srv.port, route, body, statuses))
+            for _ in range(16)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        peak = _mib(srv.proc.pid, "VmHWM")
+    print(f"{route} {form}: peak worker RSS {peak} MiB, statuses {sorted(statuses)}")
+    assert len(statuses) == 16 and set(statuses) <= {200, 503, 0}, statuses
+    assert 200 in statuses
     assert peak <= 2 * max_body // 2**20 + 150, peak

@@ -3,9 +3,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import threading
 from collections.abc import Iterator
+from pathlib import Path
 from urllib.parse import quote
 
+import grpc
 import httpx
 import numpy as np
 import pytest
@@ -14,7 +19,7 @@ from http_server import ServerProcess, assert_error, free_port
 
 from kvstore import Block, NotFoundError, decode, encode
 from kvstore.client import Client
-from kvstore.errors import ForbiddenError
+from kvstore.errors import ForbiddenError, ModelLimitError
 from kvstore.transfer import TransferClient
 
 ENVELOPE = {"content-type": "application/vnd.tlkv"}
@@ -52,8 +57,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     token_file = data.parent / "tokens.toml"
     token_file.write_text(TOKENS)
     grpc_port = free_port()
+    metrics_token = data.parent / "metrics-token"
+    metrics_token.write_text("prometheus-9d1e\n")
     args = ("--token-file", str(token_file), "--grpc-port", str(grpc_port))
     args += ("--quota", f"q={2 * SMALL.envelope_bytes(1)}")
+    args += ("--metrics-token-file", str(metrics_token))
     with ServerProcess(data, *args) as srv:
         srv.grpc_port = grpc_port  # type: ignore[attr-defined]
         with client(srv, "admin") as c:
@@ -197,6 +205,35 @@ def test_metrics_have_per_model_gauges_the_token_may_read(server: ServerProcess)
     assert 'model="b"' not in text and LLAMA not in text
 
 
+def test_store_wide_metrics_only_for_tokens_that_read_every_model(
+    server: ServerProcess,
+) -> None:
+    """A token that may read some models gets their ``tlkv_model_*`` series and nothing
+    store-wide (the default model's counts, hits and misses moving with other tenants'
+    reads, request counts); a token that reads every model and the metrics token get
+    everything; the metrics token reads no model."""
+    with client(server, "admin") as c:
+        c.get(f"/v1/blocks/{HASHES[0]}")  # a read of default: store-wide counters move
+        full = c.get("/metrics").text
+    with client(server, "alice") as c:
+        scoped = c.get("/metrics").text
+    with client(server, "prometheus-9d1e") as c:
+        metrics_token = c.get("/metrics").text
+        assert c.get("/v1/models").json()["models"] == []
+        assert c.get(f"/v1/blocks/{HASHES[0]}").status_code == 404
+        assert c.post("/v1/has-blocks", json={"hashes": HASHES}).status_code == 404
+        assert c.put("/v1/blocks", content=PROMPT_A, headers=ENVELOPE).status_code == 404
+    for text in (full, metrics_token):
+        assert "tlkv_store_blocks " in text and "tlkv_store_hits_total " in text
+        assert "tlkv_http_requests_total{" in text
+        assert f'tlkv_model_blocks{{model="{LLAMA}"}} 3.0' in text
+    assert 'tlkv_model_blocks{model="shared"} 3.0' in scoped
+    for series in ("tlkv_store_", "tlkv_http_", "tlkv_grpc_", "tlkv_worker_", 'model="b"'):
+        assert series not in scoped, series
+    with client(server, "writer") as c:  # reads nothing: no series at all
+        assert "model=" not in c.get("/metrics").text
+
+
 def test_a_models_quota_from_the_command_line(server: ServerProcess) -> None:
     with client(server, "admin") as c:
         r = c.put(url("q", "blocks"), content=PROMPT_A, headers=ENVELOPE)
@@ -210,3 +247,67 @@ def test_a_models_quota_from_the_command_line(server: ServerProcess) -> None:
             True,
         ]  # the model's own oldest block went to make room
         assert c.get(url(LLAMA, f"blocks/{HASHES[0]}")).status_code == 200  # others untouched
+
+
+# --- the model limit ------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_model_limit_holds_for_every_worker_and_both_protocols(tmp_path: Path) -> None:
+    """``--max-models 3`` under two workers: models asked for over many HTTP connections
+    and gRPC PushKv calls at once; exactly 3 are created, every other answer is 507
+    model_limit (RESOURCE_EXHAUSTED), and the store keeps serving its models and metrics.
+    Restarted with the default limit after a restart under a higher one, a store past the
+    limit serves ``/v1/models``, ``/metrics`` and a whole-store ``archive create``."""
+    data = tmp_path / "store"
+    grpc_port = free_port()
+    envelope = encode(SMALL, make_blocks(SMALL, 16, seed=5))
+    args = ("--workers", "2", "--max-models", "3", "--grpc-port", str(grpc_port))
+    with ServerProcess(data, *args) as srv:
+        answers: list[str] = []
+
+        def over_http(model: str) -> None:
+            with httpx.Client(base_url=srv.url, timeout=30.0) as c:  # a connection each
+                r = c.put(url(model, "blocks"), content=envelope, headers=ENVELOPE)
+                answers.append(
+                    "ok" if r.status_code == 200 else assert_error(r, 507, "model_limit")
+                )
+
+        def over_grpc(model: str) -> None:
+            with TransferClient(f"127.0.0.1:{grpc_port}", model=model) as t:
+                try:
+                    t.push(envelope)
+                    answers.append("ok")
+                except ModelLimitError as exc:
+                    assert exc.grpc_code == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
+                    answers.append(str(exc))
+
+        jobs = [(over_http if i % 2 else over_grpc, f"m{i}") for i in range(12)]
+        threads = [threading.Thread(target=f, args=(m,)) for f, m in jobs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert answers.count("ok") == 3, answers
+        assert all("at most 3 models" in a for a in answers if a != "ok")
+        with srv.client() as c:
+            models = c.get("/v1/models").json()["models"]
+            assert len(models) == 4
+            assert c.get("/metrics").status_code == 200
+    # Restarted with a higher limit, the store takes 5 more; then back to 3: past the limit.
+    with ServerProcess(data, "--workers", "2", "--max-models", "8") as srv, srv.client() as c:
+        for i in range(5):
+            r = c.put(url(f"late{i}", "blocks"), content=envelope, headers=ENVELOPE)
+            assert r.status_code == 200, r.text
+    with ServerProcess(data, "--workers", "2", "--max-models", "3") as srv, srv.client() as c:
+        assert len(c.get("/v1/models").json()["models"]) == 9
+        assert c.get("/metrics").status_code == 200
+        r = c.put(url("one-more", "blocks"), content=envelope, headers=ENVELOPE)
+        assert_error(r, 507, "model_limit")
+        out = tmp_path / "all.tlkv"
+        ran = subprocess.run(
+            [sys.executable, "-m", "kvstore", "archive", "create", "--data", str(data), "-o", out],
+            capture_output=True,
+            text=True,
+        )
+        assert ran.returncode == 0, ran.stderr

@@ -143,7 +143,15 @@ def test_metrics_sum_every_worker(tmp_path: Path) -> None:
 
         with closing, concurrent.futures.ThreadPoolExecutor(8) as pool:
             list(pool.map(requests, range(n)))
-        time.sleep(0.2)  # a worker counts a request just after answering it
+        # A worker counts a request just after answering it: poll until the sums hold all.
+        series = (info, latency, "tlkv_store_hits_total", "tlkv_store_misses_total")
+        deadline = time.monotonic() + 30
+        while True:
+            text = httpx.get(f"{srv.url}/metrics").text
+            if all(_sample(text, s) == n for s in series):
+                break
+            assert time.monotonic() < deadline, text
+            time.sleep(0.01)  # the poll's interval
 
         def check(text: str) -> str:
             """Whichever worker answers, the scrape counts every worker's requests."""

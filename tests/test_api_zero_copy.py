@@ -11,9 +11,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
-from http_server import ThreadServer
+from http_server import ServerProcess, ThreadServer, assert_error
 
 from api.app import create_app
 from api.http_protocol import TlkvHttpProtocol
@@ -21,6 +22,8 @@ from api.routes import blocks as blocks_module
 from api.settings import Settings
 from kvstore import Block, Geometry, decode, encode
 from kvstore.store import lmdbenv
+
+ENVELOPE = {"content-type": "application/vnd.tlkv"}
 
 # 8 MiB blocks: twice what the kernel buffers for a socket here (tcp_wmem max, 4 MiB)
 G = Geometry(16, 128, 8, 128)
@@ -229,3 +232,99 @@ def test_a_remap_waits_for_held_bodies(server: _Server) -> None:
     assert grown.is_set()
     assert status == 200 and body == original
     server.answered_reads(answered)
+
+
+def test_a_stalled_prefix_client_is_cut_off(
+    server: _Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefix answer goes out in several parts; the second ``send`` waits for the client
+    (flow control), so the watch must start with the first byte or it never starts."""
+    monkeypatch.setattr(blocks_module, "BODY_HOLD_SECONDS", 0.5)
+    store = server.store
+    for i in range(3):
+        store.put(_block(40 + i, 0xF0 + i))
+    before = server.app.state.metrics.render(None)
+    assert "tlkv_http_stalled_bodies_total 0.0" in before
+    sock = _starved_client(server.port)
+    body = b'{"hashes": [%s]}' % b", ".join(b'"%016x"' % (0xF0 + i) for i in range(3))
+    with sock:
+        sock.sendall(
+            b"POST /v1/prefix HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        _wait(lambda: store.held_snapshots()[0] == 1, "no prefix body held")
+        started = time.monotonic()
+        _wait(lambda: store.held_snapshots() == (0, 0.0), "stalled prefix not ended", 10)
+        assert time.monotonic() - started < 5
+    text = server.app.state.metrics.render(None)
+    assert "tlkv_http_stalled_bodies_total 1.0" in text
+
+
+# 2 MiB blocks: an 8-block prefix (16 MiB) is far more than the socket buffers take.
+G2 = Geometry(16, 32, 8, 128)
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not in /metrics")
+
+
+@pytest.mark.slow
+def test_stalled_prefix_readers_of_a_real_server_are_cut_off_and_puts_go_on(
+    tmp_path: Path,
+) -> None:
+    """``tlkv serve``: two raw connections ask for a 16 MiB prefix and never read. Both
+    are aborted within 30 s of their first byte (counted), while puts that make the map
+    grow wait for them and succeed (or answer 503 busy with Retry-After), never 500."""
+    data = tmp_path / "store"
+    geometry = ",".join(map(str, G2.as_tuple()))
+    kv = np.random.default_rng(7).standard_normal((8, *G2.kv_shape)).astype(np.float16)
+    with (
+        ServerProcess(data, "--geometry", geometry) as srv,
+        httpx.Client(base_url=srv.url, timeout=120) as c,
+    ):
+        prefix = encode(G2, [Block(0x100 + i, G2.block_tokens, kv[i]) for i in range(8)])
+        assert c.put("/v1/blocks", content=prefix, headers=ENVELOPE).status_code == 200
+        body = b'{"hashes": [%s]}' % b", ".join(b'"%016x"' % (0x100 + i) for i in range(8))
+        request = (
+            b"POST /v1/prefix HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        socks = [_starved_client(srv.port) for _ in range(2)]
+        try:
+            for sock in socks:
+                sock.sendall(request)
+            asked = time.monotonic()
+            _wait(
+                lambda: _metric(c.get("/metrics").text, "tlkv_store_open_snapshots") >= 2,
+                "the stalled bodies hold no snapshot",
+            )
+            statuses: list[int] = []
+            waited = 0.0
+            for n in range(4):  # 64 MiB more than the 64 MiB map: it must grow
+                blocks = [Block(0x200 + 8 * n + i, G2.block_tokens, kv[i]) for i in range(8)]
+                t0 = time.monotonic()
+                while True:
+                    r = c.put("/v1/blocks", content=encode(G2, blocks), headers=ENVELOPE)
+                    statuses.append(r.status_code)
+                    if r.status_code != 503:
+                        break
+                    assert_error(r, 503, "busy") and r.headers["retry-after"]
+                waited = max(waited, time.monotonic() - t0)
+                assert r.status_code == 200, r.text
+            assert 500 not in statuses
+            assert waited > 5  # a put needed a remap while the bodies were held
+            stalled = 0.0
+            while stalled < 2:
+                stalled = _metric(c.get("/metrics").text, "tlkv_http_stalled_bodies_total")
+                assert time.monotonic() - asked < 33, "a stalled body outlived 30 s"
+                time.sleep(0.2)
+            _wait(
+                lambda: _metric(c.get("/metrics").text, "tlkv_store_open_snapshots") == 0,
+                "a snapshot outlived its aborted body",
+            )
+        finally:
+            for sock in socks:
+                sock.close()

@@ -20,9 +20,10 @@ from archive_helpers import (
     snapshot,
     valid_members,
 )
-from conftest import SMALL
+from conftest import SMALL, make_envelope
 
 from kvstore import Geometry, decode
+from kvstore.archive import list_archive
 from kvstore.cli import main
 from kvstore.cli.archive import ProgressBar
 from kvstore.store.store import Store
@@ -114,7 +115,7 @@ def test_exit_codes(archive_file: Path, tmp_path: Path, capsys: pytest.CaptureFi
     assert code == 4 and "ShapeError" in err
     # a future archive version: exit 5
     m, b, s = valid_members()
-    future = craft(tmp_path / "v4.tar.zst", [manifest_member(SMALL, 5, 1, archive_version=4), b, s])
+    future = craft(tmp_path / "v5.tar.zst", [manifest_member(SMALL, 5, 1, archive_version=5), b, s])
     assert tlkv(capsys, "verify", str(future))[0] == 5
     # an unsafe member: exit 3, and extract --all writes nothing
     h = int(b[0].name[7:23], 16)
@@ -237,3 +238,92 @@ def test_refused_restore_into_a_new_directory_leaves_nothing(
     assert code == 3 and err and not target.exists()
     code, _, _ = tlkv(capsys, "restore", str(archive_file), "--data", str(target), "--quiet")
     assert code == 0 and target.is_dir()
+
+
+def test_create_archives_a_sequence_keeping_its_own_blocks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A sequence whose blocks were first stored in another version keeps its own copies;
+    ``create`` archives them (version 4, ARCHIVE.md 1.6) and exits 0, and ``restore``
+    into an empty store brings the sequence back byte-identical. Its blocks count as
+    pinned."""
+    data = tmp_path / "store"
+    with Store(data) as s:
+        s.put(make_envelope(SMALL, 8, version=1, seed=3))
+        s.put_sequence("own", make_envelope(SMALL, 8, version=2, seed=3))  # same hashes
+        s.put_sequence("plain", make_envelope(SMALL, 9, version=1, seed=4))
+        assert s.stats()["pinned_blocks"] == 2 + 2  # own's 2 kept copies, plain's 2 blocks
+        before = {name: s.get_sequence(name) for name in s.sequences()}
+    out = tmp_path / "a.tar.zst"
+    code, _, err = tlkv(capsys, "create", "--data", str(data), "-o", str(out), "--quiet")
+    assert code == 0 and "skipped" not in err, err
+    listing = list_archive(out)
+    assert listing.manifest.archive_version == 4 and listing.manifest.own_blocks == 2
+    assert [(x.name, x.own) for x in listing.sequences] == [("own", [0, 1]), ("plain", [])]
+    assert tlkv(capsys, "verify", str(out))[0] == 0
+    restored = tmp_path / "restored"
+    code, _, err = tlkv(capsys, "restore", str(out), "--data", str(restored), "--quiet")
+    assert code == 0, err
+    with Store(restored) as s:
+        assert {name: s.get_sequence(name) for name in s.sequences()} == before
+        assert s.stats()["pinned_blocks"] == 2 + 2
+
+
+def _flip_on_disk(data: Path, record: bytes) -> None:
+    """Flip bytes of every copy of ``record`` (random KV: unique on disk) in the store's
+    file, as a bit rot would (LMDB is copy-on-write: old pages may hold one too)."""
+    mdb = data / "data.mdb"
+    raw = bytearray(mdb.read_bytes())
+    at = raw.find(record[64:104])
+    assert at > 0
+    while at > 0:
+        raw[at] ^= 0xFF
+        at = raw.find(record[64:104], at + 1)
+    mdb.write_bytes(bytes(raw))
+
+
+def test_create_refuses_to_leave_a_damaged_sequence_record_out_silently(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A sequence record failing its CRC (here in the tail it keeps) cannot be archived:
+    ``create`` exits 7 naming it; with ``--allow-skipped`` the rest is archived."""
+    data = tmp_path / "store"
+    damaged = make_envelope(SMALL, 4 + 3, seed=6)
+    with Store(data) as s:
+        s.put_sequence("damaged", damaged)
+        s.put_sequence("fine", make_envelope(SMALL, 8, seed=7))
+    _flip_on_disk(data, bytes(decode(damaged)[1].raw))
+    out = tmp_path / "a.tar.zst"
+    code, _, err = tlkv(capsys, "create", "--data", str(data), "-o", str(out), "--quiet")
+    assert code == 7 and "'damaged'" in err and "fails its CRC" in err, err
+    assert not out.exists()
+    code, _, err = tlkv(
+        capsys, "create", "--data", str(data), "-o", str(out), "--quiet", "--allow-skipped"
+    )
+    assert code == 0 and "skipped sequence 'damaged'" in err, err
+    assert [x.name for x in list_archive(out).sequences] == ["fine"]
+
+
+def test_create_refuses_to_leave_a_corrupt_block_out_silently(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A block failing its CRC cannot be archived: ``create`` exits 7 naming it and
+    writes nothing; with ``--allow-skipped`` it writes the rest and reports the block and
+    the sequence using it as left out."""
+    data = tmp_path / "store"
+    victim_env = make_envelope(SMALL, 9, version=1, seed=4)
+    with Store(data) as s:
+        s.put_sequence("plain", victim_env)
+        s.put_sequence("other", make_envelope(SMALL, 8, version=1, seed=5))
+    victim = int(decode(victim_env).hashes[0])
+    _flip_on_disk(data, bytes(decode(victim_env)[0].raw))
+    out = tmp_path / "a.tar.zst"
+    code, _, err = tlkv(capsys, "create", "--data", str(data), "-o", str(out), "--quiet")
+    assert code == 7, err
+    assert f"{victim:016x}" in err and "--allow-skipped" in err
+    assert not out.exists() and list(tmp_path.glob("a.tar.zst*")) == []
+    code, _, err = tlkv(
+        capsys, "create", "--data", str(data), "-o", str(out), "--quiet", "--allow-skipped"
+    )
+    assert code == 0 and "skipped sequence 'plain'" in err, err
+    assert [x.name for x in list_archive(out).sequences] == ["other"]

@@ -12,8 +12,9 @@ from conftest import SMALL, make_envelope
 
 from kvstore import decode, split
 from kvstore.archive.frames import encode_index
-from kvstore.archive.manifest import Manifest, Section, SequenceRecord
-from kvstore.archive.reader import ArchiveBlock, ArchiveReader, ArchiveSequence
+from kvstore.archive.manifest import Manifest, Section, SequenceRecord, parse_sequence_json
+from kvstore.archive.reader import ArchiveReader
+from kvstore.archive.scan import ArchiveBlock, ArchiveSequence
 from kvstore.archive.tar import member_prefix, ustar_header
 from kvstore.archive.writer import write_archive
 from kvstore.codec.checksum import crc32c
@@ -32,6 +33,31 @@ def test_golden_manifest_and_record() -> None:
     assert record.to_json() == (
         b'{"hashes":["a91ab0c1027b9366","03df829571605c60"],"name":"agent-7","tail":true}\n'
     )
+
+
+def test_golden_version_4_manifest_and_record() -> None:
+    """The version-4 examples of ARCHIVE.md 1.2 and 1.4, byte for byte."""
+    m = Manifest(SMALL, 3, 1, "tlkv 0.1.0", archive_version=4, own_blocks=2)
+    assert m.to_json() == (
+        b'{"archive_version":4,"blocks":3,"format":"tlkv-archive","geometry":{"block_tokens":4,'
+        b'"head_dim":8,"n_kv_heads":2,"n_layers":2},"model":"default","own_blocks":2,'
+        b'"sequences":1,"tool":"tlkv 0.1.0"}\n'
+    )
+    assert Manifest.from_json(m.to_json()) == m
+    record = SequenceRecord(
+        "agent-7", [0xA91AB0C1027B9366, 0x03DF829571605C60], b"tail", [(1, b"own")]
+    )
+    assert record.to_json() == (
+        b'{"hashes":["a91ab0c1027b9366","03df829571605c60"],"name":"agent-7","own":[1],'
+        b'"tail":true}\n'
+    )
+    assert parse_sequence_json(record.to_json(), "agent-7", own=True) == (
+        [0xA91AB0C1027B9366, 0x03DF829571605C60],
+        True,
+        [1],
+    )
+    with pytest.raises(ArchiveError):  # versions 1-3 have no own key
+        parse_sequence_json(record.to_json(), "agent-7")
 
 
 def test_golden_ustar_header() -> None:

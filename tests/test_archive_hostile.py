@@ -3,6 +3,7 @@ target store is left exactly as it was (ARCHIVE.md section 5)."""
 
 from __future__ import annotations
 
+import json
 import resource
 import time
 from collections.abc import Callable, Iterator
@@ -20,6 +21,7 @@ from archive_helpers import (
     run_tlkv,
     snapshot,
     valid_members,
+    valid_own_members,
 )
 from conftest import SMALL, make_envelope
 
@@ -116,6 +118,29 @@ def test_flipped_byte_in_every_frame(good: Path, target: Store, tmp_path: Path) 
                 bad = tmp_path / f"flip{i}_{at}_{mask}.tar.zst"
                 bad.write_bytes(bytes(raw))
                 refused(bad, target, TlkvError)
+
+
+def test_own_blocks_archive_cut_or_flipped(target: Store, tmp_path: Path) -> None:
+    """A version-4 archive (a sequence keeping a block of its own) cut anywhere, or with
+    a byte flipped in any frame, is refused and changes nothing; whole, it restores the
+    sequence byte for byte."""
+    m, b, s = valid_own_members()
+    good = craft(tmp_path / "own.tar.zst", [m, b, s])
+    with Store(tmp_path / "fresh") as fresh:
+        assert ar.restore(good, fresh).sequences == 1
+        assert fresh.get_sequence("s") == make_envelope(SMALL, 4 * 3 + 2, version=2, seed=7)
+    data = good.read_bytes()
+    bounds = frame_bounds(good)
+    for i, (offset, size) in enumerate(bounds):
+        for at in sorted({offset, offset + 1, offset + size // 2, offset + size - 1}):
+            bad = tmp_path / f"cut{at}.tar.zst"
+            bad.write_bytes(data[:at])
+            refused(bad, target, ArchiveError)
+            raw = bytearray(data)
+            raw[at] ^= 0x40
+            bad = tmp_path / f"flip{i}_{at}.tar.zst"
+            bad.write_bytes(bytes(raw))
+            refused(bad, target, TlkvError)
 
 
 def test_appended_garbage(good: Path, target: Store, tmp_path: Path) -> None:
@@ -218,7 +243,7 @@ def _cases() -> dict[str, tuple[Callable[[], list[list[Raw] | bytes]], type[Base
         "tail of a block": (lambda: [m, [*b, Raw(s[1].name, tail_raw)], s], ArchiveError),
         "count mismatch": (lambda: [manifest_member(SMALL, 9, 1), b, s], ArchiveError),
         "future archive version": (
-            lambda: [manifest_member(SMALL, 5, 1, archive_version=4), b, s],
+            lambda: [manifest_member(SMALL, 5, 1, archive_version=5), b, s],
             UnsupportedVersionError,
         ),
         "unknown manifest key": (
@@ -266,7 +291,100 @@ def _cases() -> dict[str, tuple[Callable[[], list[list[Raw] | bytes]], type[Base
         "stray zero block": (lambda: [m, b, bytes(512), s], ArchiveError),
         "end marker before the end": (lambda: [m, b, END_OF_ARCHIVE, s], ArchiveError),
     }
+    cases.update(_own_cases())
     return cases
+
+
+def _own_cases() -> dict[str, tuple[Callable[[], list[list[Raw] | bytes]], type[BaseException]]]:
+    """Hostile version-4 archives: the blocks a sequence keeps of its own (ARCHIVE.md 1.6)."""
+    m, b, s = valid_own_members()
+    record, own, tail = s
+    data = own.data
+    other = split(make_envelope(SMALL, 4 * 3, version=2, seed=99))[0]  # another hash
+    v1_own = next(x for x in b if x.name == "blocks/" + own.data[28:36][::-1].hex() + ".tlkv")
+    hashes = json.loads(record.data)["hashes"]
+
+    def changed(raw: Raw, changes: dict[str, object]) -> Raw:
+        """``raw``'s JSON with keys replaced (None: removed), canonical."""
+        obj = json.loads(raw.data) | changes
+        return Raw(raw.name, canonical_json({k: v for k, v in obj.items() if v is not None}))
+
+    def with_record(**changes: object) -> Raw:
+        return changed(record, changes)
+
+    def own_manifest(**changes: object) -> list[Raw]:
+        return [changed(m[0], changes)]
+
+    return {
+        "own block truncated": (
+            lambda: [m, b, [record, Raw(own.name, data[:-100]), tail]],
+            FormatError,
+        ),
+        "own block bad CRC": (
+            lambda: [m, b, [record, Raw(own.name, data[:-1] + bytes([data[-1] ^ 1])), tail]],
+            ChecksumError,
+        ),
+        "own block name escapes": (
+            lambda: [m, b, [record, Raw("sequences/../s.0.tlkv", data), tail]],
+            UnsafeArchiveError,
+        ),
+        "own block name nested": (
+            lambda: [m, b, [record, Raw("sequences/s/0.tlkv", data), tail]],
+            UnsafeArchiveError,
+        ),
+        "own block hash disagrees with the record": (
+            lambda: [m, b, [record, Raw(own.name, other), tail]],
+            ArchiveError,
+        ),
+        "record's hash disagrees with its own block": (
+            lambda: [m, b, [with_record(hashes=["1" * 16, *hashes[1:]]), own, tail]],
+            ArchiveError,
+        ),
+        "own block at another position": (
+            lambda: [m, b, [record, Raw("sequences/s.1.tlkv", data), tail]],
+            ArchiveError,
+        ),
+        "own position past the hashes": (
+            lambda: [m, b, [with_record(own=[3]), Raw("sequences/s.3.tlkv", data), tail]],
+            ArchiveError,
+        ),
+        "own positions not ascending": (
+            lambda: [m, b, [with_record(own=[0, 0]), own, own, tail]],
+            ArchiveError,
+        ),
+        "own list empty": (lambda: [m, b, [with_record(own=[]), tail]], ArchiveError),
+        "own block missing": (lambda: [m, b, [record, tail]], ArchiveError),
+        "own block after the tail": (lambda: [m, b, [record, tail, own]], ArchiveError),
+        "own block in another version": (
+            lambda: [m, b, [record, Raw(own.name, v1_own.data), tail]],
+            ArchiveError,
+        ),
+        "own blocks in a version-2 archive": (
+            lambda: [own_manifest(archive_version=2, own_blocks=None), b, s],
+            ArchiveError,
+        ),
+        "own record in a version-2 archive": (
+            lambda: [manifest_member(SMALL, 3, 1), b, [record, tail]],
+            ArchiveError,
+        ),
+        "own member name in a version-2 archive": (
+            lambda: [
+                manifest_member(SMALL, 3, 1),
+                b,
+                [with_record(own=None), Raw(own.name, data), tail],
+            ],
+            UnsafeArchiveError,
+        ),
+        "own block count mismatch": (lambda: [own_manifest(own_blocks=2), b, s], ArchiveError),
+        "version 4 without own blocks": (
+            lambda: [own_manifest(own_blocks=0), b, s],
+            ArchiveError,
+        ),
+        "own blocks count claims a bomb": (
+            lambda: [own_manifest(own_blocks=1 << 31), b, s],
+            ArchiveError,
+        ),
+    }
 
 
 CASES = _cases()

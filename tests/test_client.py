@@ -376,6 +376,7 @@ class FakeServer:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
         self.accepted = 0
+        self.closed = threading.Semaphore(0)  # released as each connection is closed
         self._handler = handler
         threading.Thread(target=self._serve, daemon=True).start()
 
@@ -391,6 +392,7 @@ class FakeServer:
     def _run(self, sock: socket.socket, index: int) -> None:
         with sock, contextlib.suppress(OSError):
             self._handler(sock, index)
+        self.closed.release()
 
     def close(self) -> None:
         self.listener.close()
@@ -445,7 +447,7 @@ def test_transport_skips_an_idle_connection_the_server_closed(fake: Any) -> None
     srv = fake(close_after_one)
     with Client(srv.url) as c:
         assert c._ok("GET", "/a").content == b"x0"
-        time.sleep(0.1)  # the server has closed it: seen as readable, not reused
+        assert srv.closed.acquire(timeout=10)  # the server closed it: readable, not reused
         assert c._ok("GET", "/a").content == b"x1"
 
 

@@ -23,7 +23,7 @@ import httpx
 import numpy as np
 import pytest
 from conftest import make_envelope
-from http_server import REPO, ServerProcess, assert_error
+from http_server import REPO, ServerProcess, assert_error, free_port
 
 from kvstore import Block, Geometry, decode, encode
 from kvstore.store.store import Store
@@ -213,6 +213,7 @@ def test_drill_tool_short_run() -> None:
     """``tools/drill.py`` in a short run: both kills happen under load, every acknowledged
     put is intact after the restart, no 5xx."""
     cmd = [sys.executable, str(REPO / "tools" / "drill.py"), "--seconds", "4", "--clients", "2"]
+    cmd += ["--case", "kill"]
     ran = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=180)
     assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
     summary = json.loads(ran.stdout.splitlines()[-1])
@@ -220,6 +221,25 @@ def test_drill_tool_short_run() -> None:
     assert summary["acknowledged_blocks"] == summary["intact_blocks"] > 0
     assert [e.split()[0] for e in summary["events"]] == ["worker", "server"]
     assert set(summary["operations"]) == {"put", "get", "has-blocks", "prefix"}
+
+
+@pytest.mark.slow
+def test_drill_tool_stalled_reader_and_model_cap_cases() -> None:
+    """``tools/drill.py --case stalled-reader --case model-cap`` on a port it is given:
+    two readers that never read are cut off within 33 s while puts growing the map never
+    fail; 205 new models leave 200 created and 5 refused with 507 model_limit."""
+    port = free_port()
+    cmd = [sys.executable, str(REPO / "tools" / "drill.py"), "--port", str(port)]
+    cmd += ["--case", "stalled-reader", "--case", "model-cap", "--json"]
+    ran = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
+    summary = json.loads(ran.stdout.splitlines()[-1])
+    stalled, cap = summary["stalled_reader"], summary["model_cap"]
+    assert summary["ok"] and stalled["ok"] and cap["ok"], summary
+    assert stalled["aborted"] >= 2 and stalled["aborted_after_seconds"] <= 33
+    assert stalled["5xx"] == 0 and set(stalled["put_statuses"]) <= {"200", "503"}
+    assert cap["created"] == 200 and cap["refused"] == {"model_limit": 5}
+    assert "kill" not in summary["cases"] and "events" not in summary
 
 
 @pytest.mark.slow

@@ -430,6 +430,24 @@ def test_status_codes_and_nothing_stored(stub: Any, pb: SimpleNamespace) -> None
         assert held(stub, pb, good) == [False], name
 
 
+def test_a_reference_without_kv_format_is_invalid(stub: Any, pb: SimpleNamespace) -> None:
+    """A reference chunk (empty payload) to a block the server holds names its format
+    too: kv_format 0 (proto3's unset value) is INVALID_ARGUMENT, naming the rule."""
+    stored = fresh_block()
+    stub.PushKv(iter([chunk(pb, stored)]), metadata=AUTH)
+    h = decode(stored)[0].hash
+    good = fresh_block()
+    for fmt, code in ((0, grpc.StatusCode.INVALID_ARGUMENT), (1, None)):
+        ref = pb.kv_pb2.KvChunk(block_hash=h, n_tokens=G.block_tokens, kv_format=fmt)
+        if code is None:
+            assert stub.PushKv(iter([ref]), metadata=AUTH).referenced == 1
+            continue
+        with pytest.raises(grpc.RpcError) as exc:
+            stub.PushKv(iter([chunk(pb, good), ref]), metadata=AUTH)
+        assert "kv_format is one of 1, 2" in assert_status(exc, code)
+        assert held(stub, pb, good) == [False]
+
+
 def test_store_full_is_resource_exhausted(stub: Any, pb: SimpleNamespace) -> None:
     blocks = [fresh_block() for _ in range(600)]  # 600 x 556 bytes > the 256 KiB capacity
     with pytest.raises(grpc.RpcError) as exc:

@@ -91,6 +91,29 @@ def _open_and_count(path: str, out: multiprocessing.Queue) -> None:  # type: ign
         out.put(store.stats()["blocks"])
 
 
+def test_the_lock_of_a_restore_killed_before_its_first_commit_is_removed(
+    tmp_path: Path,
+) -> None:
+    """A restore killed after taking its lock and before any commit leaves a lock file and
+    no journal: the next open removes the file; a lock another restore holds stays."""
+    path = tmp_path / "s"
+    with Store(path) as store:
+        killed = store.begin_restore()
+        killed.release(unlink=False)  # what the kernel does when the process dies
+        running = store.begin_restore()
+        assert len(_lock_files(path)) == 2
+    # The next open, in another process (LMDB: one environment handle per process).
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    child = ctx.Process(target=_open_and_count, args=(os.fspath(path), out))
+    child.start()
+    assert out.get(timeout=60) == 0
+    child.join(timeout=60)
+    assert _lock_files(path) == [os.path.basename(running.path)]  # still held: kept
+    running.release()
+    assert _lock_files(path) == []
+
+
 def test_a_running_restore_is_left_alone(tmp_path: Path) -> None:
     """Another process opening the store while the restore runs (its lock held) undoes
     nothing."""

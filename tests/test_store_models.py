@@ -20,6 +20,7 @@ from conftest import SMALL, make_blocks, make_envelope
 
 import kvstore.store.diskformat as L
 from kvstore import Block, Geometry, ShapeError, Store, StoreError, StoreFullError, decode, encode
+from kvstore.errors import ModelLimitError
 from kvstore.store.debug import raw_snapshot
 
 REPO = Path(__file__).resolve().parent.parent
@@ -254,17 +255,100 @@ def test_eviction_of_a_model_another_process_created(tmp_path: Path) -> None:
         check_models(s)
 
 
-def test_registry_refuses_more_than_max_models(
-    store: Store, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import kvstore.store.registry as registry_module
+def test_registry_refuses_more_than_max_models(tmp_path: Path) -> None:
+    with Store(tmp_path / "s", max_models=2) as store:
+        store.model("a").put(make_envelope(SMALL, 8, seed=1))
+        store.model("b").put(make_envelope(SMALL, 8, seed=1))
+        with pytest.raises(ModelLimitError, match="at most 2 models besides default") as info:
+            store.model("c").put(make_envelope(SMALL, 8, seed=1))
+        assert info.value.http_status == 507 and info.value.kind == "model_limit"
+        assert store.models() == ["a", "b", "default"]
+        assert store.model("a").put(make_envelope(SMALL, 8, seed=2)).stored == 2  # still fine
 
-    monkeypatch.setattr(registry_module, "MAX_MODELS", 2)
-    store.model("a").put(make_envelope(SMALL, 8, seed=1))
-    store.model("b").put(make_envelope(SMALL, 8, seed=1))
-    with pytest.raises(StoreError, match="at most 2 models"):
-        store.model("c").put(make_envelope(SMALL, 8, seed=1))
-    assert store.models() == ["a", "b", "default"]
+
+def test_the_default_limit_admits_200_models_and_has_room_for_all(tmp_path: Path) -> None:
+    """200 models besides default: every one written, read and counted, in the process
+    that made them and after reopening; the 201st is refused by name."""
+    env = make_envelope(SMALL, 8, seed=1)
+    hashes = hashes_of(env)
+    path = tmp_path / "s"
+    with Store(path) as store:
+        for i in range(200):
+            store.model(f"m{i}").put(env)
+        with pytest.raises(ModelLimitError, match="at most 200 models"):
+            store.model("one-more").put(env)
+        assert len(store.models()) == 201
+        models = [m for m in store.models() if m != "default"]
+        assert all(store.model(m).stats()["blocks"] == 2 for m in models)
+    with Store(path) as store:
+        with pytest.raises(ModelLimitError):
+            store.model("one-more").put(env)
+        assert all(store.model(m).has(hashes) == [True, True] for m in models)
+        assert store.total_bytes() == 200 * 2 * SINGLE
+
+
+_REGISTER = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    from conftest import SMALL, make_envelope
+    from kvstore import Store
+    with Store(sys.argv[2], max_models=int(sys.argv[3])) as s:
+        for model in sys.argv[4:]:
+            s.model(model).put(make_envelope(SMALL, 8, seed=1))
+    """
+)
+
+
+def register_elsewhere(path: Path, max_models: int, *models: str) -> None:
+    """Register ``models`` from another process."""
+    args = [str(REPO / "tests"), str(path), str(max_models), *models]
+    subprocess.run([sys.executable, "-c", _REGISTER, *args], check=True, cwd=REPO)
+
+
+def test_the_limit_holds_against_models_another_process_registered(tmp_path: Path) -> None:
+    path = tmp_path / "s"
+    with Store(path, max_models=3) as store:
+        store.model("a").put(make_envelope(SMALL, 8, seed=1))
+        register_elsewhere(path, 3, "b", "c")
+        with pytest.raises(ModelLimitError, match="holds 3"):
+            store.model("d").put(make_envelope(SMALL, 8, seed=1))
+        assert store.models() == ["a", "b", "c", "default"]
+        assert store.model("c").stats()["blocks"] == 2
+
+
+def test_a_store_past_the_limit_opens_and_serves_every_model(tmp_path: Path) -> None:
+    """A store holding more models than the limit it is opened with (205, registered
+    under a higher limit) reads every one of them and refuses a new one."""
+    path = tmp_path / "s"
+    register_elsewhere(path, 205, *(f"m{i}" for i in range(205)))
+    with Store(path) as store:
+        assert len(store.models()) == 206
+        assert all(store.model(m).stats()["blocks"] == 2 for m in store.models() if m != "default")
+        with pytest.raises(ModelLimitError, match="holds 205"):
+            store.model("new").put(make_envelope(SMALL, 8, seed=1))
+        check_models(store)
+    out = tmp_path / "all.tlkv"
+    ran = subprocess.run(
+        [sys.executable, "-m", "kvstore", "archive", "create", "--data", str(path), "-o", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert ran.returncode == 0, ran.stderr
+    ran = subprocess.run(
+        [sys.executable, "-m", "kvstore", "archive", "ls", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert ran.returncode == 0 and "m204" in ran.stdout, ran.stderr
+
+
+@pytest.mark.parametrize("bad", [-1, 1001, True, 2.0])
+def test_max_models_is_checked(tmp_path: Path, bad: object) -> None:
+    with pytest.raises(ValueError, match="max_models"):
+        Store(tmp_path / "s", max_models=bad)  # type: ignore[arg-type]
 
 
 def test_model_handles_close_with_the_store(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import SMALL, make_envelope
-from s3_server import S3Process, S3Server, free_port, set_credentials
+from s3_server import CREDENTIALS, S3Process, S3Server, free_port, set_credentials
 
 from kvstore import Geometry, Store, split
 from kvstore.errors import ShapeError, StoreFullError, TierError
@@ -344,3 +344,44 @@ def test_a_namespace_geometry_is_written_beside_its_blocks_and_learned(
             m.put(make_envelope(OTHER, 8, seed=1))  # the namespace's geometry is the tier's
     with Store(tmp_path / "b") as b:  # adopted locally by the read-through
         assert b.model("org/m@1").geometry == SMALL
+
+
+def test_a_request_with_no_answer_marks_the_tier_down_for_every_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An endpoint that accepts connections and never answers: once a request has had no
+    answer for REQUEST_STALL_SECONDS the tier is unreachable, and another Tier sharing the
+    store directory (another worker, which sent nothing) says so too."""
+    import socket
+    import threading
+
+    import kvstore.tier.tier as tier_module
+
+    monkeypatch.setattr(tier_module, "REQUEST_STALL_SECONDS", 1.0)
+    monkeypatch.setattr(tier_module, "_WATCH_EVERY", 0.1)
+    for name, value in CREDENTIALS.items():
+        monkeypatch.setenv(name, value)
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(8)
+    endpoint = f"http://127.0.0.1:{hung.getsockname()[1]}"
+    asking = Tier("s3://hung/p", endpoint=endpoint)
+    other = Tier("s3://hung/p", endpoint=endpoint)
+    asking.share_state(str(tmp_path))
+    other.share_state(str(tmp_path))
+    try:
+        assert asking.state == other.state == "unknown"
+        threading.Thread(target=asking.present, args=([1],), daemon=True).start()
+        time.sleep(0.5)
+        assert asking.state == "unknown"  # outstanding, not for long yet
+        deadline = time.monotonic() + 5
+        while other.state != "unreachable":
+            assert time.monotonic() < deadline, (asking.state, other.state)
+            time.sleep(0.05)
+        assert asking.state == "unreachable"
+        assert "no answer" in asking.info()["last_error"]
+        assert "no answer" in other.info()["last_error"]
+    finally:
+        asking.stop_sharing()
+        other.stop_sharing()
+        hung.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -98,3 +100,61 @@ def test_unreachable_tier_leaves_local_service_whole(tmp_path: Path) -> None:
         health = http.get("/healthz")
         assert health.status_code == 200 and health.json()["tier"] == "unreachable"
         assert "tlkv_store_tier_up 0.0" in http.get("/metrics").text
+
+
+class HungEndpoint:
+    """A TCP endpoint on loopback that accepts connections and never answers (nor reads)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.held: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.held.append(conn)
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.held:
+            conn.close()
+
+
+def test_a_hung_tier_is_down_on_every_worker(tmp_path: Path) -> None:
+    """An S3 endpoint that accepts connections and never answers: within 35 s of a put,
+    ``/healthz`` on any connection (either of two workers, only one of which uploads)
+    says the tier is unreachable, ``tlkv_store_tier_up`` is 0 and ``/v1/info`` names the
+    stalled request."""
+    hung = HungEndpoint()
+    tier = ("--tier", "s3://hung-bucket/p", "--tier-endpoint", f"http://127.0.0.1:{hung.port}")
+    try:
+        with ServerProcess(tmp_path / "s", "--workers", "2", *tier, env=CREDENTIALS) as srv:
+            with srv.client() as http:
+                r = http.put(
+                    "/v1/blocks",
+                    content=make_envelope(SMALL, 8, seed=3),
+                    headers={"content-type": ENVELOPE_MEDIA_TYPE},
+                )
+                assert r.status_code == 200, r.text
+            put_at = time.monotonic()
+            down = 0
+            while down < 10:  # ten fresh connections in a row, spread over the workers
+                assert time.monotonic() - put_at < 35, "a worker still reports the tier up"
+                health = httpx.get(f"{srv.url}/healthz", timeout=5).json()
+                down = down + 1 if health["tier"] == "unreachable" else 0
+                time.sleep(0.1 if down else 0.5)
+            for _ in range(6):
+                with httpx.Client(base_url=srv.url, timeout=5) as http:
+                    assert "tlkv_store_tier_up 0.0" in http.get("/metrics").text
+                    info = http.get("/v1/info").json()["tier"]
+                    assert info["state"] == "unreachable" and info["last_error"], info
+    finally:
+        hung.close()

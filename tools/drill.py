@@ -1,20 +1,26 @@
 """A crash drill anyone can run: no acknowledged put is lost when the server is killed.
 
-    python tools/drill.py [--seconds 30] [--clients 4] [--workers 2] [--json]
+    python tools/drill.py [--seconds 30] [--clients 4] [--workers 2] [--port N]
+                          [--case kill|stalled-reader|model-cap ...] [--json]
 
-Starts ``tlkv serve`` with ``--workers`` workers on a temporary store, on a free loopback
-port (nothing else is touched), and drives mixed load from ``--clients`` processes: puts
-of 1-4 block envelopes, block reads, has-blocks and prefix reads of what each client put
-before, every answer checked byte for byte. A third of the way in (once puts are being
-acknowledged), one worker is SIGKILLed (uvicorn starts another); at two thirds (once more
-puts were acknowledged since) the whole server (supervisor and workers, its process
-group) is SIGKILLed and started again on the same store and port.
-The clients keep going through both (a refused or cut connection is counted, never
+Starts ``tlkv serve`` with ``--workers`` workers on a temporary store, on ``--port`` (by
+default a free loopback port; nothing else is touched), and runs the cases asked for
+(default: all, in this order). The ``kill`` case drives mixed load from ``--clients``
+processes: puts of 1-4 block envelopes, block reads, has-blocks and prefix reads of what
+each client put before, every answer checked byte for byte. A third of the way in (once
+puts are being acknowledged), one worker is SIGKILLed (uvicorn starts another); at two
+thirds (once more puts were acknowledged since) the whole server (supervisor and workers,
+its process group) is SIGKILLed and started again on the same store and port. The
+clients keep going through both (a refused or cut connection is counted, never
 acknowledged). When time is up every acknowledged put is read back from the restarted
 server and compared byte for byte. Prints the table (operations, acknowledged, intact,
 5xx) and exits 1 on any lost or wrong block or any 5xx, else 0.
 
 Every envelope is a pure function of its seed, so the clients remember seeds, not bytes.
+The ``stalled-reader`` and ``model-cap`` cases (``tools/drill_cases.py``) then run on the
+same server: two clients that never read a 16 MiB prefix answer are cut off within 33 s
+while puts that grow the map wait (or answer 503) and never fail; and 205 new models
+leave exactly 200 (the default ``--max-models``) created and 5 refused with 507.
 """
 
 from __future__ import annotations
@@ -35,13 +41,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import drill_cases
 import numpy as np
 from bench_common import REPO, free_port, server_env
 
 from kvstore import Block, Geometry, chain_hashes, encode, split
+from kvstore.protocol import ENVELOPE_MEDIA_TYPE, JSON_MEDIA_TYPE
 
 GEOMETRY = Geometry(block_tokens=16, n_layers=2, n_kv_heads=2, head_dim=64)  # 16 KiB blocks
-ENVELOPE = {"content-type": "application/vnd.tlkv"}
+ENVELOPE = {"content-type": ENVELOPE_MEDIA_TYPE}
 START_TIMEOUT = 60.0
 OPS = ("put", "get", "has-blocks", "prefix")
 MIX = (0.4, 0.3, 0.15, 0.15)  # of OPS; the first operation of a client is a put
@@ -194,7 +202,7 @@ def _one(conn: http.client.HTTPConnection, op: str, rng: Any, seed: int, r: Clie
             r.wrong.append(f"GET {hashes[i]} (seed {mine}): {status}, {len(body)} bytes")
         return status
     payload = json.dumps({"hashes": hashes})
-    headers = {"content-type": "application/json"}
+    headers = {"content-type": JSON_MEDIA_TYPE}
     if op == "has-blocks":
         status, body = _request(conn, "POST", "/v1/has-blocks", body=payload, headers=headers)
         if status != 200 or json.loads(body)["present"] != [True] * len(hashes):
@@ -267,12 +275,42 @@ def _wait(until: float, acks: Any, more_than: int, deadline: float) -> int:
     return int(acks.value)
 
 
-def drill(seconds: float, clients: int, workers: int, data: Path) -> dict[str, Any]:
-    """Run the drill on ``data`` (a fresh directory); the summary as a dict."""
-    port = free_port()
-    server = Server(data / "store", port, workers, data / "server.log")
-    events: list[str] = []
+CASES = ("kill", "stalled-reader", "model-cap")
+
+
+def drill(
+    seconds: float,
+    clients: int,
+    workers: int,
+    data: Path,
+    port: int = 0,
+    cases: tuple[str, ...] = CASES,
+) -> dict[str, Any]:
+    """Run the drill's ``cases`` on ``data`` (a fresh directory) with a server on ``port``
+    (0: a free one); the summary as a dict."""
+    server = Server(data / "store", port or free_port(), workers, data / "server.log")
     server.start()  # stops what it started if it fails
+    try:
+        summary = _kill_loop(server, seconds, clients) if "kill" in cases else {"ok": True}
+        summary["workers"], summary["cases"] = workers, list(cases)
+        if "stalled-reader" in cases:
+            summary["stalled_reader"] = drill_cases.stalled_readers(server.port, GEOMETRY)
+        if "model-cap" in cases:
+            summary["model_cap"] = drill_cases.model_cap(server.port, GEOMETRY)
+    finally:
+        server.stop()
+    summary["ok"] = all(
+        part["ok"]
+        for part in (summary, summary.get("stalled_reader"), summary.get("model_cap"))
+        if part is not None
+    )
+    return summary
+
+
+def _kill_loop(server: Server, seconds: float, clients: int) -> dict[str, Any]:
+    """The kill case on a started ``server`` (left running)."""
+    port = server.port
+    events: list[str] = []
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     go = ctx.Barrier(clients + 1)
@@ -307,7 +345,6 @@ def drill(seconds: float, clients: int, workers: int, data: Path) -> dict[str, A
         for p in procs:
             if p.is_alive():
                 p.kill()
-        server.stop()
     ops: Counter[str] = Counter()
     statuses: Counter[str] = Counter()
     wrong: list[str] = []
@@ -321,7 +358,6 @@ def drill(seconds: float, clients: int, workers: int, data: Path) -> dict[str, A
     return {
         "seconds": seconds,
         "clients": clients,
-        "workers": workers,
         "events": events,
         "operations": dict(ops),
         "statuses": dict(statuses),
@@ -337,7 +373,18 @@ def drill(seconds: float, clients: int, workers: int, data: Path) -> dict[str, A
 
 
 def print_report(s: dict[str, Any]) -> None:
-    """The drill's table."""
+    """The drill's tables."""
+    if "kill" in s["cases"]:
+        _print_kill_loop(s)
+    for case in ("stalled_reader", "model_cap"):
+        if case in s:
+            part = dict(s[case])
+            ok = part.pop("ok")
+            print(f"{case.replace('_', '-')}: {'PASS' if ok else 'FAIL'} {json.dumps(part)}")
+    print("PASS" if s["ok"] else "FAIL")
+
+
+def _print_kill_loop(s: dict[str, Any]) -> None:
     print(f"tlkv drill: {s['workers']} workers, {s['clients']} clients, {s['seconds']:g} s")
     for event in s["events"]:
         print(f"  {event}")
@@ -359,10 +406,9 @@ def print_report(s: dict[str, Any]) -> None:
     )
     for line in s["lost"] + s["wrong_answers"]:
         print(f"  LOST/WRONG {line}")
-    if not s["ok"]:
+    if s["lost"] or s["wrong_answers"] or s["5xx"]:
         for line in s["cut_sample"]:
             print(f"  cut: {line}")
-    print("PASS" if s["ok"] else "FAIL")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -370,14 +416,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=30.0, help="load duration (30)")
     parser.add_argument("--clients", type=int, default=4, help="client processes (4)")
     parser.add_argument("--workers", type=int, default=2, help="server workers (2)")
+    parser.add_argument("--port", type=int, default=0, help="server port (default: a free one)")
+    parser.add_argument(
+        "--case", action="append", choices=CASES, help="a case to run (repeatable; all)"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the store and server log")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = parser.parse_args(argv)
-    if args.seconds <= 0 or args.clients < 1 or args.workers < 1:
-        parser.error("--seconds, --clients and --workers must be positive")
+    if args.seconds <= 0 or args.clients < 1 or args.workers < 1 or args.port < 0:
+        parser.error("--seconds, --clients and --workers must be positive, --port >= 0")
+    cases = tuple(c for c in CASES if c in (args.case or CASES))
     data = Path(tempfile.mkdtemp(prefix="tlkv-drill-"))
     try:
-        summary = drill(args.seconds, args.clients, args.workers, data)
+        summary = drill(args.seconds, args.clients, args.workers, data, args.port, cases)
     finally:
         if args.keep:
             print(f"store and server log kept in {data}", file=sys.stderr)

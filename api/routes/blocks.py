@@ -40,7 +40,7 @@ from kvstore.codec.layout import (
     SUPPORTED_VERSIONS,
     VERSION_V1,
 )
-from kvstore.errors import NotFoundError, StoreError, TlkvError
+from kvstore.errors import NotFoundError, StoreBusyError, StoreError, TlkvError
 from kvstore.protocol import PREFIX_HEADER, is_hash_hex, parse_hash_hex
 from kvstore.store import Store, transcode_stored
 
@@ -67,8 +67,9 @@ log = logging.getLogger("tlkv.api")
 
 router = APIRouter(tags=["blocks"])
 
-# A zero-copy body its transport still holds this long after it was sent (a client that
-# stopped reading) has its connection aborted: the read snapshot it pins ends.
+# A zero-copy body its transport still holds this long after its first byte was offered
+# to it (a client that stopped reading) has its connection aborted: the read snapshot it
+# pins ends.
 BODY_HOLD_SECONDS = 30.0
 
 # A prefix answer up to this size is gathered first (and cut at a block that vanished);
@@ -81,7 +82,12 @@ FormatQuery = Annotated[
 ]
 TierQuery = Annotated[
     int | None,
-    Query(ge=0, le=1, description="1: a hash absent here counts when the object-store tier has it"),
+    Query(
+        ge=0,
+        le=1,
+        description="1: a hash absent here counts when the object-store tier has an object "
+        "under its key (existence only: a read checks the object and may refuse it)",
+    ),
 ]
 
 
@@ -89,7 +95,10 @@ async def _read(store: Store, h: int, version: int | None) -> bytes | None:
     """``store.get``: on the event loop when plain, in the thread pool with a ``version``
     (transcoding quantizes or widens 2 MiB) or a tier (a miss reads through)."""
     if version is None and store.tier is None:
-        return store.get(h)
+        try:
+            return store.get(h)
+        except StoreBusyError:  # a remap the loop's thread may not wait for: in the pool
+            pass
     return await run_in_threadpool(functools.partial(store.get, h, version=version))
 
 
@@ -151,9 +160,7 @@ async def get_block(request: Request, hash: HashPath, format: FormatQuery = None
     return Response(data, media_type=ENVELOPE_MEDIA_TYPE, headers={"etag": etag})
 
 
-def _expire(owner: weakref.ref[Any], transport: Any, what: str, metrics: Any) -> None:
-    if owner() is None:
-        return
+def _expire(transport: Any, what: str, metrics: Any) -> None:
     log.warning(
         "%s: the client has not read the body for %.0f s; its connection is aborted to end "
         "the read snapshot the body pins",
@@ -166,52 +173,59 @@ def _expire(owner: weakref.ref[Any], transport: Any, what: str, metrics: Any) ->
         transport.abort()
 
 
+def _alive(owners: list[weakref.ref[Any]]) -> bool:
+    return any(owner() is not None for owner in owners)
+
+
 class _BodyWatch:
-    """Bodies sent whose buffers their transport still held at ``send``'s return, checked
-    a few times per ``BODY_HOLD_SECONDS`` by one timer of the loop (not one per request)."""
+    """Zero-copy bodies offered to their transport, each with the deadline
+    ``BODY_HOLD_SECONDS`` after its first byte was; one timer of the loop (not one per
+    request) fires at the earliest deadline. Deadlines are added in time order."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.pending: list[tuple[float, weakref.ref[Any], Any, str, Any]] = []
+        self.pending: list[tuple[float, list[weakref.ref[Any]], Any, str, Any]] = []
         self.timer: asyncio.TimerHandle | None = None
 
-    def add(self, owner: weakref.ref[Any], transport: Any, what: str, metrics: Any) -> None:
-        self.pending.append((self.loop.time() + BODY_HOLD_SECONDS, owner, transport, what, metrics))
+    def add(self, owners: list[weakref.ref[Any]], transport: Any, what: str, metrics: Any) -> None:
+        deadline = self.loop.time() + BODY_HOLD_SECONDS
+        self.pending.append((deadline, owners, transport, what, metrics))
         if self.timer is None:
-            self.timer = self.loop.call_later(BODY_HOLD_SECONDS / 4, self.sweep)
+            self.timer = self.loop.call_at(self.pending[0][0], self.sweep)
 
     def sweep(self) -> None:
         self.timer = None
         now = self.loop.time()
         keep = []
         for entry in self.pending:
-            deadline, owner, transport, what, metrics = entry
-            if owner() is None:
+            deadline, owners, transport, what, metrics = entry
+            if not _alive(owners):
                 continue  # written out: its snapshot has ended
             if now >= deadline:
-                _expire(owner, transport, what, metrics)
+                _expire(transport, what, metrics)
                 continue
             keep.append(entry)
         self.pending = keep
         if keep:
-            self.timer = self.loop.call_later(BODY_HOLD_SECONDS / 4, self.sweep)
+            self.timer = self.loop.call_at(keep[0][0], self.sweep)
 
 
 def watch_body(state: Any, transport: Any, what: str, owners: list[weakref.ref[Any]]) -> None:
-    """Abort ``transport`` if it still holds one of the sent buffers whose exporting
-    arrays ``owners`` refers to (``owner_refs``) after ``BODY_HOLD_SECONDS``.
+    """Abort ``transport`` if it still holds any of the buffers whose exporting arrays
+    ``owners`` refers to (``owner_refs``; the body's parts, one snapshot) by
+    ``BODY_HOLD_SECONDS`` from now. Call it when the body's first byte is offered to the
+    transport: a ``send`` of a later part may wait for the client without end (flow
+    control), so the watch must already run.
 
     ``state``: the app's state (its metrics count the abort); ``what``: the request's
     path, for the log.
     """
-    for owner in owners:
-        if owner() is not None:
-            loop = asyncio.get_running_loop()
-            watch = getattr(state, "body_watch", None)
-            if watch is None or watch.loop is not loop:
-                watch = state.body_watch = _BodyWatch(loop)
-            watch.add(owner, transport, what, getattr(state, "metrics", None))
-            return  # they end together: the snapshot is one
+    if _alive(owners):
+        loop = asyncio.get_running_loop()
+        watch = getattr(state, "body_watch", None)
+        if watch is None or watch.loop is not loop:
+            watch = state.body_watch = _BodyWatch(loop)
+        watch.add(owners, transport, what, getattr(state, "metrics", None))
 
 
 def watch_body_of(scope: dict[str, Any], owners: list[weakref.ref[Any]]) -> None:
@@ -241,12 +255,12 @@ class _Parts(Response):
         await send(
             {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
         )
+        watch_body_of(scope, owners)  # before the parts: sending one may wait for the client
         last = len(parts) - 1
         for i in range(len(parts)):
             part, parts[i] = parts[i], b""
             await send({"type": "http.response.body", "body": part, "more_body": i < last})
         del part
-        watch_body_of(scope, owners)
 
 
 _BLOCK_PREFIX = "/v1/blocks/"
@@ -318,6 +332,8 @@ class BlockReadFastPath:
         owners = owner_refs([data])
         await send({"type": "http.response.body", "body": data})
         del data
+        # One part: uvicorn writes it before send returns (it waits for the client only
+        # before a write, never after), so the watch starts with its first byte.
         watch_body_of(scope, owners)
 
 
@@ -341,7 +357,8 @@ def _present_json(present: list[bool], prefix: int) -> bytes:
 @router.post("/v1/has-blocks", openapi_extra=HASHES_BODY)
 async def has_blocks(request: Request, tier: TierQuery = None) -> Response:
     """Which of the hashes are stored, and how many leading ones (``prefix``); with
-    ``tier=1`` also those the object-store tier holds (HEADs, nothing read through)."""
+    ``tier=1`` also those the object-store tier holds (HEADs, nothing read through): an
+    object's existence, not its validity, which a read checks and may refuse."""
     store = store_of(request)
     hashes = await request_hashes(request, store)
     if tier == 1 and store.tier is not None and len(hashes):

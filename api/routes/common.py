@@ -26,8 +26,10 @@ from kvstore.protocol import (
 )
 from kvstore.store import Store
 
-# Every body is read through api.bodies (the in-flight budget); re-exported for the routes.
 from ..bodies import read_body as read_body
+
+# Every body is read through api.bodies (the in-flight budget); re-exported for the routes.
+from ..jsonquery import JSON_FALLBACK_BYTES, JSON_WEIGHT, NO_GEOMETRY, NotPlain, parse_plain
 from ..modelscope import model_store
 
 OCTET_STREAM = HASHES_MEDIA_TYPE
@@ -143,9 +145,24 @@ def hex_list(hashes: Any) -> list[str]:
     return [hash_hex(h) for h in hashes]
 
 
+def content_type(request: Request) -> str | None:
+    """The request's one ``Content-Type`` value (None when absent).
+
+    Raises:
+        InvalidRequestError: the field is sent more than once (RFC 9110 8.3: a singleton
+            field; two values cannot be told apart from a forged one).
+    """
+    values = request.headers.getlist("content-type")
+    if len(values) > 1:
+        raise InvalidRequestError(
+            f"rule 'Content-Type is sent at most once' failed: found {len(values)} fields"
+        )
+    return values[0] if values else None
+
+
 def media_type(request: Request) -> str | None:
     """The request's media type without parameters, lower case (None when absent)."""
-    value = request.headers.get("content-type")
+    value = content_type(request)
     if value is None:
         return None
     return value.split(";", 1)[0].strip().lower()
@@ -164,7 +181,7 @@ def require_envelope_type(request: Request) -> None:
     Raises:
         InvalidRequestError: no content type, another one, or one with parameters.
     """
-    value = request.headers.get("content-type")
+    value = content_type(request)
     kind = None if value is None else value.strip().lower()
     if kind not in ENVELOPE_TYPES:
         found = "none" if value is None else repr(value[:100])
@@ -188,6 +205,8 @@ async def request_hashes(request: Request, store: Store) -> np.ndarray:
 
     JSON ``{"hashes": [hex, ...]}``, JSON ``{"tokens": [int, ...]}`` (full blocks hashed with
     the store's block_tokens), or an ``application/octet-stream`` body of little-endian u64.
+    JSON in the plain grammar is parsed without a Python object per item (``jsonquery``);
+    other JSON only up to ``JSON_FALLBACK_BYTES``.
 
     Raises:
         InvalidRequestError: a malformed body, or tokens for a store with no geometry yet.
@@ -197,7 +216,8 @@ async def request_hashes(request: Request, store: Store) -> np.ndarray:
         raise InvalidRequestError(
             f"the body must be {JSON_MEDIA_TYPE} or {OCTET_STREAM} (u64 hashes), found {kind!r}"
         )
-    body = await read_body(request)
+    # A JSON query's parsed hashes and its answer take up to its size again: reserved.
+    body = await read_body(request, weight=1 if kind == OCTET_STREAM else JSON_WEIGHT)
     if kind == OCTET_STREAM:
         if len(body) % 8:
             raise InvalidRequestError(
@@ -205,6 +225,17 @@ async def request_hashes(request: Request, store: Store) -> np.ndarray:
                 "multiple of 8"
             )
         return np.frombuffer(body, dtype="<u8")
+    geometry = store.geometry
+    try:
+        return parse_plain(body, None if geometry is None else geometry.block_tokens)
+    except NotPlain:
+        if len(body) > JSON_FALLBACK_BYTES:
+            raise InvalidRequestError(
+                f"a JSON body over {JSON_FALLBACK_BYTES} bytes must be exactly "
+                '{"hashes": ["<16 hex>", ...]} or {"tokens": [<int>, ...]} with plain items '
+                "(no escapes, fractions, exponents or other keys); or send u64 hashes as "
+                f"{OCTET_STREAM}"
+            ) from None
     try:
         obj = json.loads(body)
     except (ValueError, RecursionError) as exc:
@@ -216,11 +247,8 @@ async def request_hashes(request: Request, store: Store) -> np.ndarray:
     if "hashes" in obj:
         return parse_hash_list(obj["hashes"])
     tokens = _tokens(obj["tokens"])
-    geometry = store.geometry
     if geometry is None:
-        raise InvalidRequestError(
-            "the store has no geometry yet (no block stored, no --geometry): send hashes"
-        )
+        raise InvalidRequestError(NO_GEOMETRY)
     return chain_hashes_array(np.asarray(tokens, dtype=np.uint32), geometry.block_tokens)
 
 

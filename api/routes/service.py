@@ -7,16 +7,15 @@ from starlette.responses import PlainTextResponse, Response
 
 import kvstore
 from kvstore.codec.checksum import KERNEL
+from kvstore.protocol import PROMETHEUS_MEDIA_TYPE, TEXT_MEDIA_TYPE
 
 from ..access import EVERYTHING
 from ..access import SCOPE_KEY as ACCESS_KEY
-from ..metrics import tier_stats
+from ..metrics import render_model_series, tier_stats
 from ..opsmetrics import ScrapeTime, sum_backlogs
 from .common import json_response, store_of
 
 router = APIRouter()
-
-PROMETHEUS_MEDIA_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 @router.get("/healthz", tags=["service"])
@@ -35,18 +34,23 @@ async def healthz(request: Request) -> Response:
     "/metrics",
     tags=["service"],
     response_class=PlainTextResponse,
-    responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+    responses={200: {"content": {TEXT_MEDIA_TYPE: {"schema": {"type": "string"}}}}},
 )
 async def metrics(request: Request) -> Response:
     """Prometheus text: request counts and latency (all workers summed); the store's (its
-    ``default`` model's), and blocks/bytes/sequences of each model the token may read."""
+    ``default`` model's), and blocks/bytes/sequences of each model the token may read.
+
+    Store-wide series go only to a token that may read every model or to the metrics
+    token (``--metrics-token-file``); any other token gets the per-model series of the
+    models it may read, nothing else."""
     store = store_of(request)
-    stats = dict(store.stats())
     access = request.scope.get(ACCESS_KEY, EVERYTHING)
-    per_model = {}
-    for model in store.models():
-        if access.can_read(model):
-            per_model[model] = store.model(model).stats()
+    if not access.sees_store_metrics():
+        readable = access.readable(store.models())
+        scoped = {m: store.model(m).stats() for m in readable}
+        return Response(render_model_series(scoped), media_type=PROMETHEUS_MEDIA_TYPE)
+    stats = dict(store.stats())
+    per_model = {model: store.model(model).stats() for model in store.models()}
     handles = store.open_handles()  # this process's reads, of every model
     stats["hits"] = sum(h.hits for h in handles)
     stats["misses"] = sum(h.misses for h in handles)
@@ -55,7 +59,7 @@ async def metrics(request: Request) -> Response:
     metrics.observe_snapshots(store.held_snapshots())
     metrics.ops.observe_handles(handles)
     backlog = sum_backlogs(store.model(m).tier_info() for m in store.models())
-    text = metrics.render(stats, per_model, ScrapeTime(per_model, backlog), access.can_read)
+    text = metrics.render(stats, per_model, ScrapeTime(per_model, backlog))  # every model
     return Response(text, media_type=PROMETHEUS_MEDIA_TYPE)
 
 

@@ -9,6 +9,7 @@ from .manifest import (
     ARCHIVE_FORMAT,
     ARCHIVE_VERSION,
     ARCHIVE_VERSION_MODELS,
+    ARCHIVE_VERSION_OWN,
     Manifest,
     Section,
     SequenceRecord,
@@ -26,13 +27,15 @@ from .operations import (
     restore,
     verify,
 )
-from .reader import ArchiveBlock, ArchiveReader, ArchiveSequence, Problem
+from .reader import ArchiveReader
+from .scan import ArchiveBlock, ArchiveSequence, Problem
 from .writer import ModelContent, write_archive, write_models
 
 __all__ = [
     "ARCHIVE_FORMAT",
     "ARCHIVE_VERSION",
     "ARCHIVE_VERSION_MODELS",
+    "ARCHIVE_VERSION_OWN",
     "ArchiveBlock",
     "ArchiveReader",
     "ArchiveSequence",

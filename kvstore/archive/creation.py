@@ -4,7 +4,8 @@ Each model is read in one LMDB read transaction (all open together); every block
 checked by every reader rule as it is written (``writer``), and a block failing its CRC
 is quarantined by the store, left out with the sequences using it, and the archive
 started over. The file is a sibling temp file, fsynced and renamed into place
-(``sources.open_output``): version 2 for one model, 3 for several.
+(``sources.open_output``): version 2 for one model, 3 for several, 4 when a sequence
+keeps blocks of its own (written with them, ``Reader.iter_sequence_parts`` of the store).
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ from typing import Any
 import numpy as np
 
 from ..codec.envelope import decode
-from ..errors import ArchiveError, ChecksumError
+from ..errors import ArchiveError, ChecksumError, IncompleteArchiveError
 from ..fileio import drop_mapped_pages, populate_mapped_pages
 from ..protocol import DEFAULT_MODEL, check_model_id, check_sequence_name
-from .manifest import DEFAULT_LEVEL, SequenceRecord, find_positions
+from .manifest import DEFAULT_LEVEL, SequenceRecord, find_positions, referenced
 from .progress import Progress
 from .sources import open_output
 from .writer import ModelContent, WriteSummary, write_models
@@ -57,13 +58,16 @@ def create(
     sequences: Sequence[str] | None = None,
     threads: int = 0,
     progress: Progress | None = None,
+    allow_skipped: bool = True,
 ) -> CreateSummary:
     """Archive a snapshot of models of ``store`` (one read transaction per model) into
-    ``path``: version 2 for one model, version 3 for several (ARCHIVE.md 1).
+    ``path``: version 2 for one model, version 3 for several, version 4 (either shape)
+    when a sequence keeps blocks of its own (ARCHIVE.md 1, 1.6).
 
     Written to a sibling temp file, fsynced, then renamed: a crash never leaves a half
     archive under ``path``. A block that fails its CRC is quarantined by the store and
-    left out (listed in ``skipped``), with every sequence that references it.
+    left out (listed in ``skipped``), with every sequence that references it; so is a
+    sequence record that fails its CRC.
 
     Args:
         models: the model ids to archive; None: the model of ``store`` when it is a
@@ -72,9 +76,14 @@ def create(
         sequences: archive only these sequences (of whichever model has them) and the
             blocks they reference.
         level: zstd level; threads: compression threads (0: one per CPU).
+        allow_skipped: False: anything that would be left out (a sequence that uses a
+            missing block, or whose record fails its CRC; a block failing its CRC) fails
+            the create before an archive is written (``tlkv archive create`` without
+            ``--allow-skipped``).
 
     Raises:
         KeyError: a requested model or sequence does not exist.
+        IncompleteArchiveError: something would be left out and ``allow_skipped`` is False.
     """
     if sequences is not None:
         for name in sequences:
@@ -83,14 +92,26 @@ def create(
     quarantined: list[int] = []
     for _attempt in range(MAX_CORRUPT_RETRIES):
         try:
-            summary = _create_once(handles, path, level, sequences, threads, progress)
+            summary = _create_once(
+                handles, path, level, sequences, threads, progress, allow_skipped
+            )
         except CorruptBlock as exc:
             exc.store.get(exc.hash)  # the store verifies the CRC and quarantines the block
             quarantined.append(exc.hash)
+            if not allow_skipped:
+                raise _incomplete([f"block {exc.hash:016x}: fails its CRC; quarantined"]) from None
             continue
         summary.skipped[:0] = [f"block {h:016x}: fails its CRC; quarantined" for h in quarantined]
         return summary
     raise ArchiveError(f"{len(quarantined)} corrupt blocks found while archiving; giving up")
+
+
+def _incomplete(skipped: list[str]) -> IncompleteArchiveError:
+    return IncompleteArchiveError(
+        f"the archive would leave out {len(skipped)} item(s): {'; '.join(skipped[:3])}"
+        f"{'; ...' if len(skipped) > 3 else ''} (nothing written; allow it with "
+        "--allow-skipped)"
+    )
 
 
 def _models_to_archive(store: Any, models: Sequence[str] | None) -> list[str]:
@@ -115,7 +136,7 @@ class _Snapshot:
     store: Any
     reader: Any
     keys: array[int]
-    kept: dict[str, list[int]]
+    kept: dict[str, int]  # name -> how many blocks it keeps of its own
     block_hashes: list[int] | None  # the blocks the kept sequences use (with --sequence)
     named: set[str]  # the sequences asked for that the model has (kept or not)
 
@@ -138,12 +159,15 @@ class _Snapshot:
                 yield h, env
 
         def records() -> Iterator[SequenceRecord]:
-            for name, hashes, tail in r.iter_sequence_records():
-                if name in self.kept and hashes is not None:
-                    yield SequenceRecord(name, list(hashes), tail)
+            for seq in r.iter_sequence_parts():
+                if seq.name in self.kept and seq.hashes is not None:
+                    yield SequenceRecord(seq.name, seq.hashes, seq.tail, seq.own)
 
         n_blocks = len(self.keys) if self.block_hashes is None else len(self.block_hashes)
-        return ModelContent(store.model_id, geometry, blocks(), records(), n_blocks, len(self.kept))
+        n_own = sum(self.kept.values())
+        return ModelContent(
+            store.model_id, geometry, blocks(), records(), n_blocks, len(self.kept), n_own
+        )
 
 
 def _snapshot(store: Any, r: Any, wanted: set[str] | None, skipped: list[str]) -> _Snapshot:
@@ -153,25 +177,29 @@ def _snapshot(store: Any, r: Any, wanted: set[str] | None, skipped: list[str]) -
         keys.append(h)
         drop_mapped_pages([value])
     present = np.array(keys, dtype=np.uint64)
-    kept: dict[str, list[int]] = {}  # name -> hashes of each sequence archived
+    kept: dict[str, int] = {}  # name -> its own blocks, of each sequence archived
+    used: set[int] = set()  # the blocks they reference (with --sequence)
     named: set[str] = set()
     where = "" if store.model_id == DEFAULT_MODEL else f" of model {store.model_id!r}"
-    for name, hashes, tail in r.iter_sequence_records():
+    for name, hashes, _, own in r.iter_sequence_parts():
         if wanted is not None and name not in wanted:
             continue
         named.add(name)
         if hashes is None:
-            reason = tail
+            reason = "its record fails its CRC"
         else:
-            missing = find_positions(present, hashes)[1]
+            refs = referenced(hashes, [p for p, _ in own])
+            missing = find_positions(present, refs)[1]
             if missing is None:
-                kept[name] = list(hashes)
+                kept[name] = len(own)
+                if wanted is not None:
+                    used.update(np.asarray(refs, dtype=np.uint64).tolist())
                 continue
             reason = f"block {missing:016x} is missing (quarantined as corrupt?)"
         skipped.append(f"sequence {name!r}{where}: {reason}; not archived")
     block_hashes = None
     if wanted is not None:
-        block_hashes = sorted({h for hashes in kept.values() for h in hashes})
+        block_hashes = sorted(used)
     return _Snapshot(store, r, keys, kept, block_hashes, named)
 
 
@@ -182,6 +210,7 @@ def _create_once(
     names: Sequence[str] | None,
     threads: int,
     progress: Progress | None,
+    allow_skipped: bool,
 ) -> CreateSummary:
     skipped: list[str] = []
     wanted = None if names is None else set(names)
@@ -194,6 +223,8 @@ def _create_once(
             unknown = wanted.difference(*(snap.named for snap in snaps))
             if unknown:
                 raise KeyError(f"no sequence named {sorted(unknown)[0]!r} in the store")
+        if skipped and not allow_skipped:
+            raise _incomplete(skipped)
         parts = [snap.content() for snap in snaps]
         if progress is not None:
             progress.start(sum(p.n_blocks for p in parts))

@@ -14,8 +14,16 @@ from typing import Any
 
 from ..errors import UnsafeArchiveError
 from ..fileio import atomic_file, current_umask
-from .manifest import MANIFEST_NAME, SequenceRecord, block_member, sequence_member, tail_member
-from .reader import ArchiveBlock, ArchiveReader, ArchiveSequence
+from .manifest import (
+    MANIFEST_NAME,
+    SequenceRecord,
+    block_member,
+    sequence_block_member,
+    sequence_member,
+    tail_member,
+)
+from .reader import ArchiveReader
+from .scan import ArchiveBlock, ArchiveSequence
 
 
 def extract(
@@ -113,8 +121,10 @@ def extract_all(path: str | os.PathLike[str], directory: str | os.PathLike[str])
                 if isinstance(item, ArchiveBlock):
                     put(block_member(item.hash, prefix(item)), item.envelope)
                 elif isinstance(item, ArchiveSequence):
-                    record = SequenceRecord(item.name, item.hashes, item.tail)
+                    record = SequenceRecord(item.name, item.hashes, item.tail, item.own)
                     put(sequence_member(item.name, prefix(item)), record.to_json())
+                    for p, envelope in item.own:
+                        put(sequence_block_member(item.name, p, prefix(item)), envelope)
                     if item.tail is not None:
                         put(tail_member(item.name, prefix(item)), item.tail)
         os.replace(tmp, final)

@@ -33,7 +33,8 @@ from ..codec.assembly import (
 from ..codec.envelope import decode
 from ..errors import ArchiveError, TlkvError
 from ..pipeline import OrderedPipeline
-from .reader import ArchiveBlock, ArchiveReader, ArchiveSequence, Problem
+from .reader import ArchiveReader
+from .scan import ArchiveBlock, ArchiveSequence, Problem
 
 # Restore commits blocks in transactions of about this many envelope bytes: LMDB holds a
 # transaction's dirty pages in memory until it commits. One batch commits (on its own
@@ -75,8 +76,8 @@ class Importer:
         self.section = section
         self.geometry = archive.sections[section].geometry
         self.defer_sequences = defer_sequences
-        # (name, hashes, has a tail, version) of each sequence, in archive order
-        self.deferred: list[tuple[str, array[int], bool, int]] = []
+        # (name, hashes, has a tail, version, own positions) of each sequence, in order
+        self.deferred: list[tuple[str, array[int], bool, int, list[int]]] = []
         self.archive = archive
         self.report = report
         self.blocks: list[ArchiveBlock] = []
@@ -133,23 +134,33 @@ class Importer:
 
     def add_sequence(self, item: ArchiveSequence) -> None:
         if self.defer_sequences:
-            entry = (item.name, array("Q", item.hashes), item.tail is not None, item.version)
+            own = [p for p, _ in item.own]
+            entry = (item.name, array("Q", item.hashes), item.tail is not None, item.version, own)
             self.deferred.append(entry)
             return
         self._import_sequence(item)
 
     def _import_deferred(self) -> None:
-        """Import the noted sequences, their tails read again (and checked again)."""
-        tails = self.archive.sequence_tails(self.section)
-        for name, hashes, has_tail, version in self.deferred:
-            tail = None
-            if has_tail:
-                found, tail = next(tails, ("", None))
-                if found != name or tail is None or envelope_version(tail) != version:
-                    raise ArchiveError(
-                        f"sequence {name!r}: its tail member changed while restoring"
-                    )
-            self._import_sequence(ArchiveSequence(name, hashes.tolist(), tail, version))
+        """Import the noted sequences, their tails and own blocks read again (and checked
+        again)."""
+        again = self.archive.sequence_parts(self.section)
+        for name, hashes, has_tail, version, own in self.deferred:
+            tail: memoryview | None = None
+            own_blocks: tuple[tuple[int, memoryview], ...] = ()
+            if has_tail or own:
+                found = next((x for x in again if x.name >= name), None)
+                if (
+                    found is None
+                    or found.name != name
+                    or found.hashes != hashes.tolist()
+                    or found.positions != own
+                    or (found.tail is not None) != has_tail
+                    or {envelope_version(e) for e in found.envelopes()} != {version}
+                ):
+                    raise ArchiveError(f"sequence {name!r}: its members changed while restoring")
+                tail, own_blocks = found.tail, tuple(found.own)
+            item = ArchiveSequence(name, hashes.tolist(), tail, version, self.section, own_blocks)
+            self._import_sequence(item)
         self.deferred = []
 
     def _import_sequence(self, item: ArchiveSequence) -> None:
@@ -169,8 +180,13 @@ class Importer:
         n = len(item.hashes) + (item.tail is not None)
         parts: list[Any] = [pack_header(version, g, n)]
         fallback: list[int] = []
+        own = dict(item.own)  # its own blocks: the archive's bytes, whatever the store holds
         with self.store.reader() as r:
             for i, h in enumerate(item.hashes):
+                if i in own:
+                    decode(own[i], g)  # the CRC, which the second pass does not check
+                    parts.append(record_of(own[i]))
+                    continue
                 stored = r.envelope(h)
                 if stored is None or envelope_version(stored) != version or not crc_matches(stored):
                     fallback.append(i)  # absent, another version, or damaged: the archive's

@@ -17,7 +17,8 @@ from ..errors import ShapeError
 from ..protocol import DEFAULT_MODEL, hash_hex
 from .manifest import Manifest
 from .progress import Progress
-from .reader import ArchiveBlock, ArchiveReader
+from .reader import ArchiveReader
+from .scan import ArchiveBlock
 
 
 @dataclass
@@ -104,12 +105,14 @@ def iter_blocks(
 
 @dataclass
 class SequenceInfo:
-    """A sequence as listed: its name, its hashes, whether it has a tail, its model."""
+    """A sequence as listed: its name, its hashes, whether it has a tail, its model, and
+    the positions of the blocks it keeps of its own (version 4)."""
 
     name: str
     hashes: list[int]
     tail: bool
     model: str = DEFAULT_MODEL
+    own: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -139,6 +142,7 @@ class Listing:
             "blocks": [hash_hex(h) for h in self.hashes.tolist()],
             "sequences": [
                 {"name": s.name, "hashes": [hash_hex(h) for h in s.hashes], "tail": s.tail}
+                | ({"own": s.own} if s.own else {})
                 for s in self.sequences
             ],
         }
@@ -155,8 +159,8 @@ def list_archive(path: str | os.PathLike[str]) -> Listing:
     with ArchiveReader(path) as ar:
         ids = [x.model for x in ar.sections]
         sequences = [
-            SequenceInfo(name, hashes, tail, ids[n])
-            for name, hashes, tail, n in ar.model_sequence_records()
+            SequenceInfo(name, hashes, tail, ids[n], own)
+            for name, hashes, tail, n, own in ar.model_sequence_records()
         ]
         models: list[str] = []
         if len(ids) > 1:

@@ -11,6 +11,7 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -37,15 +38,21 @@ from ..protocol import (
 ARCHIVE_FORMAT = "tlkv-archive"
 ARCHIVE_VERSION = 2  # what the writer writes for one model
 ARCHIVE_VERSION_MODELS = 3  # what the writer writes for several models
-ARCHIVE_VERSIONS = (1, 2, 3)  # what the reader reads
+# What the writer writes when a sequence keeps blocks of its own (ARCHIVE.md 1.6): the
+# manifest of version 2 or 3 with ``own_blocks`` counts, and sequence block members.
+ARCHIVE_VERSION_OWN = 4
+ARCHIVE_VERSIONS = (1, 2, 3, 4)  # what the reader reads
 MANIFEST_NAME = "manifest.json"
 BLOCK_NAME = re.compile(rf"blocks/({HASH_HEX_REGEX})\.tlkv")
 SEQUENCE_JSON_NAME = re.compile(rf"sequences/({SEQUENCE_NAME_REGEX})\.json")
 SEQUENCE_TAIL_NAME = re.compile(rf"sequences/({SEQUENCE_NAME_REGEX})\.tail\.tlkv")
+# Version 4: a block a sequence keeps of its own, at a position of its record's hashes.
+SEQUENCE_BLOCK_NAME = re.compile(rf"sequences/({SEQUENCE_NAME_REGEX})\.(0|[1-9][0-9]{{0,9}})\.tlkv")
 MANIFEST_KEYS_V1 = ("archive_version", "blocks", "format", "geometry", "sequences", "tool")
 MANIFEST_KEYS = ("archive_version", "blocks", "format", "geometry", "model", "sequences", "tool")
 MANIFEST_KEYS_V3 = ("archive_version", "blocks", "format", "models", "sequences", "tool")
 MODEL_KEYS = ("blocks", "geometry", "model", "sequences")
+OWN_KEY = "own_blocks"  # version 4: the manifest's (and each model's) own-block count
 # Version 3: the members of the n-th model of the manifest's "models" sit under this
 # directory (n in decimal without leading zeros): a model id may hold "/" or "..", a
 # number never does.
@@ -54,10 +61,12 @@ MODEL_DIR_NAME = re.compile(r"models/(0|[1-9][0-9]{0,5})/(.+)", re.DOTALL)
 MAX_MODELS = 1024  # the 64 KiB manifest holds no more entries anyway
 GEOMETRY_KEYS = tuple(sorted(Geometry.FIELDS))
 SEQUENCE_KEYS = ("hashes", "name", "tail")
+SEQUENCE_KEYS_OWN = ("hashes", "name", "own", "tail")  # version 4, a sequence keeping blocks
 TOOL_NAME = re.compile(r"[ -~]{1,64}")
 
 MAX_MANIFEST_BYTES = 1 << 16
 MAX_SEQUENCE_BYTES = 1 << 24  # about 880,000 hashes: far beyond any context length
+MAX_SEQUENCE_HASHES = MAX_SEQUENCE_BYTES // 19  # '"<16 hex>",' each: more never fit a record
 MAX_BLOCK_BYTES = 1 << 26  # the largest single-block envelope an archive may hold
 FRAME_TARGET = 4 << 20  # the writer starts a new frame rather than grow one past this
 DEFAULT_LEVEL = 3
@@ -114,6 +123,11 @@ def tail_member(name: str, prefix: str = "") -> str:
     return f"{prefix}sequences/{name}.tail.tlkv"
 
 
+def sequence_block_member(name: str, position: int, prefix: str = "") -> str:
+    """Member name of the block a sequence keeps of its own at ``position`` (version 4)."""
+    return f"{prefix}sequences/{name}.{position}.tlkv"
+
+
 def escapes(name: str) -> bool:
     parts = name.replace("\\", "/").split("/")
     return name.startswith(("/", "\\")) or ".." in parts or ":" in name
@@ -129,16 +143,20 @@ class Section:
     blocks: int
     sequences: int
     prefix: str = ""
+    own_blocks: int = 0  # blocks its sequences keep of their own (version 4)
 
-    def to_dict(self) -> dict[str, Any]:
-        """The section's entry in a version-3 manifest's ``models``."""
+    def to_dict(self, own: bool = False) -> dict[str, Any]:
+        """The section's entry in a version-3 (``own``: version-4) manifest's ``models``."""
         g = self.geometry
-        return {
+        out = {
             "blocks": self.blocks,
             "geometry": None if g is None else g.as_dict(),
             "model": self.model,
             "sequences": self.sequences,
         }
+        if own:
+            out[OWN_KEY] = self.own_blocks
+        return out
 
     def max_envelope(self) -> int:
         """The largest single-block envelope the geometry allows (either version)."""
@@ -151,7 +169,8 @@ class Section:
 class Manifest:
     """The first member: format version, geometry, member counts, the writing tool and
     (version 2) the model the members belong to, or (version 3, ``parts``) several
-    models, each with its geometry and counts (``blocks``/``sequences`` are the totals)."""
+    models, each with its geometry and counts (``blocks``/``sequences`` are the totals).
+    Version 4 is either shape (``parts`` empty or not) plus ``own_blocks`` counts."""
 
     geometry: Geometry | None
     blocks: int
@@ -160,52 +179,54 @@ class Manifest:
     archive_version: int = ARCHIVE_VERSION
     model: str = DEFAULT_MODEL
     parts: tuple[Section, ...] = ()
+    own_blocks: int = 0
 
     @classmethod
     def of_models(cls, sections: Sequence[Section], tool: str | None = None) -> Manifest:
         """The manifest of an archive of ``sections`` (ascending model ids): version 2 for
-        one model, version 3 (members under ``models/<n>/``) for several."""
+        one model, version 3 (members under ``models/<n>/``) for several; version 4 in
+        either shape when a sequence keeps blocks of its own."""
+        own = sum(x.own_blocks for x in sections)
+        tool = tool or tool_version()
         if len(sections) == 1:
             one = sections[0]
+            version = ARCHIVE_VERSION_OWN if own else ARCHIVE_VERSION
             return cls(
-                one.geometry, one.blocks, one.sequences, tool or tool_version(), 2, one.model
+                one.geometry, one.blocks, one.sequences, tool, version, one.model, own_blocks=own
             )
         parts = tuple(
-            Section(x.model, x.geometry, x.blocks, x.sequences, MODEL_DIR.format(n))
+            Section(x.model, x.geometry, x.blocks, x.sequences, MODEL_DIR.format(n), x.own_blocks)
             for n, x in enumerate(sections)
         )
         blocks = sum(x.blocks for x in parts)
         sequences = sum(x.sequences for x in parts)
-        return cls(
-            None, blocks, sequences, tool or tool_version(), ARCHIVE_VERSION_MODELS, parts=parts
-        )
+        version = ARCHIVE_VERSION_OWN if own else ARCHIVE_VERSION_MODELS
+        return cls(None, blocks, sequences, tool, version, parts=parts, own_blocks=own)
 
     def sections(self) -> tuple[Section, ...]:
         """The archive's models in member order (one for versions 1 and 2)."""
-        if self.archive_version >= ARCHIVE_VERSION_MODELS:
+        if self.parts:
             return self.parts
-        return (Section(self.model, self.geometry, self.blocks, self.sequences),)
+        x = Section(self.model, self.geometry, self.blocks, self.sequences, "", self.own_blocks)
+        return (x,)
 
     def to_dict(self) -> dict[str, Any]:
         """The manifest as a JSON-ready dict."""
-        if self.archive_version >= ARCHIVE_VERSION_MODELS:
-            return {
-                "archive_version": self.archive_version,
-                "blocks": self.blocks,
-                "format": ARCHIVE_FORMAT,
-                "models": [x.to_dict() for x in self.parts],
-                "sequences": self.sequences,
-                "tool": self.tool,
-            }
-        g = self.geometry
-        out = {
+        own = self.archive_version >= ARCHIVE_VERSION_OWN
+        out: dict[str, Any] = {
             "archive_version": self.archive_version,
             "blocks": self.blocks,
             "format": ARCHIVE_FORMAT,
-            "geometry": None if g is None else g.as_dict(),
             "sequences": self.sequences,
             "tool": self.tool,
         }
+        if own:
+            out[OWN_KEY] = self.own_blocks
+        if self.parts:
+            out["models"] = [x.to_dict(own) for x in self.parts]
+            return out
+        g = self.geometry
+        out["geometry"] = None if g is None else g.as_dict()
         if self.archive_version >= 2:
             out["model"] = self.model
         return out
@@ -230,45 +251,67 @@ class Manifest:
             raise UnsupportedVersionError(
                 f"manifest: archive_version {version!r}; this reader reads {ARCHIVE_VERSIONS}"
             )
+        own = version == ARCHIVE_VERSION_OWN
+        several = version == ARCHIVE_VERSION_MODELS or (own and "models" in obj)
         keys = {1: MANIFEST_KEYS_V1, 2: MANIFEST_KEYS}.get(version, MANIFEST_KEYS_V3)
+        if own:
+            keys = tuple(sorted((*(MANIFEST_KEYS_V3 if several else MANIFEST_KEYS), OWN_KEY)))
         if tuple(sorted(obj)) != keys:
             raise ArchiveError(f"manifest: keys must be {keys}, found {sorted(obj)}")
-        for key in ("blocks", "sequences"):
+        for key in ("blocks", "sequences", *((OWN_KEY,) if own else ())):
             if not _is_int(obj[key], 0, U32_MAX):
                 raise ArchiveError(f"manifest: {key} must be an integer in 0..{U32_MAX}")
+        if own and not obj[OWN_KEY]:
+            raise ArchiveError(f"manifest: version {version} has {OWN_KEY} of at least 1")
         if not isinstance(obj["tool"], str) or not TOOL_NAME.fullmatch(obj["tool"]):
             raise ArchiveError("manifest: tool must be 1-64 printable ASCII characters")
-        if version >= ARCHIVE_VERSION_MODELS:
-            return cls._from_v3(obj)
-        one = _section(obj, "manifest", obj.get("model", DEFAULT_MODEL))
-        return cls(one.geometry, one.blocks, one.sequences, obj["tool"], version, one.model)
+        if several:
+            return cls._from_v3(obj, version)
+        one = _section(obj, "manifest", obj.get("model", DEFAULT_MODEL), own)
+        return cls(
+            one.geometry,
+            one.blocks,
+            one.sequences,
+            obj["tool"],
+            version,
+            one.model,
+            own_blocks=one.own_blocks,
+        )
 
     @classmethod
-    def _from_v3(cls, obj: dict[str, Any]) -> Manifest:
+    def _from_v3(cls, obj: dict[str, Any], version: int) -> Manifest:
         models = obj["models"]
         if not isinstance(models, list) or not 2 <= len(models) <= MAX_MODELS:
             raise ArchiveError(f"manifest: models must be a list of 2..{MAX_MODELS} entries")
+        own = version == ARCHIVE_VERSION_OWN
+        model_keys = tuple(sorted((*MODEL_KEYS, OWN_KEY))) if own else MODEL_KEYS
         parts: list[Section] = []
         for n, entry in enumerate(models):
             what = f"manifest: models[{n}]"
-            if not isinstance(entry, dict) or tuple(sorted(entry)) != MODEL_KEYS:
-                raise ArchiveError(f"{what}: keys must be {MODEL_KEYS}")
-            x = _section(entry, what, entry["model"])
+            if not isinstance(entry, dict) or tuple(sorted(entry)) != model_keys:
+                raise ArchiveError(f"{what}: keys must be {model_keys}")
+            x = _section(entry, what, entry["model"], own)
             if parts and x.model <= parts[-1].model:
                 raise ArchiveError(f"{what}: model ids must be strictly ascending")
-            parts.append(Section(x.model, x.geometry, x.blocks, x.sequences, MODEL_DIR.format(n)))
+            parts.append(
+                Section(
+                    x.model, x.geometry, x.blocks, x.sequences, MODEL_DIR.format(n), x.own_blocks
+                )
+            )
         if (
             sum(x.blocks for x in parts) != obj["blocks"]
             or sum(x.sequences for x in parts) != obj["sequences"]
+            or sum(x.own_blocks for x in parts) != obj.get(OWN_KEY, 0)
         ):
-            raise ArchiveError("manifest: blocks and sequences must be the models' totals")
+            raise ArchiveError("manifest: the counts must be the models' totals")
         return cls(
             None,
             obj["blocks"],
             obj["sequences"],
             obj["tool"],
-            ARCHIVE_VERSION_MODELS,
+            version,
             parts=tuple(parts),
+            own_blocks=obj.get(OWN_KEY, 0),
         )
 
     def max_envelope(self) -> int:
@@ -276,13 +319,17 @@ class Manifest:
         return max(x.max_envelope() for x in self.sections())
 
 
-def _section(obj: dict[str, Any], what: str, model: Any) -> Section:
-    """The model, geometry and counts of a manifest (or of one of its ``models``)."""
+def _section(obj: dict[str, Any], what: str, model: Any, own: bool = False) -> Section:
+    """The model, geometry and counts of a manifest (or of one of its ``models``);
+    ``own``: with its ``own_blocks`` (version 4)."""
     if not isinstance(model, str) or not is_model_id(model):
         raise ArchiveError(f"{what}: model must be 1-200 characters of [A-Za-z0-9._:@/+-]")
-    for key in ("blocks", "sequences"):
+    for key in ("blocks", "sequences", *((OWN_KEY,) if own else ())):
         if not _is_int(obj[key], 0, U32_MAX):
             raise ArchiveError(f"{what}: {key} must be an integer in 0..{U32_MAX}")
+    own_blocks = obj[OWN_KEY] if own else 0
+    if own_blocks > obj["sequences"] * MAX_SEQUENCE_HASHES:
+        raise ArchiveError(f"{what}: {own_blocks} own blocks for {obj['sequences']} sequences")
     g = obj["geometry"]
     geometry = None
     if g is None:
@@ -294,7 +341,7 @@ def _section(obj: dict[str, Any], what: str, model: Any) -> Section:
         if not all(_is_int(g[k], 1, U32_MAX) for k in GEOMETRY_KEYS):
             raise ArchiveError(f"{what}: geometry values must be in 1..{U32_MAX}")
         geometry = Geometry.from_dict(g)
-    return Section(model, geometry, obj["blocks"], obj["sequences"])
+    return Section(model, geometry, obj["blocks"], obj["sequences"], "", own_blocks)
 
 
 def split_member(name: str, sections: Sequence[Section]) -> tuple[int, str]:
@@ -320,29 +367,38 @@ def split_member(name: str, sections: Sequence[Section]) -> tuple[int, str]:
 
 @dataclass(frozen=True)
 class SequenceRecord:
-    """A named KV state: its full blocks' hashes in order and its tail envelope (or None)."""
+    """A named KV state: its full blocks' hashes in order, its tail envelope (or None),
+    and ``own``: ``(position, single-block envelope)`` of the full blocks it keeps of its
+    own (version 4, positions ascending; every other position names a block member)."""
 
     name: str
     hashes: Sequence[int]
     tail: Any = None
+    own: Sequence[tuple[int, Any]] = ()
 
     def to_json(self) -> bytes:
         """The canonical bytes of ``sequences/<name>.json``."""
-        return canonical_json(
-            {
-                "hashes": [hash_hex(h) for h in self.hashes],
-                "name": self.name,
-                "tail": self.tail is not None,
-            }
-        )
+        obj: dict[str, Any] = {
+            "hashes": [hash_hex(h) for h in self.hashes],
+            "name": self.name,
+            "tail": self.tail is not None,
+        }
+        if self.own:
+            obj["own"] = [p for p, _ in self.own]
+        return canonical_json(obj)
 
 
-def parse_sequence_json(data: Any, name: str) -> tuple[list[int], bool]:
-    """``(hashes, has_tail)`` of a sequence record named ``name`` (ARCHIVE.md 1.4)."""
+def parse_sequence_json(
+    data: Any, name: str, own: bool = False
+) -> tuple[list[int], bool, list[int]]:
+    """``(hashes, has_tail, own positions)`` of a sequence record named ``name``
+    (ARCHIVE.md 1.4; ``own``: the archive is version 4, so a record may have ``own``)."""
     what = sequence_member(name)
     obj = _strict_json(data, what, MAX_SEQUENCE_BYTES)
-    if tuple(sorted(obj)) != SEQUENCE_KEYS:
-        raise ArchiveError(f"{what}: keys must be {SEQUENCE_KEYS}, found {sorted(obj)}")
+    keys = tuple(sorted(obj))
+    if keys != SEQUENCE_KEYS and not (own and keys == SEQUENCE_KEYS_OWN):
+        allowed = f"{SEQUENCE_KEYS} or {SEQUENCE_KEYS_OWN}" if own else f"{SEQUENCE_KEYS}"
+        raise ArchiveError(f"{what}: keys must be {allowed}, found {sorted(obj)}")
     if obj["name"] != name:
         raise ArchiveError(f"{what}: records the name {obj['name']!r}")
     hashes, tail = obj["hashes"], obj["tail"]
@@ -355,7 +411,17 @@ def parse_sequence_json(data: Any, name: str) -> tuple[list[int], bool]:
         raise ArchiveError(f"{what}: hash 0 (no hash) cannot name a full block")
     if not values and not tail:
         raise ArchiveError(f"{what}: a sequence has at least one block or a tail")
-    return values, tail
+    positions = obj.get("own", [])
+    if "own" in obj and not (
+        isinstance(positions, list)
+        and positions
+        and all(_is_int(p, 0, len(values) - 1) for p in positions)
+        and all(a < b for a, b in pairwise(positions))
+    ):
+        raise ArchiveError(
+            f"{what}: own must be a non-empty list of ascending positions of its hashes"
+        )
+    return values, tail, positions
 
 
 def check_member_envelope(
@@ -378,7 +444,19 @@ def check_member_envelope(
     return env
 
 
-def find_positions(present: np.ndarray, hashes: Sequence[int]) -> tuple[np.ndarray, int | None]:
+def referenced(hashes: Sequence[int], own: Sequence[int]) -> Sequence[int] | np.ndarray:
+    """The hashes of a sequence's positions other than ``own`` (ascending positions): the
+    ones that name block members."""
+    if not own:
+        return hashes
+    keep = np.ones(len(hashes), dtype=bool)
+    keep[np.asarray(own, dtype=np.intp)] = False
+    return np.asarray(hashes, dtype=np.uint64)[keep]
+
+
+def find_positions(
+    present: np.ndarray, hashes: Sequence[int] | np.ndarray
+) -> tuple[np.ndarray, int | None]:
     """Positions of ``hashes`` in the sorted array ``present``, and the first hash that is
     not there (or None)."""
     wanted = np.asarray(hashes, dtype=np.uint64)
@@ -395,10 +473,16 @@ def find_positions(present: np.ndarray, hashes: Sequence[int]) -> tuple[np.ndarr
 
 
 def sequence_version(
-    what: str, versions: np.ndarray, positions: np.ndarray, tail_version: int | None
+    what: str,
+    versions: np.ndarray,
+    positions: np.ndarray,
+    tail_version: int | None,
+    own_versions: Sequence[int] = (),
 ) -> int:
-    """The one format version of a sequence's blocks and tail (ARCHIVE.md rule R12)."""
+    """The one format version of a sequence's blocks (those at ``positions`` of the
+    archive's, and its own) and tail (ARCHIVE.md rule R12)."""
     found = set(np.unique(versions[positions]).tolist()) if len(positions) else set()
+    found.update(own_versions)
     if tail_version is not None:
         found.add(tail_version)
     if len(found) != 1:

@@ -6,29 +6,26 @@ at a time whatever the archive's size; single blocks read through the seek index
 from __future__ import annotations
 
 import os
-from array import array
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import numpy as np
 
-from ..codec.envelope import Envelope, check_finite
 from ..codec.geometry import Geometry
-from ..codec.layout import NO_HASH
 from ..errors import (
     ArchiveError,
     EnvelopeError,
-    FormatError,
     UnsafeArchiveError,
 )
 from .frames import FrameReader
 from .manifest import (
+    ARCHIVE_VERSION_OWN,
     BLOCK_NAME,
     FRAME_TARGET,
     MANIFEST_NAME,
     MAX_BLOCK_BYTES,
     MAX_MANIFEST_BYTES,
     MAX_SEQUENCE_BYTES,
+    SEQUENCE_BLOCK_NAME,
     SEQUENCE_JSON_NAME,
     SEQUENCE_TAIL_NAME,
     Manifest,
@@ -36,52 +33,16 @@ from .manifest import (
     block_member,
     check_member_envelope,
     escapes,
-    find_positions,
     parse_sequence_json,
+    sequence_block_member,
     sequence_member,
-    sequence_version,
     split_member,
     tail_member,
 )
-from .tar import END_OF_ARCHIVE, TAR_BLOCK, Member, iter_members, member_size, padded
+from .scan import Item, Problem, Scan, SequenceParts
+from .tar import END_OF_ARCHIVE, TAR_BLOCK, iter_members, member_size, padded
 
 # --- reading ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ArchiveBlock:
-    """A validated block member: its hash, its verbatim single-block envelope, and the
-    number of its model in the manifest (``ArchiveReader.sections``)."""
-
-    hash: int
-    envelope: memoryview
-    section: int = 0
-
-
-@dataclass(frozen=True)
-class ArchiveSequence:
-    """A validated sequence: name, ordered hashes (all archived), the tail envelope, and
-    the format version its blocks and tail share, and the number of its model."""
-
-    name: str
-    hashes: list[int]
-    tail: memoryview | None
-    version: int
-    section: int = 0
-
-
-@dataclass(frozen=True)
-class Problem:
-    """A member or frame refused while reading with ``partial=True``."""
-
-    where: str
-    error: Exception
-
-    def __str__(self) -> str:
-        return f"{self.where}: {type(self.error).__name__}: {self.error}"
-
-
-Item = ArchiveBlock | ArchiveSequence | Problem
 
 
 class ArchiveReader:
@@ -118,6 +79,7 @@ class ArchiveReader:
         if len(members) != 1 or members[0].name != MANIFEST_NAME:
             raise ArchiveError(f"frame 0 must hold exactly {MANIFEST_NAME}")
         manifest = Manifest.from_json(members[0].data)
+        self.own_ok = manifest.archive_version >= ARCHIVE_VERSION_OWN
         self.sections: tuple[Section, ...] = manifest.sections()
         self._env_max = [x.max_envelope() for x in self.sections]
         env_max = manifest.max_envelope()
@@ -145,6 +107,8 @@ class ArchiveReader:
                 member_size(sequence_member("x" * 128, x.prefix), MAX_SEQUENCE_BYTES)
                 + member_size(tail_member("x" * 128, x.prefix), env)
             )
+            longest = sequence_block_member("x" * 128, 10**10 - 1, x.prefix)
+            bound += x.own_blocks * member_size(longest, env)
         if index.data_bytes > bound:
             raise UnsafeArchiveError(
                 f"index declares {index.data_bytes} decompressed bytes, more than the "
@@ -166,6 +130,8 @@ class ArchiveReader:
             raise ArchiveError(f"duplicate member {name!r}")
         n, rest = split_member(name, self.sections)
         if BLOCK_NAME.fullmatch(rest) or SEQUENCE_TAIL_NAME.fullmatch(rest):
+            return self._env_max[n]
+        if self.own_ok and SEQUENCE_BLOCK_NAME.fullmatch(rest):
             return self._env_max[n]
         if SEQUENCE_JSON_NAME.fullmatch(rest):
             return MAX_SEQUENCE_BYTES
@@ -225,41 +191,58 @@ class ArchiveReader:
     def sequence_records(self) -> Iterator[tuple[str, list[int], bool]]:
         """``(name, hashes, has_tail)`` of every sequence record (of every model), reading
         only the frames after the blocks' (the blocks are not checked: see ``scan``)."""
-        for name, hashes, tail, _ in self.model_sequence_records():
+        for name, hashes, tail, _, _ in self.model_sequence_records():
             yield name, hashes, tail
 
-    def model_sequence_records(self) -> Iterator[tuple[str, list[int], bool, int]]:
-        """``(name, hashes, has_tail, model number)`` of every sequence record, reading
-        only the frames that may hold records (the blocks are not checked: see ``scan``)."""
+    def model_sequence_records(self) -> Iterator[tuple[str, list[int], bool, int, list[int]]]:
+        """``(name, hashes, has_tail, model number, own positions)`` of every sequence
+        record, reading only the frames that may hold records (the blocks are not checked:
+        see ``scan``)."""
         for i in self._record_frames():
             frame = memoryview(self._frames.read_frame(i))
             for m in iter_members(frame, i, self._limit):
                 n, rest = split_member(m.name, self.sections)
                 found = SEQUENCE_JSON_NAME.fullmatch(rest)
                 if found:
-                    hashes, tail = parse_sequence_json(m.data, found.group(1))
-                    yield found.group(1), hashes, tail, n
+                    hashes, tail, own = parse_sequence_json(m.data, found.group(1), self.own_ok)
+                    yield found.group(1), hashes, tail, n, own
 
-    def sequence_tails(self, section: int = 0) -> Iterator[tuple[str, memoryview]]:
-        """``(name, tail envelope)`` of every sequence tail member of the ``section``-th
-        model, in archive (name) order, each checked by every reader rule, the CRC
-        included; reads only the frames from its model's last block's on (the order and
-        reference rules are ``scan``'s)."""
+    def sequence_parts(self, section: int = 0) -> Iterator[SequenceParts]:
+        """Every sequence record of the ``section``-th model with its tail and own block
+        members, in archive (name) order; each of those members is checked by every
+        reader rule, the CRC included, an own block's hash against its record. Reads only
+        the frames from its model's last block's on (the order, reference and count rules
+        are ``scan``'s)."""
         index = self.index
         geometry = self.sections[section].geometry
         assert geometry is not None
         before = index.blocks["frame"][: index.run(section).stop]
         first = int(before.max()) if len(before) else 1
+        parts: SequenceParts | None = None
         for i in range(max(first, 1), index.n_frames - 1):
             frame = memoryview(self._frames.read_frame(i))
             for m in iter_members(frame, i, self._limit):
                 n, rest = split_member(m.name, self.sections)
                 if n > section:
-                    return
-                found = SEQUENCE_TAIL_NAME.fullmatch(rest)
-                if found and n == section:
-                    check_member_envelope(m.data, geometry, m.name, None)
-                    yield found.group(1), m.data
+                    break
+                if n < section or BLOCK_NAME.fullmatch(rest):
+                    continue
+                found = SEQUENCE_JSON_NAME.fullmatch(rest)
+                if found:
+                    if parts is not None:
+                        yield parts
+                    name = found.group(1)
+                    hashes, _, own = parse_sequence_json(m.data, name, self.own_ok)
+                    parts = SequenceParts(name, hashes, None, [], own)
+                    continue
+                if parts is None:
+                    raise ArchiveError(f"{m.name!r} before its sequence record")
+                parts.add(m, geometry, self.sections[section].prefix)
+            else:
+                continue
+            break
+        if parts is not None:
+            yield parts
 
     def read_block(self, block_hash: int, section: int = 0) -> bytes:
         """The verbatim envelope of one block of the ``section``-th model, validated; reads
@@ -349,7 +332,7 @@ class ArchiveReader:
         ``finite=True`` applies the finite-values rule too (``envelope.check_finite``, a
         store's rule unless it allows non-finite data) to every block and tail.
         """
-        state = _Scan(self, verify_crc, finite, partial)
+        state = Scan(self, verify_crc, finite, partial)
         last = self.index.n_frames - 1
         frames = range(1, last)
         for i, data in self._frames.iter_frames(frames, self.threads):
@@ -379,171 +362,3 @@ class ArchiveReader:
             if not partial:
                 raise
             yield Problem("end of archive", exc)
-
-
-class _Scan:
-    """Hands each member to its model's rules: the models' members come in manifest order,
-    each model's complete (its counts checked) before the next one's begin."""
-
-    def __init__(
-        self, reader: ArchiveReader, verify_crc: bool, finite: bool, partial: bool
-    ) -> None:
-        self.sections = reader.sections
-        self.states = [_ScanState(reader, n, verify_crc, finite) for n in range(len(self.sections))]
-        self.current = 0
-        self.partial = partial
-        self.problems: list[Problem] = []
-
-    def member(self, m: Member) -> Item | None:
-        n, rest = split_member(m.name, self.sections)
-        if n < self.current:
-            raise ArchiveError(
-                f"member {m.name!r} out of place (after the members of model {self.current})"
-            )
-        while self.current < n:
-            self._close(self.current)
-            self.current += 1
-        return self.states[n].member(m, rest)
-
-    def _close(self, n: int) -> None:
-        try:
-            self.states[n].close()
-        except (ArchiveError, EnvelopeError) as exc:
-            if not self.partial:
-                raise
-            self.problems.append(Problem(f"model {self.sections[n].model!r}", exc))
-
-    def take_problems(self) -> list[Problem]:
-        """The problems found closing a model (``partial``), once."""
-        out, self.problems = self.problems, []
-        return out
-
-    def lost_frame(self) -> None:
-        """A frame could not be read (partial mode)."""
-        self.states[self.current].lost_frame()
-
-    def finish(self, eoa: bytes) -> None:
-        """The end-of-archive frame, and the rules of every model not closed yet."""
-        if eoa != END_OF_ARCHIVE:
-            raise ArchiveError("the last data frame is not the end-of-archive marker")
-        for n in range(self.current, len(self.states)):
-            self.states[n].close()
-
-
-class _ScanState:
-    """The order, reference and count rules across the members of one model (ARCHIVE.md
-    1.1, 5)."""
-
-    def __init__(
-        self, reader: ArchiveReader, section: int, verify_crc: bool = True, finite: bool = False
-    ) -> None:
-        self.verify_crc = verify_crc
-        self.finite = finite
-        self.reader = reader
-        self.section = section
-        self.info = reader.sections[section]
-        self.geometry = self.info.geometry
-        self.index = reader.index
-        self.last_hash = NO_HASH
-        self.valid = array("Q")
-        self.valid_versions = array("B")
-        self.blocks_seen = 0
-        self.present: np.ndarray | None = None
-        self.present_versions = np.zeros(0, dtype=np.uint8)
-        self.last_name = ""
-        # (name, hashes, positions, refused) of a record whose tail member comes next
-        self.pending: tuple[str, list[int], np.ndarray, bool] | None = None
-        self.sequences_seen = 0
-
-    def member(self, m: Member, rest: str) -> Item | None:
-        """Check the member ``m`` (``rest``: its name inside its model's directory)."""
-        if self.pending is not None:
-            return self._tail(m)
-        found = BLOCK_NAME.fullmatch(rest)
-        if found:
-            return self._block(m, int(found.group(1), 16))
-        found = SEQUENCE_JSON_NAME.fullmatch(rest)
-        if found:
-            return self._sequence(m, found.group(1))
-        raise ArchiveError(f"member {m.name!r} out of place (a tail follows its record)")
-
-    def _block(self, m: Member, block_hash: int) -> Item:
-        if self.present is not None:
-            raise ArchiveError(f"block member {m.name!r} after the sequence records")
-        if block_hash <= self.last_hash:
-            kind = "duplicate" if block_hash == self.last_hash else "out-of-order"
-            raise ArchiveError(f"{kind} block member {m.name!r}")
-        self.last_hash = block_hash
-        self.blocks_seen += 1
-        listed = self.index.find(block_hash, self.section)
-        if listed != (m.frame, m.offset):
-            said = "no entry" if listed is None else f"frame {listed[0]} offset {listed[1]}"
-            raise ArchiveError(
-                f"{m.name}: found at frame {m.frame} offset {m.offset}, the index has {said}"
-            )
-        assert self.geometry is not None
-        env = check_member_envelope(m.data, self.geometry, m.name, block_hash, self.verify_crc)
-        self._check_finite(env, m.name)
-        self.valid.append(block_hash)
-        self.valid_versions.append(env.version)
-        return ArchiveBlock(block_hash, m.data, self.section)
-
-    def _check_finite(self, env: Envelope, what: str) -> None:
-        if not self.finite:
-            return
-        try:
-            check_finite(env)
-        except FormatError as exc:
-            raise FormatError(f"{what}: {exc}") from None
-
-    def _sequence(self, m: Member, name: str) -> Item | None:
-        if self.present is None:
-            self.present = np.array(self.valid, dtype=np.uint64)
-            self.present_versions = np.array(self.valid_versions, dtype=np.uint8)
-        if name <= self.last_name:
-            kind = "duplicate" if name == self.last_name else "out-of-order"
-            raise ArchiveError(f"{kind} sequence member {m.name!r}")
-        self.last_name = name
-        self.sequences_seen += 1
-        hashes, tail = parse_sequence_json(m.data, name)
-        positions, missing = find_positions(self.present, hashes)
-        if tail:
-            # The tail member is consumed even when the record is refused.
-            self.pending = (name, hashes, positions, missing is not None)
-        if missing is not None:
-            raise ArchiveError(f"{m.name}: block {missing:016x} is not in the archive")
-        if tail:
-            return None
-        version = sequence_version(m.name, self.present_versions, positions, None)
-        return ArchiveSequence(name, hashes, None, version, self.section)
-
-    def _tail(self, m: Member) -> Item | None:
-        assert self.pending is not None
-        name, hashes, positions, refused = self.pending
-        self.pending = None
-        want = tail_member(name, self.info.prefix)
-        if m.name != want:
-            raise ArchiveError(f"expected {want!r}, found {m.name!r}")
-        assert self.geometry is not None
-        env = check_member_envelope(m.data, self.geometry, m.name, None, self.verify_crc)
-        self._check_finite(env, m.name)
-        if refused:
-            return None
-        version = sequence_version(m.name, self.present_versions, positions, env.version)
-        return ArchiveSequence(name, hashes, m.data, version, self.section)
-
-    def lost_frame(self) -> None:
-        """A frame could not be read (partial mode)."""
-        self.pending = None
-
-    def close(self) -> None:
-        """The model's members are over: a pending tail and the count rules."""
-        if self.pending is not None:
-            raise ArchiveError(f"sequence {self.pending[0]!r}: its tail member is missing")
-        m = self.info
-        if self.blocks_seen != m.blocks or self.sequences_seen != m.sequences:
-            where = f" for model {m.model!r}" if m.prefix else ""
-            raise ArchiveError(
-                f"manifest counts {m.blocks} blocks and {m.sequences} sequences{where}; the "
-                f"archive holds {self.blocks_seen} and {self.sequences_seen}"
-            )

@@ -16,7 +16,8 @@ from ..protocol import check_model_id
 from .importer import Importer, RestoreReport
 from .inspection import check_geometry
 from .progress import Progress
-from .reader import ArchiveBlock, ArchiveReader, ArchiveSequence
+from .reader import ArchiveReader
+from .scan import ArchiveBlock, ArchiveSequence
 
 
 def _fits_without_eviction(store: Any, ar: ArchiveReader) -> bool:

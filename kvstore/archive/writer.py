@@ -27,6 +27,8 @@ from .manifest import (
     block_member,
     check_member_envelope,
     find_positions,
+    referenced,
+    sequence_block_member,
     sequence_member,
     sequence_version,
     tail_member,
@@ -58,6 +60,7 @@ class ModelContent:
     sequences: Iterable[SequenceRecord | tuple[str, Sequence[int], Any]]
     n_blocks: int
     n_sequences: int
+    n_own_blocks: int = 0  # the blocks the sequences keep of their own (ARCHIVE.md 1.6)
 
 
 def write_archive(
@@ -121,7 +124,7 @@ def write_models(
         if part.geometry is None and (part.n_blocks or part.n_sequences):
             raise ValueError("an archive with blocks or sequences needs a geometry")
     manifest = Manifest.of_models(
-        [Section(p.model, p.geometry, p.n_blocks, p.n_sequences) for p in parts]
+        [Section(p.model, p.geometry, p.n_blocks, p.n_sequences, "", p.n_own_blocks) for p in parts]
     )
     done = [0, 0]
 
@@ -168,14 +171,24 @@ def _write_model(writer: FrameWriter, part: ModelContent, prefix: str) -> None:
         raise ValueError(f"n_blocks is {part.n_blocks} but {len(written)} blocks were given")
     present = np.array(written, dtype=np.uint64)
     present_versions = np.array(versions, dtype=np.uint8)
-    count = 0
+    count = own_count = 0
     last_name = ""
     for item in part.sequences:
         record = item if isinstance(item, SequenceRecord) else SequenceRecord(*item)
         check_sequence_name(record.name)
         if record.name <= last_name:
             raise ValueError(f"sequence names must be ascending: {record.name!r}")
-        positions, missing = find_positions(present, record.hashes)
+        own = [p for p, _ in record.own]
+        if own != sorted(set(own)) or (own and not 0 <= own[0] <= own[-1] < len(record.hashes)):
+            raise ValueError(f"sequence {record.name!r}: own positions {own} out of order")
+        own_versions = []
+        for p, envelope in record.own:
+            assert geometry is not None
+            name = sequence_block_member(record.name, p, prefix)
+            own_versions.append(
+                check_member_envelope(envelope, geometry, name, record.hashes[p]).version
+            )
+        positions, missing = find_positions(present, referenced(record.hashes, own))
         if missing is not None:
             raise ValueError(f"sequence {record.name!r}: block {missing:016x} is not archived")
         if not len(record.hashes) and record.tail is None:
@@ -188,12 +201,22 @@ def _write_model(writer: FrameWriter, part: ModelContent, prefix: str) -> None:
             )
             tail_version = tail_env.version
         sequence_version(
-            sequence_member(record.name, prefix), present_versions, positions, tail_version
+            sequence_member(record.name, prefix),
+            present_versions,
+            positions,
+            tail_version,
+            own_versions,
         )
         writer.add(sequence_member(record.name, prefix), record.to_json())
+        for p, envelope in record.own:
+            writer.add(sequence_block_member(record.name, p, prefix), envelope)
         if record.tail is not None:
             writer.add(tail_member(record.name, prefix), record.tail)
         last_name = record.name
         count += 1
-    if count != part.n_sequences:
-        raise ValueError(f"n_sequences is {part.n_sequences} but {count} were given")
+        own_count += len(own)
+    if count != part.n_sequences or own_count != part.n_own_blocks:
+        raise ValueError(
+            f"n_sequences, n_own_blocks are {part.n_sequences}, {part.n_own_blocks} but "
+            f"{count}, {own_count} were given"
+        )

@@ -106,6 +106,7 @@ def _cmd_create(args: argparse.Namespace) -> int:
                 sequences=args.sequence or None,
                 threads=args.threads,
                 progress=bar,
+                allow_skipped=args.allow_skipped,
             )
         finally:
             bar.close()
@@ -200,6 +201,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_ls(args: argparse.Namespace) -> int:
+    from ..archive.manifest import block_member, sequence_member
     from ..archive.operations import list_archive
 
     listing = list_archive(args.file)
@@ -225,10 +227,10 @@ def _cmd_ls(args: argparse.Namespace) -> int:
     out = sys.stdout
     prefix = {x.model: x.prefix for x in sections}
     for h, model_id in zip(listing.hashes.tolist(), listing.model_of()):
-        out.write(f"{prefix[model_id]}blocks/{h:016x}.tlkv\n")
+        out.write(f"{block_member(h, prefix[model_id])}\n")
     for s in listing.sequences:
         tail = " +tail" if s.tail else ""
-        out.write(f"{prefix[s.model]}sequences/{s.name}.json  {len(s.hashes)} blocks{tail}\n")
+        out.write(f"{sequence_member(s.name, prefix[s.model])}  {len(s.hashes)} blocks{tail}\n")
     return EXIT_OK
 
 
@@ -313,6 +315,12 @@ def register(sub: Any) -> None:
         action="append",
         metavar="NAME",
         help="archive only this sequence and its blocks (repeatable)",
+    )
+    q.add_argument(
+        "--allow-skipped",
+        action="store_true",
+        help="write the archive even if a sequence or a corrupt block is left out "
+        "(default: exit 7, nothing written)",
     )
     common(q)
     q.set_defaults(func=_run(_cmd_create))

@@ -3,9 +3,10 @@
 Exit codes: 0 success; 1 any other failure (e.g. a block not found); 2 usage; 3 a format
 error (of an envelope or an archive); 4 shape mismatch; 5 unsupported version; 6 done, but
 the input is inconsistent where the command looked (``archive extract`` wrote a valid block
-from an archive whose index or manifest disagrees with it); 141 the reader of the output
-closed it (``tlkv archive ls A | head``: the command stops quietly, the shell's code for a
-tool ended by SIGPIPE).
+from an archive whose index or manifest disagrees with it); 7 incomplete (``archive
+create`` would leave a sequence or a corrupt block out, and ``--allow-skipped`` was not
+given: no archive is written); 141 the reader of the output closed it (``tlkv archive ls A
+| head``: the command stops quietly, the shell's code for a tool ended by SIGPIPE).
 """
 
 from __future__ import annotations
@@ -14,8 +15,14 @@ import argparse
 import re
 
 from ..codec.geometry import Geometry
-from ..errors import ArchiveError, EnvelopeError, ShapeError, UnsupportedVersionError
-from ..protocol import check_model_id
+from ..errors import (
+    ArchiveError,
+    EnvelopeError,
+    IncompleteArchiveError,
+    ShapeError,
+    UnsupportedVersionError,
+)
+from ..protocol import check_model_id, parse_versions
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -24,6 +31,7 @@ EXIT_FORMAT = 3
 EXIT_SHAPE = 4
 EXIT_VERSION = 5
 EXIT_INCONSISTENT = 6
+EXIT_INCOMPLETE = 7
 EXIT_CLOSED_PIPE = 141  # 128 + SIGPIPE
 
 
@@ -77,8 +85,10 @@ def rate_arg(text: str) -> int:
 
 
 def exit_code_for(error: BaseException) -> int:
-    """The exit code of an error: 4 shape, 5 version, 3 any other envelope or archive
-    error, else 1."""
+    """The exit code of an error: 4 shape, 5 version, 7 an incomplete archive, 3 any other
+    envelope or archive error, else 1."""
+    if isinstance(error, IncompleteArchiveError):
+        return EXIT_INCOMPLETE
     if isinstance(error, ShapeError):
         return EXIT_SHAPE
     if isinstance(error, UnsupportedVersionError):
@@ -105,11 +115,11 @@ def model_arg(text: str) -> str:
 
 
 def versions_arg(text: str) -> tuple[int, ...]:
-    """argparse type for ``1,2``."""
+    """argparse type for ``1,2`` (``kvstore.protocol.parse_versions``)."""
     try:
-        return tuple(int(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"versions must be like 1,2; found {text!r}") from None
+        return parse_versions(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def positive_int(text: str) -> int:

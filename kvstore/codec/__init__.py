@@ -1,7 +1,7 @@
 """The sans-IO codec: block hash, CRC-32C, f16/e4m3 numerics, geometry and the envelope.
 
 Pure functions over bytes and numpy arrays: nothing here imports lmdb, zstandard or an
-HTTP library, or touches a file. Every wire fact of the spec lives in ``layout``.
+HTTP library, or touches a file. Every wire fact of FORMAT.md lives in ``layout``.
 """
 
 from .checksum import crc32c

@@ -2,7 +2,7 @@
 
 Every layer that puts an envelope together -- ``encode``/``join``, the store's sequences,
 the archive's restore and the HTTP service's streamed prefix -- goes through here, so the
-wire format (spec: "Export envelope") is assembled in one place:
+wire format (FORMAT.md, section 2) is assembled in one place:
 
 - :func:`pack_header` and :func:`assemble` (parts in, one copy out, CRC appended);
 - :class:`EnvelopeStream`, the streaming form: the header, then records as they come,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-# Reflected Castagnoli polynomial (spec: "reflected polynomial 0x82F63B78").
+# Reflected Castagnoli polynomial (FORMAT.md 2.2: reflected polynomial 0x82F63B78).
 _POLY = 0x82F63B78
 _X0 = 1 << 31  # the polynomial 1 in the reflected representation
 

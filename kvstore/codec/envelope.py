@@ -1,6 +1,6 @@
 """Sans-IO codec of the export envelope: encode, decode (every reader rule), split, join, transcode.
 
-Spec: ../shared/spec/kv-blocks-hash-and-envelope.txt, "Export envelope" and "Reader rules".
+Spec: FORMAT.md, sections 2 (layout) and 3 (reader rules, in the order ``decode`` checks them).
 ``decode`` checks sizes before it trusts anything, then the CRC, then the structural rules,
 and never allocates in proportion to the claimed block count before the length check.
 Payload arrays are numpy views into the caller's buffer, never copies.
@@ -236,13 +236,14 @@ class Envelope(Sequence[BlockView]):
         return _from_records(self.version, self.geometry, [self.record(index)])
 
     def _field(self, dtype: str, offset: int) -> np.ndarray:
-        return np.ndarray(
+        field: np.ndarray = np.ndarray(
             shape=(self._n,),
             dtype=dtype,
             buffer=self.data,
             offset=HEADER_SIZE + offset,
             strides=(self.record_bytes,),
         )
+        return field
 
     @property
     def hashes(self) -> np.ndarray:
@@ -421,8 +422,8 @@ def _check_fills(env: Envelope) -> None:
 
 
 def check_finite(env: Envelope) -> None:
-    """Refuse non-finite data, a rule stricter than the spec's reader rules (which allow any
-    bits): v1, every filled f16 finite; v2, no E4M3 NaN code (S.1111.111) among the filled
+    """Refuse non-finite data (FORMAT.md rule 11, stricter than its reader rules 1-10, which
+    allow any bits): v1, every filled f16 finite; v2, no E4M3 NaN code (S.1111.111) among the filled
     codes and every scale finite, > 0 and at most ``SCALE_MAX`` (so that every value,
     ``e4m3 * scale``, is finite in f32). Positions past a partial block's fill are not read.
 

@@ -1,4 +1,4 @@
-"""The geometry of a KV block and the sizes it implies (spec: "Export envelope")."""
+"""The geometry of a KV block and the sizes it implies (FORMAT.md, section 2)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ class Geometry:
     n_kv_heads: int
     head_dim: int
 
-    # The field names, in the header's order (spec: offsets 12..24); also the keys of as_dict.
+    # The field names, in the header's order (FORMAT.md 2.1: offsets 12..24); also the keys
+    # of as_dict.
     FIELDS: ClassVar[tuple[str, ...]] = ("block_tokens", "n_layers", "n_kv_heads", "head_dim")
 
     def __post_init__(self) -> None:

@@ -1,4 +1,4 @@
-"""The chained FNV-1a block hash of the spec (section "Block hash").
+"""The chained FNV-1a block hash of FORMAT.md (section 1).
 
 ``hash(block i) = H(hash(block i-1), tokens[i*B:(i+1)*B])`` with
 ``H(parent, toks) = fnv1a64(le_u64(parent) || le_u32(toks[0]) || ...)``, a 0 result
@@ -115,7 +115,8 @@ def chain_hashes(tokens: TokenInput, block_tokens: int = 16, parent: int = NO_HA
         raise ValueError(f"parent hash must fit u64, found {parent}")
     if _native is None:
         return _chain_hashes_py(tokens, block_tokens, parent)
-    return chain_hashes_array(tokens, block_tokens, parent).tolist()
+    hashes: list[int] = chain_hashes_array(tokens, block_tokens, parent).tolist()
+    return hashes
 
 
 def chain_hashes_array(

@@ -168,6 +168,8 @@ class StoreCore:
         txn = self._lmdb.begin_read(False)
         try:
             number, last = registry.lookup(txn, self._model)
+            if number is None and create:
+                registry.check_room(txn, self._model)
         finally:
             self._end_read(txn)
         if number is not None:

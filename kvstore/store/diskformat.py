@@ -72,10 +72,17 @@ DB_EMPTY = b"empty"
 DB_EMPTY_INDEX = b"empty-index"
 # The sub-databases every model has a copy of (model 0: the names above).
 MODEL_DBS = (DB_BLOCKS, DB_INDEX, DB_REFS, DB_ATIME, DB_SEQS, DB_PENDING)
-# Models beside the default one a store may hold (LMDB fixes its number of sub-databases
-# when the environment opens: the shared ones + 6 per model).
-MAX_MODELS = 200
-MAX_DBS = 10 + len(MODEL_DBS) * MAX_MODELS
+# Every sub-database of a store holding only the default model.
+SHARED_DBS = (*MODEL_DBS, DB_META, DB_LRU, DB_MODELS, DB_EMPTY, DB_EMPTY_INDEX)
+
+
+def max_dbs(models: int) -> int:
+    """LMDB's ``max_dbs`` for an environment holding ``models`` models besides the default
+    one: the shared sub-databases and 6 per model, plus one model's more (the number a
+    writer reserves before the registry refuses it). LMDB fixes it when the environment
+    opens."""
+    return len(SHARED_DBS) + len(MODEL_DBS) * (models + 1)
+
 
 # blocks/refs/atime key: the u64 block hash, big-endian so LMDB's key order is numeric.
 BLOCK_KEY = struct.Struct(">Q")
@@ -208,6 +215,23 @@ class SequenceRecord(NamedTuple):
         """The block record kept for ``position`` (which must be in ``own``)."""
         j = self.own[position]
         return self.records[j * self.record_bytes : (j + 1) * self.record_bytes]
+
+
+def own_full_blocks(raw: Any) -> int:
+    """How many full blocks a sequence record keeps itself (not pinned in the block space):
+    its own records but a partial tail. Reads the header, the positions and the last hash
+    only (no CRC check: a count for ``stats``); 0 for a record too short to say."""
+    mv = memoryview(raw)
+    if len(mv) < SEQ_HEADER.size:
+        return 0
+    n, m = SEQ_HEADER.unpack_from(mv, 0)[3:]
+    at_positions = SEQ_HEADER.size + SEQ_HASH_DTYPE.itemsize * n
+    if not m or len(mv) < at_positions + SEQ_POSITION_DTYPE.itemsize * m:
+        return 0
+    at_last = at_positions + SEQ_POSITION_DTYPE.itemsize * (m - 1)
+    last = int(np.frombuffer(mv, SEQ_POSITION_DTYPE, 1, at_last)[0])
+    last_hash = np.frombuffer(mv, SEQ_HASH_DTYPE, 1, at_positions - SEQ_HASH_DTYPE.itemsize)
+    return m - int(last == n - 1 and int(last_hash[0]) == NO_HASH)
 
 
 def pack_sequence(version: int, hashes: list[int], own: list[int], records: list[Any]) -> bytes:

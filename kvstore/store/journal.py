@@ -13,6 +13,8 @@ store that opens and finds notes whose lock it can take rolls them back (``rollb
 transaction): the sequences the restore wrote are dropped (a replaced one is put back
 when every block it references is still stored), then the blocks it added are removed
 unless another sequence pins them. Blocks the restore made the store evict stay evicted.
+A lock file without notes (a restore killed before its first commit) is removed by the
+next open that can take it (``remove_orphan_locks``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import secrets
 from collections import Counter
 from typing import Any
@@ -49,6 +52,9 @@ except ImportError:  # pragma: no cover - not on Windows: a killed restore stays
     fcntl = None  # type: ignore[assignment]
 
 log = logging.getLogger("tlkv.store")
+
+
+_LOCK_NAME = re.compile(rf"restore-[0-9a-f]{{{2 * JOURNAL_TOKEN_BYTES}}}\.lock")
 
 
 def lock_path(store_path: str, token: bytes) -> str:
@@ -127,6 +133,33 @@ class RestoreJournal:
                 os.unlink(self.path)
         os.close(self._fd)
         self._fd = None
+
+
+def remove_orphan_locks(store_path: str, journals: set[bytes]) -> int:
+    """Remove the lock files of restores that died before their first commit (no journal
+    among ``journals``, lock free); returns how many. A lock still held is left alone."""
+    if fcntl is None:
+        return 0
+    removed = 0
+    with os.scandir(store_path) as entries:
+        names = [e.name for e in entries if _LOCK_NAME.fullmatch(e.name)]
+    for name in names:
+        if bytes.fromhex(name[len("restore-") : -len(".lock")]) in journals:
+            continue  # rolled back (or left to its running restore) by the caller
+        try:
+            fd = os.open(os.path.join(store_path, name), os.O_RDWR)
+        except FileNotFoundError:
+            continue  # its restore just finished
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue  # its restore still runs
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(store_path, name))
+            removed += 1
+        os.close(fd)
+    return removed
 
 
 def _key(token: bytes, kind: bytes, suffix: bytes = b"") -> bytes:

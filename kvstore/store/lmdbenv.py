@@ -29,7 +29,8 @@ from typing import Any, TypeVar
 import lmdb
 import numpy as np
 
-from ..errors import StoreError, StoreFullError
+from ..errors import StoreBusyError, StoreError, StoreFullError
+from ..protocol import MAX_MODELS
 from .diskformat import (
     DB_ATIME,
     DB_BLOCKS,
@@ -42,8 +43,9 @@ from .diskformat import (
     DB_PENDING,
     DB_REFS,
     DB_SEQS,
-    MAX_DBS,
+    MODEL_DBS,
     Dbs,
+    max_dbs,
     model_db_name,
 )
 from .mapguard import MapGuard
@@ -64,8 +66,10 @@ _SPARE_TXNS = 8
 _SPACE_SLACK = 16 << 20  # a failed write with less free disk than need + this: disk full
 
 
-# How long a remap waits for zero-copy bodies held by transports to be released.
-HOLD_DRAIN_SECONDS = 30.0
+# How long a remap waits for zero-copy bodies held by transports to be released: longer
+# than the service's watch (which aborts a body unread 30 s after its first byte), so a
+# put needing a remap outlasts a client that stopped reading.
+HOLD_DRAIN_SECONDS = 35.0
 
 
 class _Held:
@@ -97,12 +101,23 @@ class LmdbEnv:
         map_size: the initial map size; it grows on demand.
         sync: fsync every commit (data and meta) before it returns.
         grow_floor: the least a growth adds beyond what is used and needed.
+        max_models: the models besides the default one the store admits; the environment
+            has sub-database slots for them, or for every sub-database the store holds
+            already if that is more (a store registered under a higher limit).
 
     Raises:
         StoreError: the directory does not hold an LMDB environment.
     """
 
-    def __init__(self, path: str, *, map_size: int, sync: bool, grow_floor: int) -> None:
+    def __init__(
+        self,
+        path: str,
+        *,
+        map_size: int,
+        sync: bool,
+        grow_floor: int,
+        max_models: int = MAX_MODELS,
+    ) -> None:
         self.path = path
         self.nothing: Dbs | None = None  # set by open()
         self.guard = MapGuard()
@@ -124,18 +139,14 @@ class LmdbEnv:
         except OSError as exc:  # a file in the way, no permission
             raise StoreError(f"cannot create the store directory {path}: {exc}") from exc
         try:
-            self.env = lmdb.open(
-                path,
-                map_size=map_size,
-                subdir=True,
-                max_dbs=MAX_DBS,
-                sync=sync,
-                metasync=sync,
-                readahead=False,
-                max_readers=_MAX_READERS,
-                max_spare_txns=_SPARE_TXNS,
-                mode=0o644,
-            )
+            slots = max_dbs(max_models)
+            self.env = self._open_env(map_size, sync, slots)
+            # The main database holds one key per sub-database: a store holding more than
+            # this limit admits is reopened with room for all of them (and one more model).
+            existing = int(self.env.stat()["entries"])
+            if existing + len(MODEL_DBS) > slots:
+                self.env.close()
+                self.env = self._open_env(map_size, sync, existing + len(MODEL_DBS))
             self.psize = int(self.env.stat()["psize"])
         except lmdb.Error as exc:
             raise StoreError(f"cannot open an LMDB environment in {path}: {exc}") from exc
@@ -143,6 +154,20 @@ class LmdbEnv:
         self._dbi_lock = threading.Lock()
         # Only durable commits wait for the disk; without sync the kernel writes later.
         self._write_behind = WriteBehind(os.path.join(path, "data.mdb"), enabled=sync)
+
+    def _open_env(self, map_size: int, sync: bool, slots: int) -> Any:
+        return lmdb.open(
+            self.path,
+            map_size=map_size,
+            subdir=True,
+            max_dbs=slots,
+            sync=sync,
+            metasync=sync,
+            readahead=False,
+            max_readers=_MAX_READERS,
+            max_spare_txns=_SPARE_TXNS,
+            mode=0o644,
+        )
 
     def open(self, check: Callable[[Any, Dbs], None]) -> Dbs:
         """Open (creating) every shared sub-database and the default model's in one write
@@ -389,6 +414,9 @@ class LmdbEnv:
 
         First waits, up to ``HOLD_DRAIN_SECONDS``, for read transactions held for
         zero-copy bodies to end (no new one is held meanwhile).
+
+        Raises:
+            StoreBusyError: some are still held then (at once in ``loop_thread``): retry.
         """
         deadline = time.monotonic() + HOLD_DRAIN_SECONDS
         if threading.get_ident() == self.loop_thread:
@@ -403,7 +431,7 @@ class LmdbEnv:
                     return
                 except _HoldRefused:
                     if time.monotonic() >= deadline:
-                        raise StoreError(
+                        raise StoreBusyError(
                             f"{self.path}: cannot remap LMDB's map now: zero-copy response "
                             "bodies are still held by their transports; retry"
                         ) from None

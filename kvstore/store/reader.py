@@ -188,6 +188,19 @@ class _StoredView(BlockView):
             return "BlockView(<reader closed>)"
 
 
+class SequenceParts(NamedTuple):
+    """A stored sequence as parts (``Reader.iter_sequence_parts``): the hashes of its full
+    blocks (None: the record fails its CRC), its partial tail as a single-block envelope
+    (or None), and ``(position, single-block envelope)`` of each full block it keeps in
+    its own record (the block space holds that hash in another format version or with
+    other bytes); the others are served from the block space."""
+
+    name: str
+    hashes: list[int] | None
+    tail: bytes | None
+    own: list[tuple[int, bytes]]
+
+
 class ReadSnapshot(NamedTuple):
     """One read transaction of a store and what reading it needs."""
 
@@ -384,21 +397,39 @@ class Reader:
         partial last block as a single-block envelope, or None. A sequence that keeps its
         own copy of a full block (the block space holds that hash in another format
         version or with other bytes) cannot be described by reference: it is reported as
-        ``(name, None, reason)``; ``iter_sequences`` has its whole envelope. A record that
-        fails its CRC is skipped with a warning.
+        ``(name, None, reason)``; ``iter_sequence_parts`` has its own blocks too. A record
+        that fails its CRC is skipped with a warning.
+        """
+        for seq in self.iter_sequence_parts():
+            if seq.hashes is None:
+                continue
+            if seq.own:
+                h = seq.hashes[seq.own[0][0]]
+                yield (
+                    seq.name,
+                    None,
+                    f"keeps its own copy of block {h:016x} (another version or bytes)",
+                )
+                continue
+            yield seq.name, seq.hashes, seq.tail
+
+    def iter_sequence_parts(self) -> Iterator[SequenceParts]:
+        """Every sequence in name order, as what it references and what it keeps itself.
+
+        A record that fails its CRC is yielded with ``hashes`` None (and logged).
         """
         for name, seq in self._records():
             if seq is None or self._geometry is None:
-                log.warning("%s: sequence %r fails its CRC; skipped", self._store.path, name)
+                log.warning("%s: sequence %r fails its CRC", self._store.path, name)
+                yield SequenceParts(name, None, None, [])
                 continue
+            single = single_block(self._geometry, seq.version)
             last = len(seq.hashes) - 1
-            copied = [i for i in seq.own if i != last or seq.hashes[i] != NO_HASH]
-            if copied:
-                h = seq.hashes[copied[0]]
-                yield name, None, f"keeps its own copy of block {h:016x} (another version or bytes)"
-                continue
             hashes, tail = seq.hashes, None
-            if seq.own:  # the partial tail, as a single-block envelope
-                tail = single_block(self._geometry, seq.version).envelope(seq.own_record(last))
+            if last in seq.own and seq.hashes[last] == NO_HASH:  # the partial tail
+                tail = single.envelope(seq.own_record(last))
                 hashes = hashes[:-1]
-            yield name, hashes, tail
+            own = [
+                (i, single.envelope(seq.own_record(i))) for i in sorted(seq.own) if i < len(hashes)
+            ]
+            yield SequenceParts(name, hashes, tail, own)

@@ -7,6 +7,10 @@ empty sub-databases are created in a transaction of their own, as LMDB requires)
 claimed inside the write that first stores into it (``claim``), so a refused first write
 registers nothing; another writer taking the number first makes the claim fail with
 ``Reclaim`` and the writer reserves again.
+
+The limit on models (``max_models``, besides the default one) is checked twice: before a
+number is reserved (so a refused model opens no sub-databases) and in the write that
+registers it (so every process and worker enforces it against the same count).
 """
 
 from __future__ import annotations
@@ -15,10 +19,9 @@ import threading
 from typing import Any
 
 from ..codec.geometry import Geometry
-from ..errors import StoreError
+from ..errors import ModelLimitError
 from .diskformat import (
     COUNTER,
-    MAX_MODELS,
     META_FORMAT,
     META_FORMAT_VALUE,
     META_LAST_MODEL,
@@ -50,8 +53,11 @@ def _key(model: str) -> bytes:
 class Registry:
     """The ``models`` sub-database of one environment, and the handles opened for each."""
 
-    def __init__(self, lmdb: LmdbEnv, default: Dbs, nothing: Dbs, path: str) -> None:
+    def __init__(
+        self, lmdb: LmdbEnv, default: Dbs, nothing: Dbs, path: str, max_models: int
+    ) -> None:
         self._lmdb = lmdb
+        self.max_models = max_models
         self._shared = default
         self.nothing = nothing  # what a model not created yet reads
         self._path = path
@@ -103,12 +109,26 @@ class Registry:
         """Record the geometry a model adopts with its first put."""
         txn.put(_key(model), pack_model(number, geometry), db=self._shared.models)
 
+    def check_room(self, txn: Any, model: str) -> None:
+        """Refuse registering ``model`` when the store holds ``max_models`` models already.
+
+        Raises:
+            ModelLimitError: it does.
+        """
+        held = int(txn.stat(self._shared.models)["entries"])
+        if held >= self.max_models:
+            raise ModelLimitError(
+                f"rule 'a store holds at most {self.max_models} models besides default "
+                f"(--max-models)' failed: {self._path} holds {held}, so the model "
+                f"{model!r} is not created"
+            )
+
     def claim(self, txn: Any, model: str, number: int) -> None:
         """Register ``model`` under its reserved ``number`` in the write ``txn``.
 
         Raises:
             Reclaim: another writer registered the model, or took the number, first.
-            StoreError: the store holds ``MAX_MODELS`` models already.
+            ModelLimitError: the store holds ``max_models`` models already.
         """
         meta, models = self._shared.meta, self._shared.models
         raw = txn.get(_key(model), None, models)
@@ -118,8 +138,7 @@ class Registry:
             return
         if counter(txn.get(META_LAST_MODEL, None, meta)) + 1 != number:
             raise Reclaim()
-        if txn.stat(models)["entries"] >= MAX_MODELS:
-            raise StoreError(f"{self._path}: a store holds at most {MAX_MODELS} models")
+        self.check_room(txn, model)
         txn.put(META_LAST_MODEL, COUNTER.pack(number), db=meta)
         txn.put(_key(model), pack_model(number, None), db=models)
         txn.put(META_FORMAT, META_FORMAT_VALUE.pack(STORE_FORMAT_MODELS), db=meta)

@@ -19,6 +19,7 @@ from .diskformat import (
     MODEL_COUNTER_KEYS,
     counter,
     model_counter_key,
+    own_full_blocks,
 )
 
 
@@ -54,7 +55,9 @@ class StoreStats(StoreCore):
 
     def stats(self) -> dict[str, int | None]:
         """blocks, bytes, capacity_bytes, pinned_blocks, sequences, hits, misses, evictions,
-        corrupt (hits and misses: this process's reads since it opened the store)."""
+        corrupt (hits and misses: this process's reads since it opened the store;
+        pinned_blocks: the stored blocks sequences reference, plus the full blocks
+        sequences keep in their own records, once per sequence keeping one)."""
         txn = self._begin_read(True)
         dbs = self._dbs
         try:
@@ -63,6 +66,10 @@ class StoreStats(StoreCore):
             if counters[META_CORRUPT]:  # a quarantined block may still be referenced
                 refs = txn.cursor(db=dbs.refs).iternext(values=False)
                 pinned = sum(txn.get(k, None, dbs.blocks) is not None for k in refs)
+            # Full blocks a sequence keeps in its own record (stored in another version or
+            # with other bytes in the block space) are pinned by it too.
+            records = txn.cursor(db=dbs.seqs).iternext(keys=False)
+            pinned += sum(own_full_blocks(raw) for raw in records)
             return {
                 "blocks": txn.stat(dbs.blocks)["entries"],
                 "bytes": counters[META_BYTES],

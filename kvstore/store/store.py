@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..codec.geometry import Geometry
 from ..errors import ShapeError, StoreError
-from ..protocol import DEFAULT_MODEL
+from ..protocol import DEFAULT_MODEL, MAX_MODELS, MAX_MODELS_LIMIT
 from .checks import check_bound
 from .core import StoreCore
 from .diskformat import (
@@ -53,7 +53,7 @@ from .diskformat import (
     Dbs,
 )
 from .eviction import RecencyBuffer
-from .journal import RestoreJournal, journal_model, pending, rollback
+from .journal import RestoreJournal, journal_model, pending, remove_orphan_locks, rollback
 from .keyset import KeySet
 from .lmdbenv import MAP_ALIGN, LmdbEnv
 from .models import StoreModels
@@ -116,6 +116,11 @@ class Store(StoreModels, StoreReads, StoreWrites, StoreStats, StoreCore):
             block through from it, validated, into the store.
         tier_endpoint: the S3-compatible server of a ``tier`` URL (default: the
             ``AWS_ENDPOINT_URL`` environment variable, else AWS).
+        max_models: the models besides ``default`` this store admits (0 to
+            ``protocol.MAX_MODELS_LIMIT``, default 200): a write that would create one
+            more raises ``ModelLimitError``. Checked in the write that registers a model,
+            so every process sharing the store holds to its own setting; a store holding
+            more already (registered under a higher setting) opens and serves them all.
 
     Raises:
         ShapeError: the store exists with another geometry.
@@ -137,7 +142,16 @@ class Store(StoreModels, StoreReads, StoreWrites, StoreStats, StoreCore):
         allow_nonfinite: bool = False,
         tier: str | Tier | None = None,
         tier_endpoint: str | None = None,
+        max_models: int = MAX_MODELS,
     ) -> None:
+        if (
+            isinstance(max_models, bool)
+            or not isinstance(max_models, int)
+            or not 0 <= max_models <= MAX_MODELS_LIMIT
+        ):
+            raise ValueError(
+                f"max_models must be an int in 0..{MAX_MODELS_LIMIT}, found {max_models!r}"
+            )
         if map_bytes is not None and (
             isinstance(map_bytes, bool) or not isinstance(map_bytes, int)
         ):
@@ -167,7 +181,13 @@ class Store(StoreModels, StoreReads, StoreWrites, StoreStats, StoreCore):
         map_size = initial
         if capacity_bytes is not None:
             map_size = max(map_size, -(-(2 * capacity_bytes) // MAP_ALIGN) * MAP_ALIGN)
-        self._lmdb = LmdbEnv(self._path, map_size=map_size, sync=self._sync, grow_floor=initial)
+        self._lmdb = LmdbEnv(
+            self._path,
+            map_size=map_size,
+            sync=self._sync,
+            grow_floor=initial,
+            max_models=max_models,
+        )
         self._env = self._lmdb.env
         try:
             self._dbs = self._lmdb.open(lambda txn, dbs: self._check_meta(txn, dbs, geometry))
@@ -180,7 +200,7 @@ class Store(StoreModels, StoreReads, StoreWrites, StoreStats, StoreCore):
         self._model = DEFAULT_MODEL
         self._quota = None
         assert self._lmdb.nothing is not None
-        self._registry = Registry(self._lmdb, self._dbs, self._lmdb.nothing, self._path)
+        self._registry = Registry(self._lmdb, self._dbs, self._lmdb.nothing, self._path, max_models)
         self._handles = {}
         self._handles_lock = threading.RLock()
         self._closed = False
@@ -233,6 +253,8 @@ class Store(StoreModels, StoreReads, StoreWrites, StoreStats, StoreCore):
             ]
         finally:
             self._end_read(txn)
+        if remove_orphan_locks(self._path, {t for t, _ in tokens}):
+            log.warning("%s: removed the lock files of restores killed before writing", self._path)
         for token, model in tokens:
             claimed = RestoreJournal.claim(self._path, token)
             if claimed is None:

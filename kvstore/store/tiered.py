@@ -113,12 +113,16 @@ class TierLink:
         self._learned: Geometry | None = None
         self._asked_at = -GEOMETRY_RETRY
         self.uploader = Uploader(self, tier, store.path, self.namespace)
+        if store._root is store:  # the processes of one store see one tier state
+            tier.share_state(store.path)
 
     def close(self) -> None:
         """Commit the read-through blocks in flight; stop the uploader (what is not
         uploaded stays pending for the next open)."""
         self.filler.close()
         self.uploader.stop()
+        if self._store._root is self._store:
+            self.tier.stop_sharing()
 
     # --- the pending set (the uploader's source) ---------------------------------------------
 

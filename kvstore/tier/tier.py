@@ -5,13 +5,24 @@ conditional creates) and keeps what the service shows: uploads done, tier errors
 read-through hits and refusals, and the tier's state. After a failure it is held
 ``unreachable`` for a backoff (0.5 s doubling to 30 s, reset by a success): reads and
 HEADs meanwhile answer "absent" at once, so an unreachable tier never slows what is local.
+Requests outstanding with none answered for ``REQUEST_STALL_SECONDS`` (an endpoint that
+accepts connections and never answers) make the tier ``unreachable`` too, for as long as
+they are outstanding.
+
+Shared state (``share_state``): the workers of one store see one tier state. Each writes
+its latest observation (state, wall time, error) to a small file beside the store when it
+differs from what the file says, and a watch thread writes a stalled request's state the
+moment it passes the bound; every worker answers the newer of its own observation and the
+file's, so a worker that never talked to the tier still reports it down.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +41,10 @@ BACKOFF_MAX = 30.0
 STATE_OK = "ok"
 STATE_UNKNOWN = "unknown"  # no request answered yet
 STATE_UNREACHABLE = "unreachable"
+
+REQUEST_STALL_SECONDS = 30.0  # a request unanswered this long marks the tier unreachable
+_WATCH_EVERY = 1.0  # seconds between the watch thread's looks at outstanding requests
+_SHARED_FRESH = 0.5  # seconds a read of the shared state file is reused
 
 
 class Tier:
@@ -58,8 +73,15 @@ class Tier:
         self._lock = threading.Lock()
         self._backoff = 0.0
         self._down_until = 0.0
-        self.state = STATE_UNKNOWN
-        self.last_error = ""
+        self._state = STATE_UNKNOWN
+        self._state_at = 0.0  # wall time of the state's observation
+        self._error = ""
+        self._outstanding: dict[int, float] = {}  # request id -> monotonic start
+        self._last_answer = 0.0  # monotonic time the latest request ended
+        self._ids = itertools.count()
+        self._shared_path: str | None = None
+        self._shared: tuple[float, str, float, str] = (0.0, STATE_UNKNOWN, 0.0, "")
+        self._watch_stop = threading.Event()
         self.uploads = 0
         self.errors = 0
         self.read_hits = 0
@@ -74,6 +96,111 @@ class Tier:
 
     # --- health -----------------------------------------------------------------------------
 
+    @property
+    def state(self) -> str:
+        """``ok``, ``unknown`` (no answer yet) or ``unreachable`` (see the module doc)."""
+        return self._view()[0]
+
+    @property
+    def last_error(self) -> str:
+        """The latest failure (or stalled request) behind ``state`` ("" when none)."""
+        return self._view()[1]
+
+    def _stalled(self) -> str:
+        """Why the tier counts as stalled ("" when it does not): requests are outstanding
+        and none has started or ended for ``REQUEST_STALL_SECONDS`` (queued uploads behind
+        ones that keep finishing are not stalled)."""
+        with self._lock:
+            if not self._outstanding:
+                return ""
+            since = max(min(self._outstanding.values()), self._last_answer)
+        age = time.monotonic() - since
+        if age < REQUEST_STALL_SECONDS:
+            return ""
+        return f"a request has had no answer for {age:.0f} s (bound {REQUEST_STALL_SECONDS:.0f} s)"
+
+    def _view(self) -> tuple[str, str]:
+        stalled = self._stalled()
+        if stalled:
+            return STATE_UNREACHABLE, stalled
+        _read, state, at, error = self._read_shared()
+        if at > self._state_at:
+            return state, error
+        return self._state, self._error
+
+    def share_state(self, directory: str) -> None:
+        """Share the tier's state with the other processes using ``directory`` (the
+        store's): write observations to ``tier-state.json`` there and read theirs."""
+        self._shared_path = os.path.join(directory, "tier-state.json")
+        threading.Thread(target=self._watch, name="tlkv-tier-watch", daemon=True).start()
+
+    def stop_sharing(self) -> None:
+        """End the watch thread (the store is closing)."""
+        self._watch_stop.set()
+
+    def _watch(self) -> None:
+        published = ""
+        while not self._watch_stop.wait(_WATCH_EVERY):
+            stalled = self._stalled()
+            if stalled and not published:
+                with self._lock:
+                    self._state, self._state_at, self._error = (
+                        STATE_UNREACHABLE,
+                        time.time(),
+                        stalled,
+                    )
+                self._publish()
+            published = stalled
+
+    def _read_shared(self) -> tuple[float, str, float, str]:
+        path = self._shared_path
+        if path is None:
+            return self._shared
+        now = time.monotonic()
+        if now - self._shared[0] < _SHARED_FRESH:
+            return self._shared
+        try:
+            with open(path, encoding="utf-8") as f:
+                raw = json.load(f)
+            state, at, error = str(raw["state"]), float(raw["at"]), str(raw["error"])
+            if raw["url"] != self.url:  # written while the store had another tier
+                state, at, error = STATE_UNKNOWN, 0.0, ""
+        except (OSError, ValueError, KeyError, TypeError):
+            state, at, error = STATE_UNKNOWN, 0.0, ""
+        self._shared = (now, state, at, error)
+        return self._shared
+
+    def _publish(self) -> None:
+        """Write this process's observation where the other workers read it, when the
+        file says otherwise."""
+        path = self._shared_path
+        if path is None:
+            return
+        with self._lock:
+            mine = {"state": self._state, "at": self._state_at, "error": self._error}
+            mine["url"] = self.url
+        if self._read_shared()[1] == mine["state"]:
+            return
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(mine, f)
+            os.replace(tmp, path)
+        except OSError as exc:  # the state stays this worker's own
+            log.warning("tier state not shared through %s: %s", path, exc)
+        self._shared = (0.0, *self._shared[1:])  # read it again next time
+
+    def _begin(self) -> int:
+        request = next(self._ids)
+        with self._lock:
+            self._outstanding[request] = time.monotonic()
+        return request
+
+    def _end(self, request: int) -> None:
+        with self._lock:
+            self._outstanding.pop(request, None)
+            self._last_answer = time.monotonic()
+
     def available(self) -> bool:
         """False while the tier is backed off after a failure."""
         return time.monotonic() >= self._down_until
@@ -87,19 +214,22 @@ class Tier:
         with self._lock:
             if not failures:
                 if results:
-                    self.state, self._backoff = STATE_OK, 0.0
-                return
-            self.errors += len(failures)
-            self.last_error = str(failures[0])
-            if len(failures) < len(results):
-                return  # some answered: a per-object failure, not a down tier
-            if time.monotonic() < self._down_until:
-                return  # requests started before the backoff began: no longer one
-            self._backoff = min(BACKOFF_MAX, max(BACKOFF_FIRST, 2 * self._backoff))
-            self._down_until = time.monotonic() + self._backoff
-            if self.state != STATE_UNREACHABLE:
-                log.warning("tier %s unreachable: %s", self.url, self.last_error)
-            self.state = STATE_UNREACHABLE
+                    self._state, self._state_at, self._backoff = STATE_OK, time.time(), 0.0
+                    self._error = ""
+            else:
+                self.errors += len(failures)
+                self._error = str(failures[0])
+                if len(failures) < len(results):
+                    return  # some answered: a per-object failure, not a down tier
+                if time.monotonic() < self._down_until:
+                    return  # requests started before the backoff began: no longer one
+                self._backoff = min(BACKOFF_MAX, max(BACKOFF_FIRST, 2 * self._backoff))
+                self._down_until = time.monotonic() + self._backoff
+                if self._state != STATE_UNREACHABLE:
+                    log.warning("tier %s unreachable: %s", self.url, self._error)
+                self._state, self._state_at = STATE_UNREACHABLE, time.time()
+        if results:
+            self._publish()
 
     def info(self) -> dict[str, Any]:
         """The tier's state and counters (the service's /v1/info and /metrics)."""
@@ -121,7 +251,11 @@ class Tier:
         the tier failed (failures are counted)."""
         if not hashes or not self.available():
             return [None] * len(hashes)
-        results = self.client.get_many([self.key(h, namespace) for h in hashes])
+        request = self._begin()
+        try:
+            results = self.client.get_many([self.key(h, namespace) for h in hashes])
+        finally:
+            self._end(request)
         self._record(results)
         return [None if isinstance(r, TierError) else r for r in results]
 
@@ -129,7 +263,11 @@ class Tier:
         """Whether each block has an object (concurrent HEADs); False where the tier failed."""
         if not hashes or not self.available():
             return [False] * len(hashes)
-        results = self.client.exists_many([self.key(h, namespace) for h in hashes])
+        request = self._begin()
+        try:
+            results = self.client.exists_many([self.key(h, namespace) for h in hashes])
+        finally:
+            self._end(request)
         self._record(results)
         return [r is True for r in results]
 
@@ -143,7 +281,10 @@ class Tier:
         """Start creating a block's object (at most ``concurrency`` at once); ``done(hash,
         ok)`` is called on the I/O thread when it ends (ok: the object exists now)."""
 
+        request = self._begin()
+
         def finished(future: concurrent.futures.Future[bool | TierError]) -> None:
+            self._end(request)
             result = future.result()
             self._record([result])
             if result is True:
