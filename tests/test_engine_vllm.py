@@ -201,22 +201,22 @@ def test_server_killed_mid_run(cold: Any, models: Any, tmp_path: Path) -> None:
 
 def test_two_nodes_share_an_s3_tier(models: Any, tmp_path: Path, s3_server: Any) -> None:
     """Engine A cold on node 1, engine B on node 2 (an empty data directory) loads the
-    prefix through node 2's read-through. The namespace is the server's ``default``, which
-    every node has: a node serves a namespace it has not created itself only once it
-    learns that namespace's geometry from the bucket."""
+    prefix through node 2's read-through, in the namespace derived from the model."""
     from s3_server import CREDENTIALS
+
+    from kvstore.client import Client
 
     url = f"s3://{s3_server.new_bucket()}/vllm"
     tier = ("--tier", url, "--tier-endpoint", s3_server.endpoint)
     with ServerProcess(tmp_path / "node1", *tier, env=CREDENTIALS) as node1:
-        ref = _run(models["f16"], tlkv_config(node1.url, model="default"), PROMPT)["results"][0]
-        with node1.client() as http:
+        ref = _run(models["f16"], tlkv_config(node1.url), PROMPT)["results"][0]
+        with Client(node1.url, model=_ns(models["f16"])) as client:
             deadline = time.monotonic() + 30
-            while http.get("/v1/info").json()["tier"]["pending_uploads"]:
+            while client.info()["tier"]["pending_uploads"]:
                 assert time.monotonic() < deadline
                 time.sleep(0.1)
     with ServerProcess(tmp_path / "node2", *tier, env=CREDENTIALS) as node2:
-        out = _run(models["f16"], tlkv_config(node2.url, model="default"), PROMPT)["results"][0]
+        out = _run(models["f16"], tlkv_config(node2.url), PROMPT)["results"][0]
     assert (ref["cached"], out["cached"]) == (0, HIT)
     _same(out, ref)
 
