@@ -40,6 +40,10 @@ log = logging.getLogger("tlkv.store")
 
 QUERY_BATCH = 256  # hashes per round of HEADs when a prefix is looked up in the tier
 GEOMETRY_RETRY = 1.0  # seconds before a tier without the namespace's geometry is asked again
+# How long the caller that asks the tier for a namespace's geometry waits for the answer.
+# The question goes on in the background past it, so a tier that accepts connections and
+# never answers costs a request (and a worker's start-up) at most this, once per question.
+GEOMETRY_WAIT = 2.0
 FILL_QUEUE_BYTES = 512 << 20  # read-through bytes awaiting their local commit, at most
 
 
@@ -112,6 +116,7 @@ class TierLink:
         self._geometry_written = False
         self._learned: Geometry | None = None
         self._asked_at = -GEOMETRY_RETRY
+        self._asking: threading.Thread | None = None  # the geometry question in flight
         self.uploader = Uploader(self, tier, store.path, self.namespace)
         if store._root is store:  # the processes of one store see one tier state
             tier.share_state(store.path)
@@ -183,11 +188,31 @@ class TierLink:
 
     def learned_geometry(self) -> Geometry | None:
         """The namespace's geometry from the tier, for a store that has none yet: read
-        once it exists (kept), asked at most every ``GEOMETRY_RETRY`` seconds until then."""
-        if self._learned is None and time.monotonic() - self._asked_at >= GEOMETRY_RETRY:
-            self._asked_at = time.monotonic()
-            self._learned = self.tier.get_geometry(self.namespace)
+        once it exists (kept), asked at most every ``GEOMETRY_RETRY`` seconds until then.
+
+        The question runs in a thread of its own: the caller that asks waits for it at
+        most ``GEOMETRY_WAIT`` seconds, and callers while it is still in flight do not
+        wait (None: no geometry known yet), so a hung tier never stalls a request for
+        long."""
+        if self._learned is not None:
+            return self._learned
+        asking = self._asking
+        if asking is not None and asking.is_alive():
+            return None
+        if time.monotonic() - self._asked_at < GEOMETRY_RETRY:
+            return None
+        self._asked_at = time.monotonic()
+        asking = threading.Thread(target=self._ask_geometry, name="tlkv-geometry", daemon=True)
+        self._asking = asking
+        asking.start()
+        asking.join(GEOMETRY_WAIT)
         return self._learned
+
+    def _ask_geometry(self) -> None:
+        learned = self.tier.get_geometry(self.namespace)
+        if learned is not None:
+            self._learned = learned
+        self._asked_at = time.monotonic()  # the next question waits GEOMETRY_RETRY from here
 
     def pending_count(self) -> int:
         """Blocks waiting for upload."""
