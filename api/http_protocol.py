@@ -7,7 +7,9 @@ FastAPI's middleware stack and ours (metrics, guard, model scope) before
 that was about 120 us of the server's user CPU per 2 MiB read, as much again as the
 uvicorn request handling of a bare app. :class:`TlkvHttpProtocol` (what ``tlkv serve``
 runs) answers the read in the protocol, in ``on_headers_complete``, with what the app
-sends:
+sends: ``api.blockread`` decides whether the read is plain (the path, the method, the
+formats, the access rule) and what it answers, here as in the app's two doors, so
+this module only adds the transport's own declines and writes the answer:
 
 - the stored envelope from LMDB's map, its CRC-32C checked first (``Store.get_buffers``);
   the read snapshot ends when the transport releases the body, and a body left unread
@@ -49,23 +51,10 @@ from fastapi import FastAPI
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.protocols.utils import get_client_addr
 
-from kvstore.codec.layout import SUPPORTED_VERSIONS
-from kvstore.protocol import DEFAULT_MODEL, is_hash_hex
+from .blockread import ROUTE, block_answer, may_read_default, plain_block_read
+from .routes.blocks import watch_body
 
-from .errors import error_parts
-from .middleware import bearer_access
-from .routes.blocks import (
-    BlockReadFastPath,
-    block_etag,
-    block_headers,
-    block_not_found,
-    owner_refs,
-    watch_body,
-)
-
-_BLOCK_PREFIX = b"/v1/blocks/"
-_BLOCK_URL_LEN = len(_BLOCK_PREFIX) + 16
-_ROUTE = BlockReadFastPath.route.path  # the metrics' route label, as the app gives it
+_GET = frozenset({"GET"})  # a HEAD goes to the app
 # Request headers that take a read off the plain case.
 _NOT_PLAIN = frozenset({b"content-length", b"transfer-encoding", b"if-none-match"})
 
@@ -184,8 +173,14 @@ class TlkvHttpProtocol(HttpToolsProtocol):
     def _answer_block_read(self) -> bool:
         """Answer a plain ``GET /v1/blocks/{hash}``; False: not plain, the app answers."""
         t0 = time.perf_counter()
-        url = self.url
-        if len(url) != _BLOCK_URL_LEN or not url.startswith(_BLOCK_PREFIX):
+        settings = self._settings
+        if settings is None:
+            return False
+        # The URL as sent: with a query string it is longer than a block path.
+        path = self.url.decode("latin-1")
+        method = self.parser.get_method().decode("latin-1")
+        h = plain_block_read(path, method, b"", settings.formats, self._store, _GET)
+        if h is None:
             return False
         cycle = self.cycle
         if (
@@ -198,14 +193,10 @@ class TlkvHttpProtocol(HttpToolsProtocol):
             return False
         parser = self.parser
         if (
-            parser.get_method() != b"GET"
-            or parser.get_http_version() != "1.1"
+            parser.get_http_version() != "1.1"
             or not parser.should_keep_alive()
             or parser.should_upgrade()
         ):
-            return False
-        digits = url[len(_BLOCK_PREFIX) :].decode("latin-1")
-        if not is_hash_hex(digits):
             return False
         authorization = None
         for name, value in self.headers:
@@ -213,38 +204,29 @@ class TlkvHttpProtocol(HttpToolsProtocol):
                 return False
             if name == b"authorization":
                 authorization = value
-        store, settings = self._store, self._settings
-        if store is None or store.tier is not None or settings.formats != SUPPORTED_VERSIONS:
+        store = self._store
+        if store.tier is not None or not may_read_default(settings.tokens, authorization):
             return False
-        if settings.tokens is not None:
-            access = bearer_access(settings.tokens, authorization)
-            if access is None or not access.can_read(DEFAULT_MODEL):
-                return False
         try:
-            found = store.get_buffers([int(digits, 16)])
+            found = store.get_buffers([h])
         except Exception:  # a remap this thread may not wait for, a closed store, ...
             return False
-        if found:
-            data = found.pop()
-            owners = owner_refs([data])
-            self._respond(200, block_headers(data, block_etag(data).encode()), data)
-            del data
-            watch_body(self._state, self.transport, url.decode("latin-1"), owners)
-            status = 200
-        else:
-            status, headers, body = error_parts(block_not_found(digits))
-            self._respond(status, headers, body)
+        answer = block_answer(h, found)
+        body = answer.take_body()
+        self._respond(answer.status, answer.headers, body)
+        del body
+        watch_body(self._state, self.transport, path, answer.owners)
         self._done()
         TlkvHttpProtocol.answered += 1
+        status = answer.status
         if self.access_log and self.access_logger.isEnabledFor(logging.INFO):
             # uvicorn's line and arguments: its access formatter unpacks them.
-            path = url.decode("latin-1")
             client = get_client_addr(self.scope)
             self.access_logger.info('%s - "%s %s HTTP/%s" %d', client, "GET", path, "1.1", status)
         metrics = self._metrics
         if metrics is not None:
             seconds = time.perf_counter() - t0
-            metrics.observe_request_soon("GET", _ROUTE, status, seconds, store, self.loop)
+            metrics.observe_request_soon("GET", ROUTE, status, seconds, store, self.loop)
         return True
 
     def _respond(self, status: int, headers: list[tuple[bytes, bytes]], body: Any) -> None:

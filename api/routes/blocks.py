@@ -33,17 +33,22 @@ from fastapi import APIRouter, Path, Query, Request
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response, StreamingResponse
 
-from kvstore.codec.assembly import EnvelopeStream, envelope_version, stored_crc
+from kvstore.codec.assembly import EnvelopeStream, envelope_version
 from kvstore.codec.envelope import decode, encode, join
 from kvstore.codec.geometry import Geometry
-from kvstore.codec.layout import (
-    SUPPORTED_VERSIONS,
-    VERSION_V1,
-)
+from kvstore.codec.layout import VERSION_V1
 from kvstore.errors import NotFoundError, StoreBusyError, StoreError, TlkvError
-from kvstore.protocol import PREFIX_HEADER, is_hash_hex, parse_hash_hex
+from kvstore.protocol import PREFIX_HEADER, parse_hash_hex
 from kvstore.store import Store, transcode_stored
 
+from ..blockread import (
+    ROUTE,
+    BlockAnswer,
+    block_answer,
+    block_not_found,
+    owner_refs,
+    plain_block_read,
+)
 from ..bodies import read_envelope
 from ..errors import send_error
 from ..formats import read_version, require_formats
@@ -102,29 +107,6 @@ async def _read(store: Store, h: int, version: int | None) -> bytes | None:
     return await run_in_threadpool(functools.partial(store.get, h, version=version))
 
 
-def block_etag(data: Any) -> str:
-    """The ETag of a stored envelope: its own CRC-32C and length, which change whenever a
-    byte of the answer does."""
-    return f'"{stored_crc(data):08x}-{len(data)}"'
-
-
-_ENVELOPE_TYPE = ENVELOPE_MEDIA_TYPE.encode()
-
-
-def block_headers(data: Any, etag: bytes) -> list[tuple[bytes, bytes]]:
-    """The raw headers of a block read's 200: its type, length and ETag (``block_etag``)."""
-    return [
-        (b"content-type", _ENVELOPE_TYPE),
-        (b"content-length", str(len(data)).encode()),
-        (b"etag", etag),
-    ]
-
-
-def block_not_found(digits: str) -> NotFoundError:
-    """The answer to a read of a block that is not stored."""
-    return NotFoundError(f"block {digits} not found")
-
-
 @router.put("/v1/blocks", openapi_extra=ENVELOPE_BODY)
 async def put_blocks(request: Request) -> Response:
     """Store every full block of an envelope under its hash (partial blocks are counted)."""
@@ -145,19 +127,23 @@ def _put(store: Store, body: bytes | bytearray) -> tuple[list[int], list[int], i
     return report.stored, report.duplicate, report.partial
 
 
-@router.api_route(
-    "/v1/blocks/{hash}", methods=["GET", "HEAD"], responses={**ENVELOPE_RESPONSE, 304: {}}
-)
+class _Answer(Response):
+    """A ``BlockAnswer`` as a Starlette response: its status, raw headers and body."""
+
+    def __init__(self, answer: BlockAnswer) -> None:
+        super().__init__(status_code=answer.status)
+        self.raw_headers = answer.headers
+        self.body = answer.take_body()
+
+
+@router.api_route(ROUTE, methods=["GET", "HEAD"], responses={**ENVELOPE_RESPONSE, 304: {}})
 async def get_block(request: Request, hash: HashPath, format: FormatQuery = None) -> Response:
     """The stored single-block envelope, verbatim (or transcoded with ``?format=``)."""
     version = read_version(format, request.app.state.settings.formats)
-    data = await _read(store_of(request), parse_hash_hex(hash), version)
-    if data is None:
-        raise block_not_found(hash)
-    etag = block_etag(data)
-    if request.headers.get("if-none-match") == etag:
-        return Response(status_code=304, headers={"etag": etag})
-    return Response(data, media_type=ENVELOPE_MEDIA_TYPE, headers={"etag": etag})
+    h = parse_hash_hex(hash)
+    data = await _read(store_of(request), h, version)
+    # The body goes with a HEAD too: the server drops it, as for every route.
+    return _Answer(block_answer(h, [] if data is None else [data], request.scope["headers"]))
 
 
 def _expire(transport: Any, what: str, metrics: Any) -> None:
@@ -233,11 +219,6 @@ def watch_body_of(scope: dict[str, Any], owners: list[weakref.ref[Any]]) -> None
     watch_body(scope["app"].state, scope.get(TRANSPORT_KEY), scope.get("path", ""), owners)
 
 
-def owner_refs(parts: list[Any]) -> list[weakref.ref[Any]]:
-    """Weak references to the arrays exporting the zero-copy buffers among ``parts``."""
-    return [weakref.ref(p.obj) for p in parts if isinstance(getattr(p, "obj", None), np.ndarray)]
-
-
 class _Parts(Response):
     """An envelope sent as several buffers, in order (header, records, trailer), each
     handed to the transport as it is (zero-copy buffers of ``Store.get_buffers``)."""
@@ -263,78 +244,62 @@ class _Parts(Response):
         del part
 
 
-_BLOCK_PREFIX = "/v1/blocks/"
-_BLOCK_PATH_LEN = len(_BLOCK_PREFIX) + 16
+async def _read_buffers(store: Store, h: int) -> list[Any]:
+    """Block ``h`` as ``Store.get_buffers`` finds it (zero copy) on the event loop; in the
+    thread pool when the store may not wait on the loop's thread or a tier reads through."""
+    try:
+        found: list[Any] = store.get_buffers([h])
+    except StoreError:  # a remap this thread may not wait for: read in the pool
+        found = [memoryview(b) for b in [await run_in_threadpool(store.get, h)] if b]
+    if not found and store.tier is not None:  # a local miss reads through, off the loop
+        data = await run_in_threadpool(store.get_from_tier, h)
+        found = [memoryview(data)] if data is not None else []
+    return found
 
 
 class BlockReadFastPath:
     """Pure-ASGI fast path of ``GET``/``HEAD /v1/blocks/{hash}`` without a query string.
 
     The hottest route skips FastAPI's routing and parameter solving (about a third of a
-    2 MiB read's CPU time here); the answer is the one ``get_block`` gives. Anything
-    else -- a query string, a malformed hash, another route -- goes on to the app.
+    2 MiB read's CPU time here); ``api.blockread`` decides whether it answers and what,
+    as for ``get_block``. Anything else -- a query string, a malformed hash, another
+    route -- goes on to the app.
     """
 
-    route = SimpleNamespace(path="/v1/blocks/{hash}")  # the metrics' route label
+    route = SimpleNamespace(path=ROUTE)  # the metrics' route label
 
     def __init__(self, app: Any) -> None:
         self.app = app
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        path = scope.get("path", "")
-        store = None
-        if (
-            scope["type"] == "http"
-            and len(path) == _BLOCK_PATH_LEN
-            and scope["method"] in ("GET", "HEAD")
-            and not scope.get("query_string")
-            and path.startswith(_BLOCK_PREFIX)
-            and is_hash_hex(path[len(_BLOCK_PREFIX) :])
-        ):
+        h = None
+        if scope["type"] == "http":
             state = scope["app"].state
-            if state.settings.formats == SUPPORTED_VERSIONS:  # else: stored v2 is transcoded
-                store = getattr(state, "store", None)
-                if store is not None:
-                    store = model_store(scope, store)
-        if store is None:
+            h = plain_block_read(
+                scope.get("path", ""),
+                scope["method"],
+                scope.get("query_string", b""),
+                state.settings.formats,
+                getattr(state, "store", None),
+            )
+        if h is None:
             await self.app(scope, receive, send)
             return
         scope["route"] = self.route
-        h = parse_hash_hex(path[len(_BLOCK_PREFIX) :])
         try:
-            try:
-                found = store.get_buffers([h])
-            except StoreError:  # a remap this thread may not wait for: read in the pool
-                found = [memoryview(b) for b in [await run_in_threadpool(store.get, h)] if b]
-            if not found and store.tier is not None:  # a local miss reads through, off the loop
-                data = await run_in_threadpool(store.get_from_tier, h)
-                found = [memoryview(data)] if data is not None else []
+            found = await _read_buffers(model_store(scope, state.store), h)
         except TlkvError as exc:
             await send_error(send, exc)
             return
-        if not found:
-            await send_error(send, block_not_found(path[len(_BLOCK_PREFIX) :]))
-            return
-        data = found.pop()
-        etag = block_etag(data).encode()
-        for name, value in scope["headers"]:
-            if name == b"if-none-match" and value == etag:
-                await send(
-                    {"type": "http.response.start", "status": 304, "headers": [(b"etag", etag)]}
-                )
-                await send({"type": "http.response.body", "body": b""})
-                return
-        headers = block_headers(data, etag)
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        if scope["method"] == "HEAD":
-            await send({"type": "http.response.body", "body": b""})
-            return
-        owners = owner_refs([data])
-        await send({"type": "http.response.body", "body": data})
-        del data
+        answer = block_answer(h, found, scope["headers"], scope["method"] == "HEAD")
+        start = {"type": "http.response.start", "status": answer.status, "headers": answer.headers}
+        await send(start)
+        body = answer.take_body()
+        await send({"type": "http.response.body", "body": body})
+        del body
         # One part: uvicorn writes it before send returns (it waits for the client only
         # before a write, never after), so the watch starts with its first byte.
-        watch_body_of(scope, owners)
+        watch_body_of(scope, answer.owners)
 
 
 @router.delete("/v1/blocks/{hash}", status_code=204)
