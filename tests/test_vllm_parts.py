@@ -60,3 +60,26 @@ def test_saver_finishes_its_queue_at_exit(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     with Store(str(data)) as store:
         assert store.model("m").stats()["blocks"] == 32
+
+
+def test_only_full_single_block_v1_envelopes_take_the_fused_load() -> None:
+    """``_full_v1_blocks`` admits exactly the envelopes every reader rule but the CRC
+    accepts as one full v1 block of the engine's geometry; the rest go through ``decode``."""
+    import numpy as np
+
+    from kvstore.codec.envelope import Block, encode, transcode
+    from kvstore.codec.geometry import Geometry
+    from kvstore.codec.layout import NO_HASH
+    from kvstore.engines._vllm_parts import _full_v1_blocks
+
+    g = Geometry(4, 2, 1, 8)
+    kv = np.ones(g.kv_shape, np.float16)
+    full = encode(g, [Block(7, 4, kv)])
+    assert _full_v1_blocks([memoryview(full)] * 3, g)
+    assert _full_v1_blocks([], g)
+    partial = encode(g, [Block(NO_HASH, 3, kv)])
+    two = encode(g, [Block(7, 4, kv), Block(8, 4, kv)])
+    other = encode(Geometry(4, 2, 2, 4), [Block(7, 4, np.ones((2, 2, 2, 4, 4), np.float16))])
+    bad_magic = b"XLKV" + full[4:]
+    for env in (partial, two, other, transcode(full, 2), bad_magic, full[:-1], full + b"\0"):
+        assert not _full_v1_blocks([memoryview(full), memoryview(env)], g)

@@ -20,6 +20,9 @@
  *   concatenated + their CRC-32C (LE u32), copied and checksummed in one pass (the envelope
  *   writer's last step); a large output is advised onto transparent huge pages, as numpy
  *   does for its arrays (TLKV_MADVISE_HUGEPAGE=0 in the environment turns that off)
+ * scatter_crc(envelopes, payload_offset, layers, block_ids, n_heads, run_bytes) -> int
+ *   single-block envelopes' payloads copied into a paged cache with each CRC-32C checked
+ *   in the same pass (fused copy + CRC); how many leading envelopes matched
  * fnv1a64(data, h=0xCBF29CE484222325) -> int
  * fnv_chain(tokens, block_tokens, parent=0) -> bytes    (spec section "Block hash")
  * fnv_chain_list(tokens, block_tokens, parent=0) -> bytes | None   the same from a list
@@ -800,6 +803,154 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(scatter_crc_doc,
+"scatter_crc(envelopes, payload_offset, layers, block_ids, n_heads, run_bytes, /) -> int\n\n"
+"Copy the payload of each single-block envelope into a paged cache while checking its\n"
+"CRC-32C in the same pass; returns how many leading envelopes matched their CRC (the\n"
+"copy stops at the first that does not, which may already be partly written).\n"
+"An envelope's payload, at `payload_offset`, is [L][2][n_heads][run_bytes]; its CRC\n"
+"(the last 4 bytes, LE) covers every byte before it. `layers` are the L writable\n"
+"C-contiguous per-layer caches [num_blocks][n_heads][2][run_bytes]; envelope i goes to\n"
+"block block_ids[i] of each. Raises ValueError for sizes or ids that do not fit.");
+
+/* Per envelope: the CRC of the bytes before the payload, then the payload's runs in
+ * envelope order, each copied to its place in the paged block (fused copy + CRC), then
+ * the bytes after the payload; compared with the trailer. */
+
+static Py_ssize_t scatter_crc_run(crc_kernel_fn fn, crc_copy_fn copy, Py_buffer *envs,
+                                  Py_ssize_t n, size_t off, uint8_t **layers, Py_ssize_t n_layers,
+                                  const Py_ssize_t *ids, size_t heads, size_t run) {
+    size_t payload = (size_t)n_layers * 2 * heads * run;
+    size_t block = heads * 2 * run;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const uint8_t *env = (const uint8_t *)envs[i].buf;
+        size_t len = (size_t)envs[i].len;
+        uint32_t crc = fn(0xFFFFFFFFu, env, off);
+        const uint8_t *src = env + off;
+        for (Py_ssize_t l = 0; l < n_layers; l++) {
+            uint8_t *dst = layers[l] + (size_t)ids[i] * block;
+            for (size_t k = 0; k < 2; k++)
+                for (size_t h = 0; h < heads; h++) {
+                    crc = copy_crc(fn, copy, crc, dst + (h * 2 + k) * run, src, run);
+                    src += run;
+                }
+        }
+        crc = ~fn(crc, env + off + payload, len - 4 - off - payload);
+        const uint8_t *t = env + len - 4;
+        uint32_t stored = (uint32_t)t[0] | (uint32_t)t[1] << 8 | (uint32_t)t[2] << 16 |
+                          (uint32_t)t[3] << 24;
+        if (crc != stored)
+            return i;
+    }
+    return n;
+}
+
+static PyObject *py_scatter_crc(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (check_nargs("scatter_crc", nargs, 6, 6) < 0)
+        return NULL;
+    Py_ssize_t off = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t heads = PyLong_AsSsize_t(args[4]);
+    Py_ssize_t run = PyLong_AsSsize_t(args[5]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (off < 0 || heads < 1 || run < 1) {
+        PyErr_SetString(PyExc_ValueError,
+                        "scatter_crc: payload_offset >= 0, n_heads >= 1, run_bytes >= 1");
+        return NULL;
+    }
+    PyObject *envs_seq = PySequence_Fast(args[0], "scatter_crc: envelopes is not a sequence");
+    PyObject *layers_seq = NULL, *ids_seq = NULL, *result = NULL;
+    Py_buffer *envs = NULL, *lays = NULL;
+    uint8_t **bases = NULL;
+    Py_ssize_t *ids = NULL;
+    Py_ssize_t got_e = 0, got_l = 0;
+    if (envs_seq == NULL)
+        return NULL;
+    layers_seq = PySequence_Fast(args[2], "scatter_crc: layers is not a sequence");
+    ids_seq = layers_seq ? PySequence_Fast(args[3], "scatter_crc: block_ids is not a sequence")
+                         : NULL;
+    if (ids_seq == NULL)
+        goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(envs_seq);
+    Py_ssize_t n_layers = PySequence_Fast_GET_SIZE(layers_seq);
+    if (PySequence_Fast_GET_SIZE(ids_seq) != n || n_layers < 1) {
+        PyErr_SetString(PyExc_ValueError,
+                        "scatter_crc: one block id per envelope and at least one layer");
+        goto done;
+    }
+    envs = PyMem_Calloc((size_t)n + 1, sizeof(Py_buffer));
+    lays = PyMem_Calloc((size_t)n_layers, sizeof(Py_buffer));
+    bases = PyMem_Calloc((size_t)n_layers, sizeof(uint8_t *));
+    ids = PyMem_Calloc((size_t)n + 1, sizeof(Py_ssize_t));
+    if (!envs || !lays || !bases || !ids) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    /* sizes in size_t: the payload of one block and one paged block */
+    if ((size_t)heads > (size_t)PY_SSIZE_T_MAX / 4 / (size_t)run / (size_t)n_layers) {
+        PyErr_SetString(PyExc_ValueError, "scatter_crc: sizes overflow");
+        goto done;
+    }
+    size_t payload = (size_t)n_layers * 2 * (size_t)heads * (size_t)run;
+    size_t block = (size_t)heads * 2 * (size_t)run;
+    Py_ssize_t n_blocks = -1;
+    for (; got_l < n_layers; got_l++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(layers_seq, got_l), &lays[got_l],
+                               PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+            goto done;
+        Py_ssize_t len = lays[got_l].len;
+        if ((size_t)len % block != 0 || (n_blocks >= 0 && (size_t)len / block != (size_t)n_blocks)) {
+            got_l++;
+            PyErr_SetString(PyExc_ValueError,
+                            "scatter_crc: every layer must hold the same whole number of blocks");
+            goto done;
+        }
+        n_blocks = (Py_ssize_t)((size_t)len / block);
+        bases[got_l] = (uint8_t *)lays[got_l].buf;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        ids[i] = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(ids_seq, i));
+        if (ids[i] == -1 && PyErr_Occurred())
+            goto done;
+        if (ids[i] < 0 || ids[i] >= n_blocks) {
+            PyErr_Format(PyExc_ValueError, "scatter_crc: block id %zd is not in 0..%zd", ids[i],
+                         n_blocks - 1);
+            goto done;
+        }
+    }
+    for (; got_e < n; got_e++) {
+        if (get_contiguous(PySequence_Fast_GET_ITEM(envs_seq, got_e), &envs[got_e]) < 0)
+            goto done;
+        if ((size_t)envs[got_e].len < (size_t)off + payload + 4) {
+            got_e++;
+            PyErr_Format(PyExc_ValueError,
+                         "scatter_crc: envelope %zd has %zd bytes, fewer than its payload needs",
+                         got_e - 1, envs[got_e - 1].len);
+            goto done;
+        }
+    }
+    Py_ssize_t ok;
+    Py_BEGIN_ALLOW_THREADS
+    ok = scatter_crc_run(crc_run, crc_run_copy, envs, n, (size_t)off, bases, n_layers, ids,
+                         (size_t)heads, (size_t)run);
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromSsize_t(ok);
+done:
+    for (Py_ssize_t i = 0; i < got_e; i++)
+        PyBuffer_Release(&envs[i]);
+    for (Py_ssize_t i = 0; i < got_l; i++)
+        PyBuffer_Release(&lays[i]);
+    PyMem_Free(envs);
+    PyMem_Free(lays);
+    PyMem_Free(bases);
+    PyMem_Free(ids);
+    Py_XDECREF(ids_seq);
+    Py_XDECREF(layers_seq);
+    Py_DECREF(envs_seq);
+    return result;
+}
+
 /* BytesBuilder: fills one new bytes object by appends (and patches of what was written),
  * then hands it over with finish(), trimmed to what was written: a received stream becomes
  * one `bytes` with one copy per part and no join. The object is private to the builder
@@ -1390,6 +1541,8 @@ static PyMethodDef native_methods[] = {
     {"crc32c", (PyCFunction)(void (*)(void))py_crc32c, METH_FASTCALL, crc32c_doc},
     {"crc32c_kernel", py_crc32c_kernel, METH_NOARGS, crc32c_kernel_doc},
     {"join_crc", (PyCFunction)(void (*)(void))py_join_crc, METH_FASTCALL, join_crc_doc},
+    {"scatter_crc", (PyCFunction)(void (*)(void))py_scatter_crc, METH_FASTCALL,
+     scatter_crc_doc},
     {"crc32c_kernels", py_crc32c_kernels, METH_NOARGS, crc32c_kernels_doc},
     {"crc32c_with", (PyCFunction)(void (*)(void))py_crc32c_with, METH_FASTCALL, crc32c_with_doc},
     {"fnv1a64", (PyCFunction)(void (*)(void))py_fnv1a64, METH_FASTCALL, fnv1a64_doc},

@@ -75,3 +75,60 @@ def join_crc(parts: Sequence[Any]) -> bytes:
     for part in parts:
         crc = crc32c(part, crc)
     return b"".join([*parts, TRAILER.pack(crc)])
+
+
+def scatter_crc(
+    envelopes: Sequence[Any],
+    payload_offset: int,
+    layers: Sequence[np.ndarray],
+    block_ids: Sequence[int],
+    n_heads: int,
+    run_bytes: int,
+) -> int:
+    """Copy single-block envelopes' payloads into a paged cache, each envelope's CRC-32C
+    checked in the same pass; returns how many leading envelopes matched their CRC.
+
+    An envelope's payload (at ``payload_offset``) is ``[L][2][n_heads][run_bytes]``, its
+    CRC (the trailer) covers every byte before the trailer. ``layers`` are the ``L``
+    writable C-contiguous per-layer caches ``[num_blocks][n_heads][2][run_bytes]`` (any
+    dtype); envelope ``i`` goes to block ``block_ids[i]`` of each. The copy stops at the
+    first envelope whose CRC does not match, whose block may then be partly written: the
+    caller must treat that block and the ones after it as not loaded.
+
+    The compiled kernel copies each 2-D run and checksums it in one pass; elsewhere the CRC
+    of each envelope is checked before its copy.
+
+    Raises:
+        ValueError: ids outside the layers' blocks, layers of unequal block counts, or an
+            envelope shorter than its payload.
+    """
+    if _native is not None and _crc32c is _native.crc32c:
+        return int(
+            _native.scatter_crc(envelopes, payload_offset, layers, block_ids, n_heads, run_bytes)
+        )
+    n_layers = len(layers)
+    if len(block_ids) != len(envelopes) or n_layers < 1:
+        raise ValueError("scatter_crc: one block id per envelope and at least one layer")
+    views = [np.asarray(layer).reshape(-1).view(np.uint8) for layer in layers]
+    per_block = n_heads * 2 * run_bytes
+    if any(v.size % per_block or v.size != views[0].size for v in views):
+        raise ValueError("scatter_crc: every layer must hold the same whole number of blocks")
+    n_blocks = views[0].size // per_block
+    shaped = [v.reshape(n_blocks, n_heads, 2, run_bytes) for v in views]
+    payload = n_layers * per_block
+    for block in block_ids:
+        if not 0 <= block < n_blocks:
+            raise ValueError(f"scatter_crc: block id {block} is not in 0..{n_blocks - 1}")
+    mvs = [memoryview(env).cast("B") for env in envelopes]
+    for i, mv in enumerate(mvs):
+        if len(mv) < payload_offset + payload + TRAILER.size:
+            raise ValueError(f"scatter_crc: envelope {i} is shorter than its payload needs")
+    for i, (mv, block) in enumerate(zip(mvs, block_ids, strict=True)):
+        (stored,) = TRAILER.unpack_from(mv, len(mv) - TRAILER.size)
+        if crc32c(mv[: len(mv) - TRAILER.size]) != stored:
+            return i
+        src = np.frombuffer(mv, np.uint8, payload, payload_offset)
+        src = src.reshape(n_layers, 2, n_heads, run_bytes)
+        for layer, part in zip(shaped, src, strict=True):
+            layer[block] = part.transpose(1, 0, 2)
+    return len(envelopes)

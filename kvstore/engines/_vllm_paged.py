@@ -1,5 +1,7 @@
 """vLLM's paged KV cache <-> tlkv blocks: the layout check at registration, one gather per
-layer for the blocks saved, one scatter per layer for the blocks loaded (torch).
+layer for the blocks saved; for the blocks loaded, stored single-block envelopes copied
+straight into their paged blocks with each CRC checked in the same pass (compiled
+``scatter_crc``, a CPU f16 cache), else checked views copied per block and layer.
 
 A block of the envelope is ``[L][2][Hkv][B][D]``; the CPU attention backend keeps each
 layer as ``[num_blocks, Hkv, B, 2 * D]`` whose bytes per (block, head) are ``B`` key rows
@@ -9,14 +11,17 @@ fact the connector relies on is checked against what vLLM registered, or refused
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
+from ..codec.checksum import scatter_crc
 from ..codec.envelope import Block, BlockView, encode
 from ..codec.geometry import Geometry
+from ..codec.layout import HEADER_SIZE, RECORD_SIZE
 from ..kvlayout import layers_from_views
 from ._vllm_parts import KNOWN_BACKENDS, UnsupportedLayoutError
 
@@ -172,6 +177,24 @@ class PagedCache:
         else:
             self._scatter_staged(views, block_ids)
         return sum(len(bv.raw) for bv in views)
+
+    def scatter_envelopes(self, envelopes: Sequence[Any], block_ids: Sequence[int]) -> int | None:
+        """Copy stored single-block v1 envelopes (every reader rule but the CRC already
+        checked, geometry equal to the engine's) into the paged blocks ``block_ids``, each
+        envelope's CRC checked in the same pass; returns how many leading envelopes matched
+        their CRC and are in place (the block of the first that did not may be partly
+        written: it and the ones after it are not loaded). None when this cache cannot take
+        them that way (not a CPU f16 cache): ``scatter`` of checked views then.
+        """
+        import torch
+
+        if self.device.type != "cpu" or self.dtype != torch.float16 or sys.byteorder != "little":
+            return None
+        g = self.geometry
+        run = g.block_tokens * g.head_dim * 2  # one (K or V, head) row block of f16
+        return scatter_crc(
+            envelopes, HEADER_SIZE + RECORD_SIZE, self._np_layers, block_ids, g.n_kv_heads, run
+        )
 
     def _scatter_staged(self, views: Sequence[BlockView], block_ids: Sequence[int]) -> None:
         import torch

@@ -27,18 +27,23 @@ import queue
 import re
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..client import Client
+from ..codec.assembly import pack_header
 from ..codec.envelope import BlockView, decode
 from ..codec.geometry import Geometry
+from ..codec.layout import HEADER_SIZE, RECORD, VERSION_V1
 from ..errors import NotFoundError, TlkvError
 from ..fileio import populate_mapped_pages
 from ..protocol import MODEL_ID_MAX
 from ..store import Store
 from ..transfer import GRPC_SCHEME, TransferClient
+
+if TYPE_CHECKING:
+    from ._vllm_paged import PagedCache
 
 __all__ = [
     "KNOWN_BACKENDS",
@@ -120,6 +125,15 @@ class Target:
         """Checked views of the longest held prefix of ``hashes``, valid in the block."""
         raise NotImplementedError
 
+    def load(
+        self, hashes: Sequence[int], paged: PagedCache, block_ids: Sequence[int]
+    ) -> tuple[int, int]:
+        """Copy the longest held prefix of ``hashes`` into the paged blocks ``block_ids``,
+        every block checked (CRC and reader rules) before the engine can use it; returns
+        (blocks in place, payload bytes read)."""
+        with self.views(hashes) as views:
+            return len(views), paged.scatter(views, block_ids)
+
     def close(self) -> None:
         """Release connections (a shared store stays open for the process)."""
 
@@ -172,6 +186,49 @@ class _StoreTarget(Target):
                 out.append(bv)
             del held
             yield out
+
+    def load(
+        self, hashes: Sequence[int], paged: PagedCache, block_ids: Sequence[int]
+    ) -> tuple[int, int]:
+        """The stored envelopes straight into the paged blocks: every reader rule but the
+        CRC checked first (``_full_v1_blocks``), then one pass that copies each block and
+        checks its CRC (``PagedCache.scatter_envelopes``). A block whose CRC fails ends the
+        loaded prefix (it and the blocks after it are reported not loaded, the engine
+        computes them) and is quarantined. Envelopes that are not all full v1 blocks, or a
+        cache that is not CPU f16, take ``views`` and ``scatter``."""
+        with self.store.reader() as reader:
+            held = []
+            buf = None
+            for h in hashes:
+                buf = reader.envelope(h)
+                if buf is None:
+                    break
+                held.append(buf)
+            populate_mapped_pages(held)  # LMDB maps without readahead: one call, not a fault a page
+            done: int | None = None
+            if _full_v1_blocks(held, paged.geometry):
+                done = paged.scatter_envelopes(held, block_ids[: len(held)])
+            if done is not None and done < len(held):  # checked alone: quarantined if corrupt
+                reader.view(hashes[done], verify=True)
+            del held, buf  # no view outlives the reader
+        if done is None:
+            return super().load(hashes, paged, block_ids)
+        return done, done * paged.geometry.record_bytes(VERSION_V1)
+
+
+def _full_v1_blocks(envelopes: Sequence[memoryview], g: Geometry) -> bool:
+    """Whether each envelope is one full v1 block of geometry ``g`` by every reader rule
+    but the CRC: its 28 header bytes are the ones such an envelope has (magic, version,
+    dtype, one block, ``g``), its length is the one they imply and its ``n_tokens`` is
+    ``B`` (which any block hash allows). Anything else is for ``decode`` to judge."""
+    head = pack_header(VERSION_V1, g, 1)
+    size = g.envelope_bytes(1, VERSION_V1)
+    return all(
+        len(e) == size
+        and e[:HEADER_SIZE] == head
+        and RECORD.unpack_from(e, HEADER_SIZE)[1] == g.block_tokens
+        for e in envelopes
+    )
 
 
 class _HttpTarget(Target):

@@ -23,6 +23,10 @@ Choices:
   cache at the end of the step and a saver thread asks the target which it lacks, encodes
   only those and puts them: the engine never waits on a store or a server (a save is
   visible to other engines a moment after its step; queued saves finish at shutdown).
+- Loads are checked before the forward uses them: from a store directory each block's
+  reader rules are checked, then one pass copies it into its paged block and checks its
+  CRC-32C; a block that fails (and the ones after it) is reported as not loaded before
+  the forward runs, and quarantined. Blocks from a server arrive checked (``decode``).
 - Roles: ``kv_both`` loads and saves, ``kv_producer`` only saves, ``kv_consumer`` only loads.
 - Never cached: requests with a LoRA adapter, multimodal inputs or prompt embeddings. A
   ``cache_salt`` gives the request a namespace of its own.
@@ -394,9 +398,9 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 continue
             done = 0
             try:
-                with self._target(load.model).views(load.hashes) as views:
-                    nbytes = self._paged.scatter(views, load.block_ids)
-                    done = len(views)
+                done, nbytes = self._target(load.model).load(
+                    load.hashes, self._paged, load.block_ids
+                )
                 self._count("blocks_loaded", done)
                 self._count("bytes_loaded", nbytes)
                 if done < len(load.hashes):

@@ -1,0 +1,103 @@
+"""scatter_crc: stored single-block envelopes copied into a vLLM-style paged cache with each
+CRC checked in the same pass, the compiled kernel and the NumPy fallback against a plain
+NumPy oracle (the block's ``[L][2][Hkv][B][D]`` payload transposed per layer)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvstore.codec import checksum
+from kvstore.codec.envelope import Block, encode
+from kvstore.codec.geometry import Geometry
+from kvstore.codec.layout import HEADER_SIZE, RECORD_SIZE
+
+G = Geometry(16, 3, 2, 8)  # B, L, Hkv, D
+RUN = G.block_tokens * G.head_dim * 2
+OFFSET = HEADER_SIZE + RECORD_SIZE
+
+
+@pytest.fixture(params=["native", "numpy"])
+def impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Both implementations: the fallback is the one the module picks without the build."""
+    if request.param == "native":
+        if checksum._native is None or checksum._crc32c is not checksum._native.crc32c:
+            pytest.skip("the compiled kernel is not the module's CRC here")
+    else:
+        monkeypatch.setattr(checksum, "_native", None)
+    yield request.param
+
+
+def _blocks(n: int, seed: int = 0) -> tuple[np.ndarray, list[bytes]]:
+    kv = np.random.default_rng(seed).standard_normal((n, *G.kv_shape)).astype(np.float16)
+    return kv, [encode(G, [Block(1000 + i, G.block_tokens, kv[i])]) for i in range(n)]
+
+
+def _layers(n_blocks: int = 9) -> list[np.ndarray]:
+    shape = (n_blocks, G.n_kv_heads, 2, G.block_tokens, G.head_dim)
+    return [np.zeros(shape, np.float16) for _ in range(G.n_layers)]
+
+
+def _expect(layers: list[np.ndarray], kv: np.ndarray, ids: list[int]) -> list[np.ndarray]:
+    out = [layer.copy() for layer in layers]
+    for i, b in enumerate(ids):
+        for lyr in range(G.n_layers):
+            out[lyr][b] = kv[i, lyr].transpose(1, 0, 2, 3)  # [2][H] -> [H][2]
+    return out
+
+
+def test_copies_every_block_into_its_place(impl: str) -> None:
+    kv, envs = _blocks(4)
+    layers = _layers()
+    ids = [7, 0, 3, 8]
+    want = _expect(layers, kv, ids)
+    got = checksum.scatter_crc(
+        [memoryview(e) for e in envs], OFFSET, layers, ids, G.n_kv_heads, RUN
+    )
+    assert got == 4
+    for a, b in zip(layers, want, strict=True):
+        assert a.tobytes() == b.tobytes()
+    assert checksum.scatter_crc([], OFFSET, layers, [], G.n_kv_heads, RUN) == 0
+
+
+@pytest.mark.parametrize("where", ["header", "record", "payload", "last payload byte", "trailer"])
+def test_stops_at_the_first_block_whose_crc_fails(impl: str, where: str) -> None:
+    kv, envs = _blocks(4, seed=1)
+    at = {
+        "header": 5,
+        "record": HEADER_SIZE + 3,
+        "payload": OFFSET + 1234,
+        "last payload byte": len(envs[2]) - 5,
+        "trailer": len(envs[2]) - 1,
+    }[where]
+    bad = bytearray(envs[2])
+    bad[at] ^= 0x10
+    layers = _layers()
+    ids = [1, 2, 3, 4]
+    want = _expect(layers, kv[:2], ids[:2])
+    got = checksum.scatter_crc([envs[0], envs[1], bad, envs[3]], OFFSET, layers, ids, 2, RUN)
+    assert got == 2
+    for a, b in zip(layers, want, strict=True):  # blocks before it in place, after it untouched
+        assert a[[1, 2, 4]].tobytes() == b[[1, 2, 4]].tobytes()
+
+
+def test_bad_arguments_raise_before_anything_is_written(impl: str) -> None:
+    _, envs = _blocks(2, seed=2)
+    layers = _layers(4)
+    with pytest.raises(ValueError, match="block id"):
+        checksum.scatter_crc(envs, OFFSET, layers, [0, 4], G.n_kv_heads, RUN)
+    with pytest.raises(ValueError, match="block id"):
+        checksum.scatter_crc(envs, OFFSET, layers, [-1, 0], G.n_kv_heads, RUN)
+    with pytest.raises(ValueError, match="one block id per envelope"):
+        checksum.scatter_crc(envs, OFFSET, layers, [0], G.n_kv_heads, RUN)
+    with pytest.raises(ValueError, match=r"shorter|fewer"):
+        checksum.scatter_crc([envs[0], envs[1][:-8]], OFFSET, layers, [0, 1], 2, RUN)
+    with pytest.raises(ValueError, match="same whole number"):
+        checksum.scatter_crc(envs, OFFSET, [*layers[:2], _layers(5)[0]], [0, 1], 2, RUN)
+    assert all(not layer.any() for layer in layers)
+    frozen = _layers(4)
+    frozen[1].flags.writeable = False
+    with pytest.raises((ValueError, BufferError)):
+        checksum.scatter_crc(envs, OFFSET, frozen, [0, 1], G.n_kv_heads, RUN)
