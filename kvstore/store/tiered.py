@@ -40,10 +40,11 @@ log = logging.getLogger("tlkv.store")
 
 QUERY_BATCH = 256  # hashes per round of HEADs when a prefix is looked up in the tier
 GEOMETRY_RETRY = 1.0  # seconds before a tier without the namespace's geometry is asked again
-# How long the caller that asks the tier for a namespace's geometry waits for the answer.
-# The question goes on in the background past it, so a tier that accepts connections and
-# never answers costs a request (and a worker's start-up) at most this, once per question.
-GEOMETRY_WAIT = 2.0
+# How long the caller that asks the tier for a namespace's geometry waits for the answer
+# (a loaded machine's first request to a tier took over 2 s). The question goes on in the
+# background past it, so a tier that accepts connections and never answers costs a request
+# (and a worker's start-up) at most this, once per question.
+GEOMETRY_WAIT = 10.0
 FILL_QUEUE_BYTES = 512 << 20  # read-through bytes awaiting their local commit, at most
 
 
