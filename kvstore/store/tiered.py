@@ -118,6 +118,8 @@ class TierLink:
         self._learned: Geometry | None = None
         self._asked_at = -GEOMETRY_RETRY
         self._asking: threading.Thread | None = None  # the geometry question in flight
+        self._asking_until = 0.0  # when its callers stop waiting for it (monotonic)
+        self._asking_lock = threading.Lock()
         self.uploader = Uploader(self, tier, store.path, self.namespace)
         if store._root is store:  # the processes of one store see one tier state
             tier.share_state(store.path)
@@ -191,22 +193,25 @@ class TierLink:
         """The namespace's geometry from the tier, for a store that has none yet: read
         once it exists (kept), asked at most every ``GEOMETRY_RETRY`` seconds until then.
 
-        The question runs in a thread of its own: the caller that asks waits for it at
-        most ``GEOMETRY_WAIT`` seconds, and callers while it is still in flight do not
-        wait (None: no geometry known yet), so a hung tier never stalls a request for
-        long."""
+        The question runs in a thread of its own. Every caller (the one that asks, and
+        any that come while it is in flight, such as the uploader) waits for its answer
+        until ``GEOMETRY_WAIT`` seconds after it was asked, then gets None (no geometry
+        known yet): a hung tier never stalls a request or a start-up for longer."""
         if self._learned is not None:
             return self._learned
-        asking = self._asking
-        if asking is not None and asking.is_alive():
-            return None
-        if time.monotonic() - self._asked_at < GEOMETRY_RETRY:
-            return None
-        self._asked_at = time.monotonic()
-        asking = threading.Thread(target=self._ask_geometry, name="tlkv-geometry", daemon=True)
-        self._asking = asking
-        asking.start()
-        asking.join(GEOMETRY_WAIT)
+        with self._asking_lock:
+            asking = self._asking
+            if asking is None or not asking.is_alive():
+                if time.monotonic() - self._asked_at < GEOMETRY_RETRY:
+                    return None
+                self._asked_at = time.monotonic()
+                self._asking_until = self._asked_at + GEOMETRY_WAIT
+                asking = threading.Thread(
+                    target=self._ask_geometry, name="tlkv-geometry", daemon=True
+                )
+                self._asking = asking
+                asking.start()
+        asking.join(max(0.0, self._asking_until - time.monotonic()))
         return self._learned
 
     def _ask_geometry(self) -> None:
