@@ -42,8 +42,8 @@ if TYPE_CHECKING:  # THE list of exports: read by type checkers, and by _exports
     from .errors import StoreFullError as StoreFullError
     from .errors import TlkvError as TlkvError
     from .errors import UnsupportedVersionError as UnsupportedVersionError
-    from .store.store import PutReport as PutReport
-    from .store.store import PutResult as PutResult
+    from .results import PutReport as PutReport
+    from .results import PutResult as PutResult
     from .store.store import Store as Store
 
 

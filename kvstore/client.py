@@ -25,7 +25,6 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
@@ -49,28 +48,12 @@ from .protocol import (
     error_for_kind,
     hash_hex,
 )
+from .results import HasResult, PutReport
 
-__all__ = ["Client", "HasResult", "PutResult", "error_from_response"]
+__all__ = ["Client", "HasResult", "PutReport", "error_from_response"]
 
 HashLike = int | str | np.integer
 _MODELS_PATH = "/v1/models"  # the one /v1 route no model prefixes
-
-
-@dataclass(frozen=True)
-class PutResult:
-    """Answer of a put: hashes newly stored, hashes already present, partial blocks skipped."""
-
-    stored: list[int]
-    duplicate: list[int]
-    partial: int
-
-
-@dataclass(frozen=True)
-class HasResult:
-    """Answer of has-blocks: one bool per hash, and how many leading hashes are present."""
-
-    present: list[bool]
-    prefix: int
 
 
 def error_from_response(response: httpx.Response) -> TlkvError:
@@ -358,11 +341,11 @@ class Client:
 
     # --- blocks ---------------------------------------------------------------------
 
-    def put(self, envelope: Any) -> PutResult:
+    def put(self, envelope: Any) -> PutReport:
         """Store every full block of ``envelope`` (any buffer) on the server."""
         reply = self._ok("PUT", "/v1/blocks", content=envelope, body_type=ENVELOPE_MEDIA_TYPE)
         data = reply.json()
-        return PutResult(
+        return PutReport(
             [int(h, 16) for h in data["stored"]],
             [int(h, 16) for h in data["duplicate"]],
             int(data["partial"]),
