@@ -8,16 +8,12 @@ Linux, asked for explicitly here): with ``--workers N`` the N servers share it a
 kernel spreads connections among them; the store (LMDB) is shared by the processes.
 
 - ``PushKv`` parses chunks without copying their payloads (``parse_chunk``), checks each
-  as it arrives (``kvstore.transfer.check_chunk``: one CRC pass, in the thread pool,
-  overlapping the next chunk's arrival) and keeps the payloads in memory; after the last
-  chunk everything is committed in one store transaction (``Store.import_batch``, or
-  ``Store.put_sequence`` when ``sequence`` is set), so a failed or cancelled stream stores
+  as it arrives by the stream rules (``kvstore.transfer.PushStream``: the payload's one
+  CRC pass in the thread pool, overlapping the next chunk's arrival) and keeps the
+  payloads in memory; after the last chunk everything is committed in one store
+  transaction (``api.grpc_push.PushCommit``), so a failed or cancelled stream stores
   nothing. A stream is bounded by ``grpc_max_stream`` payload bytes (RESOURCE_EXHAUSTED
   beyond).
-- A referenced block (empty payload) must be held when the stream commits: sent earlier
-  in the same stream, or in the store (checked at commit, FAILED_PRECONDITION naming the
-  hash otherwise). Without ``sequence`` a reference writes nothing; with it, the stored
-  copy is read (transcoded to the pushed format if it is stored in the other) and pinned.
 - ``FetchKv`` streams ``Store.get`` results (CRC-checked, written by ``serialize_chunk``),
   reading block i+1 in the thread pool while block i is sent; a block evicted meanwhile
   ends the stream (a shorter prefix).
@@ -45,228 +41,42 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvstore import Geometry, Store, chain_hashes, decode
-from kvstore._tlkv_v1 import kv_pb2, kv_pb2_grpc
-from kvstore.codec.layout import NO_HASH, SUPPORTED_VERSIONS
+from kvstore import Store, chain_hashes, decode
+from kvstore.codec.layout import SUPPORTED_VERSIONS
 from kvstore.errors import (
-    FormatError,
     InvalidRequestError,
-    NotFoundError,
-    ShapeError,
     TlkvError,
     TooLargeError,
     UnauthorizedError,
-    UnsupportedVersionError,
 )
-from kvstore.protocol import (
-    DEFAULT_MODEL,
-    MODEL_HEADER,
-    SEQUENCE_NAME_MAX,
-    check_model_id,
-    hash_hex,
-    is_sequence_name,
-)
-from kvstore.store import transcode_stored
+from kvstore.protocol import DEFAULT_MODEL, MODEL_HEADER, check_model_id, hash_hex
 from kvstore.transfer import (
     ERROR_KIND_KEY,
     MAX_CHUNK_PAYLOAD,
     MAX_MESSAGE_BYTES,
     MISSING_BLOCK_KEY,
+    SERVICE_NAME,
+    Checked,
     WireChunk,
-    check_chunk,
     envelope_crc_to_chunk_crc,
     grpc_status_of,
-    join_checked,
     parse_chunk,
     serialize_chunk,
 )
+from kvstore.transfer._tlkv_v1 import kv_pb2, kv_pb2_grpc
 
 from .access import EVERYTHING, Access, TokenTable, check_access
 from .formats import read_version
+from .grpc_push import PushCommit
 from .metrics import Metrics
 from .modelscope import handle_of
 
 log = logging.getLogger("tlkv.grpc")
 
-SERVICE_NAME = "tl.kv.v1.KvTransfer"
 DEFAULT_MAX_STREAM = 1 << 30  # payload bytes one PushKv stream may buffer before it commits
 _MAX_DETAILS = 1000
 
 T = TypeVar("T")
-
-
-class _Push:
-    """One PushKv stream: its chunks checked as they arrive and kept until it commits.
-
-    ``note`` runs on the event loop, in stream order (the rules that depend on order and
-    the stream's byte limit); ``check`` runs in the thread pool (the payload's CRC and
-    reader rules, the CRC with the GIL released); ``finish`` takes the checked entries in
-    stream order.
-    """
-
-    def __init__(self, store: Store, formats: Sequence[int], max_stream: int) -> None:
-        self.store = store
-        self.formats = tuple(formats)
-        self.max_stream = max_stream
-        self.store_geometry = store.geometry
-        self.name: str | None = None
-        # (hash, payload or None for a reference, kv_format) in stream order
-        self.entries: list[tuple[int, Any, int]] = []
-        self.referenced = 0
-        self.payload_bytes = 0
-        self.count = 0
-
-    def note(self, chunk: Any) -> int:
-        """The order-dependent rules of the next chunk; returns its index."""
-        index = self.count
-        self.count += 1
-        if chunk.sequence:
-            if index == 0:
-                if not is_sequence_name(chunk.sequence):
-                    raise InvalidRequestError(
-                        f"a sequence name is 1-{SEQUENCE_NAME_MAX} characters of "
-                        f"[A-Za-z0-9._-], found {chunk.sequence[:140]!r}"
-                    )
-                self.name = chunk.sequence
-            elif chunk.sequence != self.name:
-                raise InvalidRequestError(
-                    f"chunk {index}: the sequence name is given on the first chunk only"
-                )
-        self.payload_bytes += len(chunk.payload)
-        if self.payload_bytes > self.max_stream:
-            raise TooLargeError(
-                f"the stream's payloads exceed this server's limit of {self.max_stream} bytes "
-                "per PushKv; push in smaller parts"
-            )
-        return index
-
-    def check(self, index: int, chunk: Any) -> tuple[int, Any, int, Geometry | None]:
-        """Every rule of one chunk but "the referenced block is held" (thread pool)."""
-        h, fmt, payload = chunk.block_hash, chunk.kv_format, chunk.payload
-        if not len(payload):
-            if not fmt:  # proto3's unset value: a reference names its format too
-                raise InvalidRequestError(
-                    f"chunk {index}: rule 'kv_format is one of "
-                    f"{', '.join(map(str, SUPPORTED_VERSIONS))}' failed: found 0"
-                )
-            if fmt not in self.formats:
-                raise UnsupportedVersionError(
-                    f"chunk {index}: kv_format {fmt} is not a format this server reads "
-                    f"(it reads {', '.join(map(str, self.formats))})"
-                )
-            if chunk.crc32c:
-                raise FormatError(
-                    f"chunk {index}: crc32c {chunk.crc32c:#010x} of an empty payload must be 0"
-                )
-            if h == NO_HASH:
-                raise InvalidRequestError(
-                    f"chunk {index}: an empty payload references a full block by its hash; "
-                    "block_hash 0 (the partial tail) must carry its payload"
-                )
-            return h, None, fmt, None
-        try:
-            env = check_chunk(
-                h,
-                chunk.n_tokens,
-                fmt,
-                payload,
-                chunk.crc32c,
-                geometry=self.store_geometry,
-                versions=self.formats,
-            )
-        except TlkvError as exc:
-            raise type(exc)(f"chunk {index} (block {h:016x}): {exc}") from None
-        return h, payload, env.version, env.geometry
-
-    def finish(
-        self, checked: list[tuple[int, Any, int, Geometry | None]], chunks: list[Any]
-    ) -> None:
-        """Take the checked chunks: one geometry for the stream, full references."""
-        geometry = self.store_geometry
-        for index, ((h, payload, fmt, g), chunk) in enumerate(zip(checked, chunks)):
-            if g is not None and geometry is None:
-                geometry = g
-            elif g is not None and g != geometry:
-                assert geometry is not None
-                raise ShapeError(
-                    f"chunk {index} (block {h:016x}): geometry {g.as_tuple()} differs from "
-                    f"the stream's {geometry.as_tuple()}"
-                )
-            if payload is None:
-                if geometry is not None and chunk.n_tokens != geometry.block_tokens:
-                    raise InvalidRequestError(
-                        f"chunk {index}: a referenced block is full: n_tokens must be "
-                        f"{geometry.block_tokens}, found {chunk.n_tokens}"
-                    )
-                self.referenced += 1
-            self.entries.append((h, payload, fmt))
-
-    def commit(self) -> kv_pb2.PushKvResponse:
-        """Store the stream in one transaction (all or nothing)."""
-        if not self.entries:
-            return kv_pb2.PushKvResponse()
-        if self.name is None:
-            stored, duplicate = self._commit_blocks()
-        else:
-            stored, duplicate = self._commit_sequence(self.name)
-        return kv_pb2.PushKvResponse(
-            blocks=len(self.entries),
-            referenced=self.referenced,
-            stored=stored,
-            duplicate=duplicate,
-            payload_bytes=self.payload_bytes,
-        )
-
-    def _commit_blocks(self) -> tuple[int, int]:
-        sent = {h for h, payload, _ in self.entries if payload is not None and h != NO_HASH}
-        refs = [h for h, payload, _ in self.entries if payload is None and h not in sent]
-        if refs:
-            for h, here in zip(refs, self.store.has(refs)):
-                if not here:
-                    raise _missing(h)
-        blocks = [p for h, p, _ in self.entries if p is not None and h != NO_HASH]
-        if not blocks:
-            return 0, 0
-        result = self.store.import_batch(blocks=blocks)
-        return result.stored, result.duplicate
-
-    def _commit_sequence(self, name: str) -> tuple[int, int]:
-        formats = [v for _, p, v in self.entries if p is not None]
-        version = formats[0] if formats else next((v for _, _, v in self.entries if v), None)
-        for i, (_, payload, v) in enumerate(self.entries):
-            if payload is not None and v != version:
-                raise InvalidRequestError(
-                    f"chunk {i}: a sequence is one envelope of one format: kv_format {v} "
-                    f"after {version}"
-                )
-        sent = {h: p for h, p, _ in self.entries if p is not None and h != NO_HASH}
-        refs = [h for h, p, _ in self.entries if p is None and h not in sent]
-        held: dict[int, bytes] = {}
-        if refs:
-            for h, data in zip(refs, self.store.get_many(refs)):
-                if data is None:
-                    raise _missing(h)
-                if version is None:
-                    version = decode(data, verify_crc=False).version
-                if decode(data, verify_crc=False).version != version:
-                    data = transcode_stored(h, data, version)
-                held[h] = data
-        parts = [p if p is not None else held.get(h) or sent[h] for h, p, _ in self.entries]
-        # every part's CRC was checked: on arrival, by Store.get_many, or made by transcode
-        envelope = parts[0] if len(parts) == 1 else join_checked(parts)
-        result = self.store.put_sequence(name, envelope)
-        # put_sequence counts the referenced blocks as duplicates (they were held).
-        full_refs = sum(1 for h, p, _ in self.entries if p is None)
-        return result.stored, max(0, result.duplicate - full_refs)
-
-
-def _missing(h: int) -> NotFoundError:
-    exc = NotFoundError(
-        f"block {h:016x} is not held by this server (evicted since HasBlocks?): "
-        "resend it with its payload"
-    )
-    exc.missing_hash = h  # type: ignore[attr-defined]
-    return exc
 
 
 class KvTransferService(kv_pb2_grpc.KvTransferServicer):
@@ -410,10 +220,10 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
         """Receive a KV state chunk by chunk; commit all or nothing after the last."""
 
         async def body(store: Store) -> kv_pb2.PushKvResponse:
-            push = _Push(store, self.formats, self.max_stream)
+            push = PushCommit(store, self.formats, self.max_stream)
             loop = asyncio.get_running_loop()
             chunks: list[Any] = []
-            checks: list[asyncio.Future[tuple[int, Any, int, Geometry | None]]] = []
+            checks: list[asyncio.Future[Checked]] = []
             failed = 0  # checks before this index are known to have passed
             async for chunk in request_iterator:
                 index = push.note(chunk)
@@ -423,7 +233,7 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
                     checks[failed].result()  # fail fast: raises the first failed check
                     failed += 1
             checked = [await c for c in checks]  # in stream order: the first failure wins
-            push.finish(checked, chunks)
+            push.take(checked, chunks)
             await _confirm_half_closed(context)
             return await loop.run_in_executor(None, push.commit)
 
@@ -519,7 +329,7 @@ def _code_of(exc: BaseException) -> grpc.StatusCode:
 def _add_service(service: KvTransferService, server: grpc.aio.Server) -> None:
     """Register KvTransfer as the generated ``add_KvTransferServicer_to_server`` does, but
     with PushKv's requests parsed by ``parse_chunk`` and FetchKv's chunks written by
-    ``serialize_chunk`` (``kvstore._wirechunk``: payloads not copied by protobuf)."""
+    ``serialize_chunk`` (``kvstore.transfer.wirechunk``: payloads not copied by protobuf)."""
     handlers = {
         "HasBlocks": grpc.unary_unary_rpc_method_handler(
             service.HasBlocks,

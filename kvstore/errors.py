@@ -1,7 +1,11 @@
 """The exception tree of tlkv: every error the codec, the store and the archive raise.
 
-Each class has an ``http_status`` and an ``kind`` used by the HTTP layer's single error
-shape, and messages that name the rule, the expected value and the found value.
+Each class has a ``kind`` and an ``http_status`` (the HTTP layer's single error shape) and
+a ``grpc_status``: the name of the ``grpc.StatusCode`` tl.kv.v1 answers it with, as a
+string, so this module imports no gRPC (``kvstore.transfer.status`` turns the names into
+codes). A class may also name the statuses a client reads as it when a failed call carries
+no error kind (``grpc_default_for``: declared on the class itself, never inherited). The
+messages name the rule, the expected value and the found value.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ class TlkvError(Exception):
 
     kind = "error"
     http_status = 500
+    grpc_status = "INTERNAL"
+    grpc_default_for: tuple[str, ...] = ()
 
 
 class EnvelopeError(TlkvError, ValueError):
@@ -19,10 +25,13 @@ class EnvelopeError(TlkvError, ValueError):
 
     kind = "format"
     http_status = 422
+    grpc_status = "DATA_LOSS"
 
 
 class FormatError(EnvelopeError):
     """The envelope's bytes are malformed (length, magic, CRC, dtype, fill, hash rule)."""
+
+    grpc_default_for = ("DATA_LOSS",)
 
 
 class TruncatedError(FormatError):
@@ -49,6 +58,8 @@ class UnsupportedVersionError(EnvelopeError):
 
     kind = "version"
     http_status = 415
+    grpc_status = "FAILED_PRECONDITION"
+    grpc_default_for = ("FAILED_PRECONDITION",)
 
 
 class StoreError(TlkvError):
@@ -63,6 +74,7 @@ class StoreFullError(StoreError):
 
     kind = "store_full"
     http_status = 507
+    grpc_status = "RESOURCE_EXHAUSTED"
 
 
 class ModelLimitError(StoreFullError):
@@ -125,6 +137,8 @@ class NotFoundError(TlkvError, LookupError):
 
     kind = "not_found"
     http_status = 404
+    grpc_status = "FAILED_PRECONDITION"
+    grpc_default_for = ("NOT_FOUND",)
 
 
 class TooLargeError(TlkvError):
@@ -132,6 +146,8 @@ class TooLargeError(TlkvError):
 
     kind = "too_large"
     http_status = 413
+    grpc_status = "RESOURCE_EXHAUSTED"
+    grpc_default_for = ("RESOURCE_EXHAUSTED",)
 
 
 class UnauthorizedError(TlkvError):
@@ -139,6 +155,8 @@ class UnauthorizedError(TlkvError):
 
     kind = "unauthorized"
     http_status = 401
+    grpc_status = "UNAUTHENTICATED"
+    grpc_default_for = ("UNAUTHENTICATED",)
 
 
 class ForbiddenError(TlkvError):
@@ -153,6 +171,8 @@ class InvalidRequestError(TlkvError, ValueError):
 
     kind = "invalid_request"
     http_status = 422
+    grpc_status = "INVALID_ARGUMENT"
+    grpc_default_for = ("INVALID_ARGUMENT",)
 
 
 class MethodNotAllowedError(InvalidRequestError):
@@ -167,6 +187,7 @@ class BusyError(TlkvError):
 
     kind = "busy"
     http_status = 503
+    grpc_status = "UNAVAILABLE"
 
 
 class StoreBusyError(BusyError, StoreError):
@@ -197,6 +218,7 @@ class CacheLayoutError(TlkvError, ValueError):
 
     kind = "cache_layout"
     http_status = 422
+    grpc_status = "INVALID_ARGUMENT"
 
 
 class SlidingWindowError(CacheLayoutError):

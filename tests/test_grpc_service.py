@@ -332,11 +332,11 @@ def test_fetch_blocks_streams_the_checked_blocks(client: TransferClient) -> None
 def test_fetch_envelope_grows_past_its_reservation(
     client: TransferClient, monkeypatch: pytest.MonkeyPatch, reserve: int
 ) -> None:
-    import kvstore.transfer
+    import kvstore.transfer.limits
 
     tokens, data = prompt(4 * G.block_tokens + 1)
     client.push(data)
-    monkeypatch.setattr(kvstore.transfer, "FETCH_RESERVE_BYTES", reserve)
+    monkeypatch.setattr(kvstore.transfer.limits, "FETCH_RESERVE_BYTES", reserve)
     expected = join(split(data)[:4])
     assert client.fetch(tokens=tokens) == expected
     assert client.fetch(hashes=chain_hashes(tokens, G.block_tokens)) == expected

@@ -169,7 +169,9 @@ def test_generated_modules_match_a_fresh_generation() -> None:
         sys.path.remove(str(REPO / "tools"))
     fresh = gen_proto.generate()
     for name, text in fresh.items():
-        assert (REPO / "kvstore" / "_tlkv_v1" / name).read_text(encoding="utf-8") == text, name
+        assert (REPO / "kvstore" / "transfer" / "_tlkv_v1" / name).read_text(
+            encoding="utf-8"
+        ) == text, name
 
 
 @pytest.mark.parametrize("version", [1, 2])

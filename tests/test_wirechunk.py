@@ -1,4 +1,4 @@
-"""kvstore._wirechunk: the zero-copy KvChunk parser and writer agree with protobuf's code."""
+"""kvstore.transfer.wirechunk: the zero-copy KvChunk parser and writer agree with protobuf."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from google.protobuf.message import DecodeError
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvstore._tlkv_v1 import kv_pb2
-from kvstore._wirechunk import WireChunk, parse_chunk, serialize_chunk
+from kvstore.transfer._tlkv_v1 import kv_pb2
+from kvstore.transfer.wirechunk import WireChunk, parse_chunk, serialize_chunk
 
 FIELDS = ("block_hash", "n_tokens", "kv_format", "crc32c", "sequence")
 

@@ -71,7 +71,7 @@ async def _serve_bare(port: int, blob: Path) -> None:
     import grpc
 
     from kvstore import crc32c, decode
-    from kvstore._tlkv_v1 import kv_pb2, kv_pb2_grpc
+    from kvstore.transfer._tlkv_v1 import kv_pb2, kv_pb2_grpc
 
     cached = blob.read_bytes()
     crc = crc32c(cached)
@@ -106,7 +106,7 @@ async def _serve_bare_file(port: int, spool: Path) -> None:
     store does, then rewrites its own."""
     import grpc
 
-    from kvstore._tlkv_v1 import kv_pb2
+    from kvstore.transfer._tlkv_v1 import kv_pb2
 
     fd = os.open(spool, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     pushes = 0
@@ -216,7 +216,7 @@ def _chunks(hashes: list[int], kv_seed: int = 0) -> list[Any]:
     import numpy as np
 
     from kvstore import Block, Geometry, crc32c, encode
-    from kvstore._tlkv_v1 import kv_pb2
+    from kvstore.transfer._tlkv_v1 import kv_pb2
 
     g = Geometry(*GEOMETRY)
     kv = np.random.default_rng(kv_seed).standard_normal(g.kv_shape).astype(np.float16)
@@ -255,7 +255,7 @@ def _commit_alone(path: Path, growing: int, steady: int) -> tuple[list[float], l
 def _stub(port: int) -> Any:
     import grpc
 
-    from kvstore._tlkv_v1 import kv_pb2_grpc
+    from kvstore.transfer._tlkv_v1 import kv_pb2_grpc
 
     channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=_options())
     return kv_pb2_grpc.KvTransferStub(channel)
@@ -273,10 +273,10 @@ def _spread(values: list[float]) -> str:
 
 def run(args: argparse.Namespace) -> list[Row]:
     """Every tl.kv.v1 measurement; rows for tools/bench.py's table."""
-    from kvstore._tlkv_v1 import kv_pb2
     from kvstore.client import Client
     from kvstore.codec.layout import HEADER_SIZE, TRAILER_SIZE
     from kvstore.transfer import TransferClient
+    from kvstore.transfer._tlkv_v1 import kv_pb2
 
     quick = bool(args.quick)
     rounds = 3 if quick else 7

@@ -4,8 +4,8 @@ Usage: python tools/gen_proto.py [--check]
 
 Runs grpcio-tools' protoc (``--python_out``, ``--pyi_out``, ``--grpc_python_out``) into a
 temporary directory, makes the service module import its messages relatively (the
-modules live in the package ``kvstore._tlkv_v1``, not in a top-level ``tl`` package), and
-writes them to ``kvstore/_tlkv_v1/``. ``--check`` compares instead of writing and exits 1
+modules live in the package ``kvstore.transfer._tlkv_v1``, not in a top-level ``tl`` package), and
+writes them to ``kvstore/transfer/_tlkv_v1/``. ``--check`` compares instead of writing and exits 1
 when the checked-in modules differ from a fresh generation.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 PROTO_ROOT = REPO / "api" / "proto"
 PROTO = "tl/kv/v1/kv.proto"
-OUT = REPO / "kvstore" / "_tlkv_v1"
+OUT = REPO / "kvstore" / "transfer" / "_tlkv_v1"
 MODULES = ("kv_pb2.py", "kv_pb2.pyi", "kv_pb2_grpc.py")
 _ABSOLUTE_IMPORT = "from tl.kv.v1 import kv_pb2 as"
 _RELATIVE_IMPORT = "from . import kv_pb2 as"
@@ -69,7 +69,9 @@ def main(argv: list[str] | None = None) -> int:
             if not (OUT / name).exists() or (OUT / name).read_text(encoding="utf-8") != text
         ]
         for name in stale:
-            print(f"kvstore/_tlkv_v1/{name} differs from a fresh generation", file=sys.stderr)
+            print(
+                f"kvstore/transfer/_tlkv_v1/{name} differs from a fresh generation", file=sys.stderr
+            )
         return 1 if stale else 0
     OUT.mkdir(exist_ok=True)
     for name, text in texts.items():

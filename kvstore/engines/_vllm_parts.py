@@ -68,6 +68,7 @@ class UnsupportedLayoutError(TlkvError, ValueError):
 
     kind = "cache_layout"
     http_status = 422
+    grpc_status = "INVALID_ARGUMENT"
 
 
 def _fit(text: str, room: int) -> str:

@@ -1,0 +1,115 @@
+"""One PushKv stream on the server: the stream rules as chunks arrive, then one commit.
+
+The rules are :class:`kvstore.transfer.PushStream`'s (the client plans its chunks by the
+same ones); what is left here is what only the store can answer -- a referenced block is
+held -- and the commit: everything in one store transaction (``Store.import_batch``, or
+``Store.put_sequence`` when the stream names a sequence), so a failed or cancelled stream
+stores nothing.
+
+- A referenced block (empty payload) must be held when the stream commits: sent earlier
+  in the same stream, or in the store (FAILED_PRECONDITION naming the hash otherwise).
+  Without a sequence a reference writes nothing; with one, the stored copy is read
+  (transcoded to the pushed format if it is stored in the other) and pinned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvstore import Store, decode
+from kvstore.codec.layout import NO_HASH
+from kvstore.errors import NotFoundError
+from kvstore.store import transcode_stored
+from kvstore.transfer import Checked, PushStream, join_checked
+from kvstore.transfer._tlkv_v1 import kv_pb2
+
+__all__ = ["PushCommit"]
+
+
+class PushCommit:
+    """One PushKv stream: its chunks checked as they arrive and kept until it commits.
+
+    ``note`` runs on the event loop, in stream order (the rules that depend on order and
+    the stream's byte limit); ``check`` runs in the thread pool (the payload's CRC and
+    reader rules, the CRC with the GIL released); ``take`` takes the checked chunks in
+    stream order; ``commit`` (thread pool) stores them.
+    """
+
+    def __init__(self, store: Store, formats: Sequence[int], max_stream: int) -> None:
+        self.store = store
+        self.stream = PushStream(formats, geometry=store.geometry, max_bytes=max_stream)
+
+    def note(self, chunk: Any) -> int:
+        """The order-dependent rules of the next chunk; returns its index."""
+        return self.stream.note(chunk)
+
+    def check(self, index: int, chunk: Any) -> Checked:
+        """Every rule of one chunk but "the referenced block is held" (thread pool)."""
+        return self.stream.check(index, chunk)
+
+    def take(self, checked: Sequence[Checked], chunks: Sequence[Any]) -> None:
+        """The rules across the stream's checked chunks (one geometry, full references,
+        one format per sequence)."""
+        self.stream.take(checked, chunks)
+
+    def commit(self) -> kv_pb2.PushKvResponse:
+        """Store the stream in one transaction (all or nothing)."""
+        stream = self.stream
+        if not stream.entries:
+            return kv_pb2.PushKvResponse()
+        if stream.name is None:
+            stored, duplicate = self._commit_blocks()
+        else:
+            stored, duplicate = self._commit_sequence(stream.name)
+        return kv_pb2.PushKvResponse(
+            blocks=len(stream.entries),
+            referenced=stream.referenced,
+            stored=stored,
+            duplicate=duplicate,
+            payload_bytes=stream.payload_bytes,
+        )
+
+    def _commit_blocks(self) -> tuple[int, int]:
+        entries = self.stream.entries
+        sent = {h for h, payload, _ in entries if payload is not None and h != NO_HASH}
+        refs = [h for h, payload, _ in entries if payload is None and h not in sent]
+        if refs:
+            for h, here in zip(refs, self.store.has(refs)):
+                if not here:
+                    raise _missing(h)
+        blocks = [p for h, p, _ in entries if p is not None and h != NO_HASH]
+        if not blocks:
+            return 0, 0
+        result = self.store.import_batch(blocks=blocks)  # the store's write: one transaction
+        return result.stored, result.duplicate
+
+    def _commit_sequence(self, name: str) -> tuple[int, int]:
+        entries, version = self.stream.entries, self.stream.version
+        assert version is not None  # take() sets it for a named stream with entries
+        sent = {h: p for h, p, _ in entries if p is not None and h != NO_HASH}
+        refs = [h for h, p, _ in entries if p is None and h not in sent]
+        held: dict[int, bytes] = {}
+        if refs:
+            for h, data in zip(refs, self.store.get_many(refs)):
+                if data is None:
+                    raise _missing(h)
+                if decode(data, verify_crc=False).version != version:
+                    data = transcode_stored(h, data, version)
+                held[h] = data
+        parts = [p if p is not None else held.get(h) or sent[h] for h, p, _ in entries]
+        # every part's CRC was checked: on arrival, by Store.get_many, or made by transcode
+        envelope = parts[0] if len(parts) == 1 else join_checked(parts)
+        result = self.store.put_sequence(name, envelope)  # the store's write: one transaction
+        # put_sequence counts the referenced blocks as duplicates (they were held).
+        full_refs = sum(1 for h, p, _ in entries if p is None)
+        return result.stored, max(0, result.duplicate - full_refs)
+
+
+def _missing(h: int) -> NotFoundError:
+    exc = NotFoundError(
+        f"block {h:016x} is not held by this server (evicted since HasBlocks?): "
+        "resend it with its payload"
+    )
+    exc.missing_hash = h  # type: ignore[attr-defined]
+    return exc
