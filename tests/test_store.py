@@ -24,10 +24,10 @@ import numpy as np
 import pytest
 from conftest import SMALL, make_blocks, make_envelope
 
-import kvstore.store.core as core_module
 import kvstore.store.diskformat as L
 import kvstore.store.keyset as keyset_module
 import kvstore.store.lmdbenv as lmdbenv_module
+import kvstore.store.state as state_module
 import kvstore.store.writetxn as writetxn_module
 from kvstore import (
     Block,
@@ -354,7 +354,7 @@ def test_has_of_many_hashes_uses_one_snapshot_copy(store: Store) -> None:
     queries = np.concatenate([hashes, hashes + 1])
     expected = [True] * 64 + [bool(np.isin(h, hashes)) for h in (hashes + 1)]
     assert store.has(queries) == expected
-    assert store._keys._cached is not None
+    assert store._h.keys._cached is not None
     assert store.longest_prefix(queries) == 64
 
 
@@ -1142,7 +1142,7 @@ def test_disk_full_is_store_full_and_stores_nothing(tmp_path: Path) -> None:
 def test_pending_hits_are_flushed_in_the_background(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(core_module, "_FLUSH_INTERVAL", 0.0)
+    monkeypatch.setattr(state_module, "_FLUSH_INTERVAL", 0.0)
     with Store(tmp_path / "s") as s:
         envelope = make_envelope(SMALL, 4)
         s.put(envelope)
