@@ -33,6 +33,7 @@ from ..codec.assembly import (
 from ..codec.envelope import decode
 from ..errors import ArchiveError, TlkvError
 from ..pipeline import OrderedPipeline
+from ..store.protocols import RestoreTarget
 from .reader import ArchiveReader
 from .scan import ArchiveBlock, ArchiveSequence, Problem
 
@@ -63,7 +64,7 @@ class Importer:
 
     def __init__(
         self,
-        store: Any,
+        store: RestoreTarget,
         archive: ArchiveReader,
         report: RestoreReport,
         *,
