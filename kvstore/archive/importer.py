@@ -95,7 +95,8 @@ class Importer:
         present = self.store.has([b.hash for b in batch])
         new = [b for b, p in zip(batch, present) if not p]
         if new:
-            self.store.import_batch(blocks=[b.envelope for b in new], journal=self.journal)
+            envelopes = [b.envelope if b.decoded is None else b.decoded for b in new]
+            self.store.import_batch(blocks=envelopes, journal=self.journal)
         self.report.blocks += len(batch)
         self.report.new_blocks += len(new)
 
