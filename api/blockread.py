@@ -74,7 +74,7 @@ def plain_block_read(
     method: str,
     query: bytes,
     formats: Collection[int],
-    store: Any | None,
+    store: object | None,
     methods: Collection[str] = READ_METHODS,
 ) -> int | None:
     """The hash a block read asks for, when a fast door may answer it from ``store`` as stored.

@@ -51,6 +51,8 @@ from fastapi import FastAPI
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.protocols.utils import get_client_addr
 
+from kvstore.store.protocols import BufferSource
+
 from .blockread import ROUTE, block_answer, may_read_default, plain_block_read
 from .routes.blocks import watch_body
 
@@ -130,7 +132,7 @@ class TlkvHttpProtocol(HttpToolsProtocol):
         )
         self._vectored = False
         self._state: Any = None
-        self._store: Any = None
+        self._store: BufferSource | None = None
         self._settings: Any = None
         self._metrics: Any = None
 
@@ -205,7 +207,11 @@ class TlkvHttpProtocol(HttpToolsProtocol):
             if name == b"authorization":
                 authorization = value
         store = self._store
-        if store.tier is not None or not may_read_default(settings.tokens, authorization):
+        if (
+            store is None
+            or store.tier is not None
+            or not may_read_default(settings.tokens, authorization)
+        ):
             return False
         try:
             found = store.get_buffers([h])

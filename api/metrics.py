@@ -62,6 +62,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from prometheus_client.registry import Collector
 
+from kvstore.store.protocols import ServedStore
+
 from .opsmetrics import ModelFilter, OpsMetrics
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -243,7 +245,7 @@ class Metrics:
         self._series: dict[tuple[str, str, int], tuple[Any, Any]] = {}
         # observe_request_soon's: per label set [requests, seconds, per-bucket counts].
         self._pending: dict[tuple[str, str, int], list[Any]] = {}
-        self._pending_store: Any = None
+        self._pending_store: ServedStore | None = None
         self._flush_timer: asyncio.TimerHandle | None = None
         self._open_snapshots = Gauge(
             "tlkv_store_open_snapshots",
@@ -301,7 +303,7 @@ class Metrics:
         route: str,
         status: int,
         seconds: float,
-        store: Any,
+        store: ServedStore | None,
         loop: asyncio.AbstractEventLoop,
     ) -> None:
         """``observe_request``, written out within ``BATCH_SECONDS`` (by a timer of
@@ -340,14 +342,14 @@ class Metrics:
         self._observe_store(store)
 
     def observe_request(
-        self, method: str, route: str, status: int, seconds: float, store: Any
+        self, method: str, route: str, status: int, seconds: float, store: ServedStore | None
     ) -> None:
         """``observe`` one finished HTTP request, then the store's read counters and
         open snapshots (``store`` None: not open)."""
         self.observe(method, route, status, seconds)
         self._observe_store(store)
 
-    def _observe_store(self, store: Any) -> None:
+    def _observe_store(self, store: ServedStore | None) -> None:
         """The store's read counters and open snapshots, after requests (None: no store)."""
         if store is not None:
             handles = store.open_handles()  # every model's reads
@@ -384,7 +386,7 @@ class Metrics:
             self._oldest_snapshot.set(held[1])
             self._seen_snapshots = held
 
-    def observe_snapshots_of(self, store: Any) -> None:
+    def observe_snapshots_of(self, store: ServedStore) -> None:
         """``observe_snapshots`` of ``store``, at most every ``SNAPSHOT_REFRESH`` seconds
         (requests call it; a scrape calls ``observe_snapshots`` itself)."""
         now = time.monotonic()

@@ -22,6 +22,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from kvstore.store.protocols import HandleCounters
+
 TIER_LOCAL = "local"  # the ``tier`` label of a hit served from this node's LMDB
 TIER_OBJECT = "object"  # ... of a local miss the object-store tier answered
 
@@ -97,7 +99,7 @@ class OpsMetrics:
             registry=r,
         )
 
-    def observe_handles(self, handles: Iterable[Any]) -> None:
+    def observe_handles(self, handles: Iterable[HandleCounters]) -> None:
         """Add the increase of each open store handle's read and write counters since the
         last call (a handle's counters only grow while it is open)."""
         for h in handles:

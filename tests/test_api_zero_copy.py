@@ -220,7 +220,7 @@ def test_a_remap_waits_for_held_bodies(server: _Server) -> None:
         grown = threading.Event()
 
         def grow() -> None:
-            store._lmdb.resize(grow=True, need=0)
+            store._h.env.lmdb.resize(grow=True, need=0)
             grown.set()
 
         t = threading.Thread(target=grow)

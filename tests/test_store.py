@@ -24,10 +24,10 @@ import numpy as np
 import pytest
 from conftest import SMALL, make_blocks, make_envelope
 
-import kvstore.store.core as core_module
 import kvstore.store.diskformat as L
 import kvstore.store.keyset as keyset_module
 import kvstore.store.lmdbenv as lmdbenv_module
+import kvstore.store.state as state_module
 import kvstore.store.writetxn as writetxn_module
 from kvstore import (
     Block,
@@ -354,7 +354,7 @@ def test_has_of_many_hashes_uses_one_snapshot_copy(store: Store) -> None:
     queries = np.concatenate([hashes, hashes + 1])
     expected = [True] * 64 + [bool(np.isin(h, hashes)) for h in (hashes + 1)]
     assert store.has(queries) == expected
-    assert store._keys._cached is not None
+    assert store._h.keys._cached is not None
     assert store.longest_prefix(queries) == 64
 
 
@@ -1142,7 +1142,7 @@ def test_disk_full_is_store_full_and_stores_nothing(tmp_path: Path) -> None:
 def test_pending_hits_are_flushed_in_the_background(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(core_module, "_FLUSH_INTERVAL", 0.0)
+    monkeypatch.setattr(state_module, "_FLUSH_INTERVAL", 0.0)
     with Store(tmp_path / "s") as s:
         envelope = make_envelope(SMALL, 4)
         s.put(envelope)
@@ -1177,3 +1177,55 @@ def test_chain_hashes_are_the_keys(store: Store) -> None:
         store.get(hashes[3])[HEADER_SIZE:-TRAILER_SIZE]
         == split(encode(SMALL, blocks))[3][HEADER_SIZE:-TRAILER_SIZE]
     )
+
+
+# --- envelopes the caller decoded already --------------------------------------------------
+
+
+def test_put_report_takes_a_decoded_envelope(tmp_path: Path) -> None:
+    data = make_envelope(SMALL, 3 * SMALL.block_tokens, seed=41)
+    with Store(tmp_path / "a") as a, Store(tmp_path / "b") as b:
+        assert a.put_report(decode(data)) == b.put_report(data)
+        assert a.geometry == b.geometry == SMALL
+        for h in hashes_of(data):
+            assert a.get(h) == b.get(h) is not None
+        assert a.put_report(decode(data)) == b.put_report(data)  # duplicates alike
+        check_consistency(a)
+
+
+def test_import_batch_takes_decoded_envelopes(tmp_path: Path) -> None:
+    blocks = one_block_envelopes(4, seed=42)
+    sequence = make_envelope(SMALL, 2 * SMALL.block_tokens + 1, seed=43)
+    with Store(tmp_path / "a") as a, Store(tmp_path / "b") as b:
+        got = a.import_batch([decode(x) for x in blocks], [("s", decode(sequence))])
+        assert got == b.import_batch(blocks, [("s", sequence)])
+        assert a.get_sequence("s") == b.get_sequence("s") == sequence
+        assert [a.get(h) for h in hashes_of(b"".join(blocks[:1]))] == [blocks[0]]
+        check_consistency(a)
+
+
+def test_a_decoded_envelope_of_another_geometry_fails_as_its_bytes_do(tmp_path: Path) -> None:
+    other = Geometry(block_tokens=4, n_layers=1, n_kv_heads=2, head_dim=8)
+    data = make_envelope(other, other.block_tokens, seed=44)
+    with Store(tmp_path / "s", geometry=SMALL) as s:
+        with pytest.raises(ShapeError) as from_bytes:
+            s.put_report(data)
+        with pytest.raises(ShapeError) as from_env:
+            s.put_report(decode(data))
+        with pytest.raises(ShapeError):
+            s.import_batch([decode(data)])
+        assert str(from_env.value) == str(from_bytes.value)
+        assert s.stats()["blocks"] == 0
+
+
+def test_a_decoded_envelope_with_a_bad_crc_stores_nothing(tmp_path: Path) -> None:
+    data = bytearray(make_envelope(SMALL, 2 * SMALL.block_tokens, seed=45))
+    data[HEADER_SIZE + 20] ^= 0xFF  # a payload byte: the CRC no longer matches
+    env = decode(data, verify_crc=False)
+    with Store(tmp_path / "s") as s:
+        with pytest.raises(ChecksumError):
+            s.put_report(env)
+        with pytest.raises(ChecksumError):
+            s.import_batch([env])
+        assert s.stats()["blocks"] == 0
+        check_consistency(s)

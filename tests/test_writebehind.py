@@ -125,7 +125,7 @@ def test_store_writes_behind_only_durable_large_puts(tmp_path: Path, sync: bool)
     large = encode(g, [Block(h, 16, kv) for h in range(2, 2 + MIN_BYTES // kv.nbytes + 1)])
     assert len(small) < MIN_BYTES <= len(large)
     with Store(tmp_path / "s", sync=sync) as store:
-        wb = store._lmdb._write_behind
+        wb = store._h.env.lmdb._write_behind
         store.put(small)
         assert wb.thread is None
         store.put(large)

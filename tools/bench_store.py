@@ -60,7 +60,7 @@ def _bench_view(root: Path, kv: np.ndarray, repeat: int) -> list[Row]:
     rows = []
     with Store(root / "view", geometry=GEOMETRY, sync=False) as store:
         store.put(_envelope(GEOMETRY, kv, 1, 8))
-        env, db = store._env, store._dbs.blocks  # the same environment, raw py-lmdb
+        env, db = store._h.env.lmdb.env, store._h.dbs.blocks  # the same environment, raw py-lmdb
         keys = [KEY.pack(h) for h in range(1, 9)]
         hashes = list(range(1, 9))
         # Interleaved rounds (the machine is shared): each round times both; the ratio
@@ -124,7 +124,7 @@ def _bench_put(root: Path, kv: np.ndarray, rounds: int, per_put: int) -> list[Ro
         Store(root / "put", geometry=GEOMETRY, sync=True) as store,
         Store(root / "plain", geometry=GEOMETRY, sync=True) as plain,
     ):
-        plain._lmdb._write_behind.close()  # the same store without write-behind
+        plain._h.env.lmdb._write_behind.close()  # the same store without write-behind
         # Round 0 warms up (file creation, first map growth) and is not counted; the
         # four writers are interleaved so the disk's weather hits them alike.
         for r in range(rounds + 1):

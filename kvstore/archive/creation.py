@@ -23,6 +23,7 @@ from ..codec.envelope import decode
 from ..errors import ArchiveError, ChecksumError, IncompleteArchiveError
 from ..fileio import drop_mapped_pages, populate_mapped_pages
 from ..protocol import DEFAULT_MODEL, check_model_id, check_sequence_name
+from ..store.protocols import ArchiveSource
 from .manifest import DEFAULT_LEVEL, SequenceRecord, find_positions, referenced
 from .progress import Progress
 from .sources import open_output
@@ -32,7 +33,7 @@ from .writer import ModelContent, WriteSummary, write_models
 class CorruptBlock(Exception):
     """A block of the snapshot failed its CRC while ``create`` read it."""
 
-    def __init__(self, block_hash: int, store: Any) -> None:
+    def __init__(self, block_hash: int, store: ArchiveSource) -> None:
         super().__init__(f"block {block_hash:016x} fails its CRC")
         self.hash = block_hash
         self.store = store  # the handle of the block's model
@@ -50,7 +51,7 @@ class CreateSummary(WriteSummary):
 
 
 def create(
-    store: Any,
+    store: ArchiveSource,
     path: str | os.PathLike[str],
     *,
     models: Sequence[str] | None = None,
@@ -114,7 +115,7 @@ def _incomplete(skipped: list[str]) -> IncompleteArchiveError:
     )
 
 
-def _models_to_archive(store: Any, models: Sequence[str] | None) -> list[str]:
+def _models_to_archive(store: ArchiveSource, models: Sequence[str] | None) -> list[str]:
     """The ids ``create`` archives, ascending (see its ``models``)."""
     if models is None:
         own = getattr(store, "model_id", DEFAULT_MODEL)
@@ -133,7 +134,7 @@ class _Snapshot:
     """What ``create`` archives of one model: its handle, open reader, block hashes and
     the sequences it keeps."""
 
-    store: Any
+    store: ArchiveSource
     reader: Any
     keys: array[int]
     kept: dict[str, int]  # name -> how many blocks it keeps of its own
@@ -170,7 +171,9 @@ class _Snapshot:
         )
 
 
-def _snapshot(store: Any, r: Any, wanted: set[str] | None, skipped: list[str]) -> _Snapshot:
+def _snapshot(
+    store: ArchiveSource, r: Any, wanted: set[str] | None, skipped: list[str]
+) -> _Snapshot:
     """Read one model's block hashes and choose its sequences (reporting those left out)."""
     keys = array("Q")
     for h, value in r.iter_blocks():  # the snapshot's hashes (pages dropped as we go)

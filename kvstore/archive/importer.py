@@ -33,6 +33,7 @@ from ..codec.assembly import (
 from ..codec.envelope import decode
 from ..errors import ArchiveError, TlkvError
 from ..pipeline import OrderedPipeline
+from ..store.protocols import RestoreTarget
 from .reader import ArchiveReader
 from .scan import ArchiveBlock, ArchiveSequence, Problem
 
@@ -63,7 +64,7 @@ class Importer:
 
     def __init__(
         self,
-        store: Any,
+        store: RestoreTarget,
         archive: ArchiveReader,
         report: RestoreReport,
         *,
@@ -94,7 +95,8 @@ class Importer:
         present = self.store.has([b.hash for b in batch])
         new = [b for b, p in zip(batch, present) if not p]
         if new:
-            self.store.import_batch(blocks=[b.envelope for b in new], journal=self.journal)
+            envelopes = [b.envelope if b.decoded is None else b.decoded for b in new]
+            self.store.import_batch(blocks=envelopes, journal=self.journal)
         self.report.blocks += len(batch)
         self.report.new_blocks += len(new)
 

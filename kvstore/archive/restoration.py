@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..protocol import check_model_id
+from ..store.protocols import RestoreTarget
 from .importer import Importer, RestoreReport
 from .inspection import check_geometry
 from .progress import Progress
@@ -20,7 +21,7 @@ from .reader import ArchiveReader
 from .scan import ArchiveBlock, ArchiveSequence
 
 
-def _fits_without_eviction(store: Any, ar: ArchiveReader) -> bool:
+def _fits_without_eviction(store: RestoreTarget, ar: ArchiveReader) -> bool:
     """Whether importing all of ``ar`` cannot make ``store`` evict (its tar stream's size
     bounds the envelope bytes it adds)."""
     capacity = store.capacity_bytes
@@ -30,7 +31,7 @@ def _fits_without_eviction(store: Any, ar: ArchiveReader) -> bool:
 
 
 def _targets(
-    ar: ArchiveReader, store: Any, model: str | None, renames: Mapping[str, str] | None
+    ar: ArchiveReader, store: RestoreTarget, model: str | None, renames: Mapping[str, str] | None
 ) -> list[Any]:
     """The store handle each of the archive's models goes to: its own id, or the new id
     ``renames`` gives it (``model``: the new id of an archive's only model)."""
@@ -52,7 +53,7 @@ def _targets(
 
 def restore(
     path: str | os.PathLike[str],
-    store: Any,
+    store: RestoreTarget,
     *,
     partial: bool = False,
     threads: int = 0,

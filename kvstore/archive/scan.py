@@ -70,11 +70,14 @@ class SequenceParts:
 @dataclass(frozen=True)
 class ArchiveBlock:
     """A validated block member: its hash, its verbatim single-block envelope, and the
-    number of its model in the manifest (``ArchiveReader.sections``)."""
+    number of its model in the manifest (``ArchiveReader.sections``); ``decoded`` is the
+    envelope as the scan decoded it (the restore hands it to the store, which then does
+    not decode it again)."""
 
     hash: int
     envelope: memoryview
     section: int = 0
+    decoded: Envelope | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -214,7 +217,7 @@ class _ScanState:
         self._check_finite(env, m.name)
         self.valid.append(block_hash)
         self.valid_versions.append(env.version)
-        return ArchiveBlock(block_hash, m.data, self.section)
+        return ArchiveBlock(block_hash, m.data, self.section, env)
 
     def _check_finite(self, env: Envelope, what: str) -> None:
         if not self.finite:

@@ -19,6 +19,7 @@ from ..codec.envelope import BlockView, decode
 from ..codec.geometry import Geometry
 from ..errors import NotFoundError
 from ..store import Store
+from ..store.protocols import BlockStore
 
 __all__ = ["BlockTarget", "ClientTarget", "StoreTarget", "TransferTarget", "as_target"]
 
@@ -54,7 +55,7 @@ class StoreTarget:
     takes its namespace's from the tier.
     """
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: BlockStore) -> None:
         self.store = store
 
     def block_geometry(self) -> Geometry | None:

@@ -9,9 +9,10 @@ from typing import Any
 import numpy as np
 
 from ..codec.envelope import Envelope
+from ..codec.geometry import Geometry
 from ..codec.layout import HEADER_SIZE, NO_HASH, U64_MAX
 from ..errors import FormatError
-from ..protocol import check_sequence_name
+from ..protocol import MAX_MODELS_LIMIT, check_sequence_name
 
 
 def check_hash(block_hash: Any) -> int:
@@ -28,6 +29,25 @@ def check_bound(what: str, value: Any) -> None:
         raise TypeError(f"{what} must be an int, found {type(value).__name__}")
     if value is not None and value <= 0:
         raise ValueError(f"{what} must be > 0, found {value}")
+
+
+def check_open(geometry: Any, capacity_bytes: Any, map_bytes: Any, max_models: Any) -> None:
+    """The arguments that open a ``Store`` (see its docstring)."""
+    if (
+        isinstance(max_models, bool)
+        or not isinstance(max_models, int)
+        or not 0 <= max_models <= MAX_MODELS_LIMIT
+    ):
+        raise ValueError(
+            f"max_models must be an int in 0..{MAX_MODELS_LIMIT}, found {max_models!r}"
+        )
+    if map_bytes is not None and (isinstance(map_bytes, bool) or not isinstance(map_bytes, int)):
+        raise TypeError(f"map_bytes must be an int, found {type(map_bytes).__name__}")
+    if map_bytes is not None and map_bytes <= 0:
+        raise ValueError(f"map_bytes must be > 0, found {map_bytes}")
+    if geometry is not None and not isinstance(geometry, Geometry):
+        raise TypeError(f"geometry must be a Geometry, found {type(geometry).__name__}")
+    check_bound("capacity_bytes", capacity_bytes)
 
 
 def seq_key(name: Any) -> bytes:

@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .diskformat import Dbs
-
-if TYPE_CHECKING:
-    from .store import Store
+from .store import Store
 
 __all__ = ["lmdb_flags", "pending_hits", "raw_snapshot"]
 
@@ -25,18 +23,19 @@ def raw_snapshot(store: Store, *, buffers: bool = True) -> Iterator[tuple[Any, D
     ``buffers``: values are memoryviews into the map, valid only inside the ``with``
     block (py-lmdb's ``buffers``); False: bytes.
     """
-    txn = store._begin_read(buffers)
+    h = store._h
+    txn = h.begin_read(buffers)
     try:
-        yield txn, store._dbs
+        yield txn, h.dbs
     finally:
-        store._end_read(txn)
+        h.end_read(txn)
 
 
 def lmdb_flags(store: Store) -> dict[str, Any]:
     """The flags of ``store``'s LMDB environment (py-lmdb's ``Environment.flags()``)."""
-    return dict(store._env.flags())
+    return dict(store._h.env.lmdb.env.flags())
 
 
 def pending_hits(store: Store) -> int:
     """Read hits ``store``'s handle holds in memory, not yet persisted to the LRU order."""
-    return len(store._recency)
+    return len(store._h.recency)

@@ -44,6 +44,7 @@ from .diskformat import (
     JOURNAL_TOKEN_BYTES,
     parse_sequence,
 )
+from .seqtxn import drop_sequence
 from .writetxn import WriteTxn
 
 try:
@@ -215,7 +216,7 @@ def rollback(w: WriteTxn, token: bytes, geometry: Geometry | None) -> tuple[int,
     for key, value in entries:
         kind, rest = key[at : at + 1], key[at + 1 :]
         if kind == JOURNAL_SEQUENCE:
-            w.drop_sequence(rest, geometry)
+            drop_sequence(w, rest, geometry)
             if value.startswith(JOURNAL_REPLACED):
                 _put_back(w, rest, value[len(JOURNAL_REPLACED) :], geometry)
             sequences += 1

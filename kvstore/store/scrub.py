@@ -5,7 +5,7 @@ One pass walks every model's ``blocks`` sub-database in key order, a batch at a 
 (``BATCH_BLOCKS`` blocks or ``BATCH_BYTES``), each batch in a short read transaction of its
 own: the scrub never takes the write lock to look, and never keeps a snapshot open while it
 sleeps to stay within its rate. A block that fails its CRC goes through the store's own
-quarantine (``Store._quarantine``: checked again inside the write transaction, removed,
+quarantine (``Handle.quarantine``: checked again inside the write transaction, removed,
 counted in ``stats()['corrupt']``); then, with a tier, it is read through from the tier
 (``TierLink.fetch``: every reader rule, the CRC and the key's hash are checked before it
 is stored again). A block the tier lacks, or holds no valid copy of, stays quarantined and
@@ -27,13 +27,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from ..codec.assembly import crc_matches
 from .diskformat import BLOCK_KEY
-
-if TYPE_CHECKING:
-    from .store import Store
+from .state import Handle
+from .store import Store
 
 log = logging.getLogger("tlkv.scrub")
 
@@ -78,16 +76,16 @@ class _Pace:
                 self.stop.wait(self.next_ok - now)
 
 
-def _batch(handle: Store, after: int) -> tuple[list[int], int, int, int]:
+def _batch(handle: Handle, after: int) -> tuple[list[int], int, int, int]:
     """Check the blocks after hash ``after`` in one read transaction: the corrupt hashes,
     the blocks and bytes checked, and the last hash seen (-1: none left)."""
     bad: list[int] = []
     n = size = 0
     last = -1
     more = False
-    txn = handle._begin_read(True)
+    txn = handle.begin_read(True)
     try:
-        cursor = txn.cursor(db=handle._dbs.blocks)
+        cursor = txn.cursor(db=handle.dbs.blocks)
         found = cursor.set_range(BLOCK_KEY.pack(after + 1)) if after >= 0 else cursor.first()
         while found:
             last = BLOCK_KEY.unpack(cursor.key())[0]
@@ -101,17 +99,17 @@ def _batch(handle: Store, after: int) -> tuple[list[int], int, int, int]:
                 break
             found = cursor.next()
     finally:
-        handle._end_read(txn)
+        handle.end_read(txn)
     return bad, n, size, (last if more else -1)
 
 
-def _repair(handle: Store, bad: list[int]) -> list[int]:
+def _repair(handle: Handle, bad: list[int]) -> list[int]:
     """Quarantine ``bad`` as a read would, then read them back from the tier; the hashes
     repaired."""
-    handle._quarantine(bad)
-    if handle._tier is None:
+    handle.quarantine(bad)
+    if handle.tier is None:
         return []
-    fetched = handle._tier.fetch(bad, wait=True)
+    fetched = handle.tier.fetch(bad, wait=True)
     return [h for h in bad if h in fetched]
 
 
@@ -134,7 +132,7 @@ def scrub_pass(
     report = ScrubReport()
     pace = _Pace(rate, stop)
     for model in store.models():
-        handle = store.model(model)
+        handle = store.model(model)._h  # the model's state (``state.Handle``)
         after = -1
         while not stop.is_set():
             bad, n, size, last = _batch(handle, after)

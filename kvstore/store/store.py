@@ -1,18 +1,18 @@
 """The persistent block store: one LMDB environment of content-addressed KV blocks.
 
-Owns ``Store`` and its life cycle: opening (format, geometry, the map size, undoing the
-restores a killed process left unfinished), the handles on models, closing, and the link
-to a tier. Its API is split by job into mixins over ``core.StoreCore`` (a handle's state
-and transactions): ``reads`` (get, has, longest_prefix, views, sequences), ``writes``
-(put, import, restore journals, delete), ``models`` and ``stats``. The on-disk layout is
-declared in ``diskformat``, the write transaction in ``writetxn``, zero-copy readers in
-``reader``; the codec (``envelope``) validates every envelope, and a block is stored as
-its verbatim single-block envelope.
+``Store`` is the index of the API: each public method is a short delegate, with its
+docstring, to the code that does it over a model handle (``state.Handle``, the model's
+state on the one ``state.Environment``): ``reads`` (get, has, longest_prefix, views,
+sequences), ``writes`` (put, import, delete), ``restores`` (restore journals), ``models``
+and ``stats``. The on-disk layout is declared in ``diskformat``, the write transaction in
+``writetxn`` and ``seqtxn``, zero-copy readers in ``reader``; the codec (``envelope``)
+validates every envelope, and a block is stored as its verbatim single-block envelope.
 
 Choices:
 
 - ``bytes``/``capacity_bytes`` count stored values: block envelopes plus sequence records
-  (which hold a sequence's partial tail). Capacity is a per-handle setting.
+  (which hold a sequence's partial tail). Capacity is the store's (every
+  handle of it enforces it).
 - ``hits``/``misses`` count this process's reads since it opened the store; the other
   ``stats()`` are persisted.
 - A block failing its CRC is removed from the block space and counted; sequences keep
@@ -24,69 +24,36 @@ Choices:
   its geometry fixed by its first put. Capacity and the LRU order are store-wide; a
   handle's ``quota_bytes`` bounds its model's bytes (evicting its own blocks first).
 - Recency: reads record hits in process memory; the next write transaction, a background
-  flush at most every ``core._FLUSH_INTERVAL`` seconds, or ``close`` persists them (LRU order
+  flush at most every ``state._FLUSH_INTERVAL`` seconds, or ``close`` persists them (LRU order
   is approximate across processes and survives reopening).
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import threading
-import time
-import weakref
+from collections.abc import Iterable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any, cast
 
 from ..codec.geometry import Geometry
-from ..errors import ShapeError, StoreError
-from ..protocol import DEFAULT_MODEL, MAX_MODELS, MAX_MODELS_LIMIT
-from .checks import check_bound
-from .core import StoreCore
-from .diskformat import (
-    META_FORMAT,
-    META_FORMAT_VALUE,
-    META_GEOMETRY,
-    META_GEOMETRY_VALUE,
-    STORE_FORMAT,
-    STORE_FORMATS,
-    Dbs,
-)
-from .eviction import RecencyBuffer
-from .journal import RestoreJournal, journal_model, pending, remove_orphan_locks, rollback
-from .keyset import KeySet
-from .lmdbenv import MAP_ALIGN, LmdbEnv
-from .models import StoreModels
+from ..protocol import DEFAULT_MODEL, MAX_MODELS
+from ..tier import Tier
+from . import models as _models
+from . import reads as _reads
+from . import restores as _restores
+from . import stats as _stats
+from . import writes as _writes
+from .checks import check_open
+from .journal import RestoreJournal
 from .reader import Reader
-from .reads import StoreReads, transcode_stored
-from .registry import Registry
+from .reads import transcode_stored
 from .results import PutReport, PutResult
-from .stats import StoreStats
-from .writes import StoreWrites
-from .writetxn import WriteTxn
-
-if TYPE_CHECKING:  # imported when a store gets a tier: obstore and asyncio load only then
-    from ..tier import Tier
+from .state import Handle, open_root
 
 __all__ = ["PutReport", "PutResult", "Reader", "Store", "transcode_stored"]
 
-log = logging.getLogger("tlkv.store")
 
-_INITIAL_MAP_SIZE = 64 << 20  # LMDB map of a new store without a capacity; grows by doubling
-
-_open_stores: weakref.WeakSet[Store] = weakref.WeakSet()
-
-
-def _mark_forked() -> None:
-    for store in list(_open_stores):
-        store._forked = True
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_mark_forked)
-
-
-class Store(StoreModels, StoreReads, StoreWrites, StoreStats, StoreCore):
+class Store:
     """A persistent, content-addressed store of KV blocks in one LMDB environment.
 
     Args:
@@ -144,241 +111,87 @@ class Store(StoreModels, StoreReads, StoreWrites, StoreStats, StoreCore):
         tier_endpoint: str | None = None,
         max_models: int = MAX_MODELS,
     ) -> None:
-        if (
-            isinstance(max_models, bool)
-            or not isinstance(max_models, int)
-            or not 0 <= max_models <= MAX_MODELS_LIMIT
-        ):
-            raise ValueError(
-                f"max_models must be an int in 0..{MAX_MODELS_LIMIT}, found {max_models!r}"
-            )
-        if map_bytes is not None and (
-            isinstance(map_bytes, bool) or not isinstance(map_bytes, int)
-        ):
-            raise TypeError(f"map_bytes must be an int, found {type(map_bytes).__name__}")
-        if map_bytes is not None and map_bytes <= 0:
-            raise ValueError(f"map_bytes must be > 0, found {map_bytes}")
-        if geometry is not None and not isinstance(geometry, Geometry):
-            raise TypeError(f"geometry must be a Geometry, found {type(geometry).__name__}")
-        check_bound("capacity_bytes", capacity_bytes)
-        self._path = os.fspath(path)
-        self._capacity = capacity_bytes
-        self._sync = bool(sync)
-        self._allow_nonfinite = bool(allow_nonfinite)
-        self._closed = True
-        self._forked = False
-        self._geometry = None
-        self._recency = RecencyBuffer()
-        self._flush_lock = threading.Lock()
-        self._last_flush = time.monotonic()
-        self._pool = None
-        self._pool_lock = threading.Lock()
-        self._rconsts = None
-        self.hits = 0
-        self.misses = 0
-        self.tier_hits = self.served_bytes = self.written_bytes = 0
-        initial = _INITIAL_MAP_SIZE if map_bytes is None else map_bytes
-        map_size = initial
-        if capacity_bytes is not None:
-            map_size = max(map_size, -(-(2 * capacity_bytes) // MAP_ALIGN) * MAP_ALIGN)
-        self._lmdb = LmdbEnv(
-            self._path,
-            map_size=map_size,
-            sync=self._sync,
-            grow_floor=initial,
+        check_open(geometry, capacity_bytes, map_bytes, max_models)
+        h = open_root(
+            os.fspath(path),
+            geometry=geometry,
+            capacity=capacity_bytes,
+            sync=bool(sync),
+            map_bytes=map_bytes,
+            allow_nonfinite=bool(allow_nonfinite),
             max_models=max_models,
+            tier=tier,
+            tier_endpoint=tier_endpoint,
         )
-        self._env = self._lmdb.env
-        try:
-            self._dbs = self._lmdb.open(lambda txn, dbs: self._check_meta(txn, dbs, geometry))
-        except BaseException:
-            self._env.close()
-            raise
-        self._keys = KeySet(self._dbs)
-        self._root = self
-        self._pending = None
-        self._model = DEFAULT_MODEL
-        self._quota = None
-        assert self._lmdb.nothing is not None
-        self._registry = Registry(self._lmdb, self._dbs, self._lmdb.nothing, self._path, max_models)
-        self._handles = {}
-        self._handles_lock = threading.RLock()
-        self._closed = False
-        self._pid = os.getpid()
-        _open_stores.add(self)
-        self._tier = None
-        if tier is not None:
-            from ..tier import Tier
-            from .tiered import TierLink
-
-            try:
-                if not isinstance(tier, Tier):
-                    tier = Tier(tier, endpoint=tier_endpoint)
-                self._tier = TierLink(self, tier)
-            except BaseException:
-                self.close()  # a bad tier URL leaves nothing open
-                raise
-        self._roll_back_killed_restores()
-        if self._tier is not None:
+        self._h = h
+        h.facade = self
+        _restores.roll_back_killed_restores(h)
+        if h.tier is not None:
             for model in self.models():  # every model's uploads resume (their handles)
                 self.model(model)
 
-    def _check_meta(self, txn: Any, dbs: Dbs, geometry: Geometry | None) -> None:
-        """Record or check the store format and the geometry (in the opening transaction)."""
-        fmt = txn.get(META_FORMAT, None, dbs.meta)
-        if fmt is None:
-            txn.put(META_FORMAT, META_FORMAT_VALUE.pack(STORE_FORMAT), db=dbs.meta)
-        elif META_FORMAT_VALUE.unpack(fmt)[0] not in STORE_FORMATS:
-            raise StoreError(
-                f"{self._path}: store format {META_FORMAT_VALUE.unpack(fmt)[0]} is not "
-                f"supported (expected one of {STORE_FORMATS})"
-            )
-        raw = txn.get(META_GEOMETRY, None, dbs.meta)
-        stored = None if raw is None else Geometry(*META_GEOMETRY_VALUE.unpack(raw))
-        if stored is not None and geometry is not None and stored != geometry:
-            raise ShapeError(
-                f"the store in {self._path} holds geometry {stored.as_tuple()}, "
-                f"opened with {geometry.as_tuple()}"
-            )
-        if stored is None and geometry is not None:
-            txn.put(META_GEOMETRY, META_GEOMETRY_VALUE.pack(*geometry.as_tuple()), db=dbs.meta)
-        self._geometry = stored or geometry
-
-    def _roll_back_killed_restores(self) -> None:
-        """Undo the restores whose process died before they finished (``journal``)."""
-        txn = self._begin_read(False)
-        try:
-            tokens = [
-                (t, journal_model(txn, self._dbs.meta, t)) for t in pending(txn, self._dbs.meta)
-            ]
-        finally:
-            self._end_read(txn)
-        if remove_orphan_locks(self._path, {t for t, _ in tokens}):
-            log.warning("%s: removed the lock files of restores killed before writing", self._path)
-        for token, model in tokens:
-            claimed = RestoreJournal.claim(self._path, token)
-            if claimed is None:
-                continue  # its restore still runs
-            handle = self.model(model)
-
-            def undo(w: WriteTxn, token: bytes = token, handle: Store = handle) -> tuple[int, int]:
-                return rollback(w, token, handle._geometry_in(w.txn))
-
-            try:
-                removed, seqs = handle._write(undo)
-            except StoreError as exc:  # the next open tries again
-                log.warning("%s: could not undo an unfinished restore: %s", self._path, exc)
-                continue
-            finally:
-                claimed.release()
-            if removed or seqs:
-                log.warning(
-                    "%s: undid a restore that did not finish: %d blocks removed, %d sequences "
-                    "dropped or put back",
-                    self._path,
-                    removed,
-                    seqs,
-                )
-
     @classmethod
-    def _handle(cls, root: Store, model_id: str, quota: int | None) -> Store:
-        """A handle on one model sharing ``root``'s environment (every attribute
-        ``__init__`` sets, set here too)."""
-        h = cls.__new__(cls)
-        for name in (
-            "_path", "_capacity", "_sync", "_allow_nonfinite", "_lmdb", "_env", "_pid",
-            "_pool_lock", "_registry", "_handles", "_handles_lock",
-        ):  # fmt: skip
-            setattr(h, name, getattr(root, name))
-        h._root = root
-        h._model = model_id
-        h._quota = quota
-        h._closed = h._forked = False
-        h._geometry = None
-        h._recency = RecencyBuffer()
-        h._flush_lock = threading.Lock()
-        h._last_flush = time.monotonic()
-        h._pool = None
-        h._rconsts = None
-        h._pending = None
-        h.hits = h.misses = 0
-        h.tier_hits = h.served_bytes = h.written_bytes = 0
-        if model_id == DEFAULT_MODEL:
-            h._dbs, h._keys = root._dbs, root._keys
-        else:
-            h._dbs, h._keys = root._registry.nothing, KeySet(root._registry.nothing)
-            h._resolve(create=False)
-        h._tier = None
-        if root._tier is not None:  # the model's own namespace of the root's tier
-            h._tier = type(root._tier)(h, root._tier.tier)
-        _open_stores.add(h)
-        return h
+    def _of(cls, h: Handle) -> Store:
+        """The ``Store`` presenting the handle ``h`` (one per handle)."""
+        if h.facade is None:
+            store = cls.__new__(cls)
+            store._h = h
+            h.facade = store
+        return cast(Store, h.facade)
 
     # --- properties and life cycle -----------------------------------------------------
+
+    @property
+    def path(self) -> str:
+        """The environment's directory."""
+        return self._h.env.path
 
     @property
     def geometry(self) -> Geometry | None:
         """The store's block geometry (None until given or adopted by a first put); with a
         tier, until then the geometry of its namespace in the tier, if any (which a put or
         a read-through then adopts)."""
-        if self._geometry is None and not self._closed:
-            txn = self._begin_read(False)
-            try:
-                self._geometry_in(txn)
-            finally:
-                self._end_read(txn)
-            if self._geometry is None and self._tier is not None:
-                return self._tier.learned_geometry()
-        return self._geometry
+        return self._h.current_geometry()
 
     @property
     def map_bytes(self) -> int:
         """The size of LMDB's memory map now (it grows on demand)."""
-        return int(self._env.info()["map_size"])
+        return int(self._h.env.lmdb.env.info()["map_size"])
 
     @property
     def capacity_bytes(self) -> int | None:
         """The capacity this handle enforces (None: unbounded)."""
-        return self._capacity
+        return self._h.env.capacity
+
+    @property
+    def hits(self) -> int:
+        """This handle's reads in this process that found their block."""
+        return self._h.hits
+
+    @property
+    def misses(self) -> int:
+        """This handle's reads in this process that did not (answered by the tier or not)."""
+        return self._h.misses
+
+    @property
+    def tier_hits(self) -> int:
+        """Local misses of this handle answered from the object tier (read through)."""
+        return self._h.tier_hits
+
+    @property
+    def served_bytes(self) -> int:
+        """Envelope bytes this handle handed out (get, get_many, get_buffers)."""
+        return self._h.served_bytes
+
+    @property
+    def written_bytes(self) -> int:
+        """Block bytes this handle wrote (puts, read-through copies, repairs)."""
+        return self._h.written_bytes
 
     def close(self) -> None:
         """Persist pending recency, wait for this process's open readers, close LMDB (a
         model's handle: persist its recency; the store stays open)."""
-        if self._closed:
-            return
-        if self._forked:
-            self._closed = True  # the parent's environment is not ours to close
-            return
-        if self._tier is not None:
-            self._tier.close()
-        if self._root is not self:
-            with self._flush_lock:
-                if len(self._recency) and not self._root._closed:
-                    try:
-                        self._write(lambda w: None)
-                    except StoreError as exc:
-                        log.warning("%s: could not persist recency on close: %s", self._path, exc)
-                self._closed = True
-            _open_stores.discard(self)
-            return
-        with self._handles_lock:
-            handles = list(self._handles.values())
-            self._handles.clear()
-        for handle in handles:
-            handle.close()
-        with self._flush_lock:
-            if len(self._recency):
-                try:
-                    self._write(lambda w: None)
-                except StoreError as exc:
-                    log.warning("%s: could not persist recency on close: %s", self._path, exc)
-            self._lmdb.close(sync=not self._sync)
-            self._closed = True
-        with self._pool_lock:
-            if self._pool is not None:
-                self._pool.shutdown()
-                self._pool = None
-        _open_stores.discard(self)
+        self._h.close()
 
     def __enter__(self) -> Store:
         return self
@@ -392,39 +205,282 @@ class Store(StoreModels, StoreReads, StoreWrites, StoreStats, StoreCore):
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed or self._root._closed else "open"
-        model = "" if self._model == DEFAULT_MODEL else f", model={self._model!r}"
-        return f"Store({self._path!r}{model}, geometry={self._geometry}, {state})"
+        h = self._h
+        state = "closed" if h.closed or h.env.closed else "open"
+        model = "" if h.model == DEFAULT_MODEL else f", model={h.model!r}"
+        return f"Store({h.env.path!r}{model}, geometry={h.geometry}, {state})"
 
     def open_handles(self) -> list[Store]:
         """This store and the model handles this process has open (each model's read and
         write counters live on its handles)."""
-        root = self._root
-        with root._handles_lock:
-            return [root, *root._handles.values()]
+        return [Store._of(h) for h in _models.open_handles(self._h)]
+
+    # --- models ------------------------------------------------------------------------
+
+    def model(
+        self,
+        model_id: str,
+        *,
+        geometry: Geometry | None = None,
+        quota_bytes: int | None = None,
+    ) -> Store:
+        """A handle on the model (namespace) ``model_id`` of this store, with this whole API.
+
+        Its blocks, sequences, geometry and stats are its own: the same hash in two models
+        is two blocks. The model is created by its first write; until then reads find
+        nothing. The handle lives as long as the store (``close`` of the store closes it).
+
+        Args:
+            model_id: 1-200 characters of ``[A-Za-z0-9._:@/+-]``; ``"default"`` is the
+                store's own model (the only one of stores made before models).
+            geometry: the model's geometry (checked like ``Store``'s).
+            quota_bytes: bound on this model's stored bytes, enforced by this handle: a
+                put beyond it first evicts the model's own least-recently-used blocks.
+
+        Raises:
+            ValueError: a bad model id.  ShapeError: the model holds another geometry.
+        """
+        return Store._of(_models.model_handle(self._h, model_id, geometry, quota_bytes))
+
+    @property
+    def model_id(self) -> str:
+        """The model this handle reads and writes (``"default"`` for the store itself)."""
+        return self._h.model
+
+    @property
+    def quota_bytes(self) -> int | None:
+        """The bound this handle keeps its model's bytes under (None: only the capacity)."""
+        return self._h.quota
+
+    def models(self) -> list[str]:
+        """Every model of the store, sorted (``"default"`` always among them)."""
+        return _models.models(self._h)
+
+    def has_model(self, model_id: str) -> bool:
+        """Whether ``model_id`` exists (``"default"`` always does): here, or with a tier,
+        as a namespace of the tier (its geometry object is there: another node created
+        it, and this store reads its blocks through)."""
+        return _models.has_model(self._h, model_id)
+
+    # --- reads -------------------------------------------------------------------------
+
+    def get(self, block_hash: int, *, version: int | None = None) -> bytes | None:
+        """The block's single-block envelope, CRC-verified; None when absent or corrupt
+        (a corrupt block is quarantined). With ``version`` differing from the stored
+        format, the block is transcoded on the way out."""
+        return _reads.get_many(self._h, [block_hash], version)[0]
+
+    def get_many(self, hashes: Iterable[int], *, version: int | None = None) -> list[bytes | None]:
+        """``get`` of every hash, in one read transaction."""
+        return _reads.get_many(self._h, hashes, version)
+
+    def get_from_tier(self, block_hash: int) -> bytes | None:
+        """The block a local read just missed (``get_buffers``), read through from the tier,
+        validated (None without a tier or a valid copy there): counted as that lookup's
+        tier hit, not as another lookup."""
+        return _reads.get_from_tier(self._h, block_hash)
+
+    def get_buffers(self, hashes: Iterable[int]) -> list[memoryview]:
+        """Zero-copy ``get_many`` of a chain's prefix: the stored envelopes of the leading
+        hashes, each CRC-verified, up to the first one absent or corrupt, from one read
+        snapshot, as read-only memoryviews straight over LMDB's map.
+
+        For handing to something that releases them later (an HTTP transport): the
+        snapshot stays open until every returned memoryview, and everything made from
+        them, is released, and ends at once then. Keep them only as long as needed: an
+        open snapshot keeps its pages from being reused, and a remap of the map waits
+        for it (``LmdbEnv.hold``). While a remap is pending they are copies.
+        """
+        return _reads.get_buffers(self._h, hashes)
+
+    def lingering_snapshots(self) -> int:
+        """Snapshots of closed readers this process keeps open because zero-copy arrays
+        taken from them are still referenced (their pages are not reused meanwhile)."""
+        return self._h.env.lmdb.lingering_snapshots()
+
+    def held_snapshots(self) -> tuple[int, float]:
+        """Read snapshots held open for buffers of ``get_buffers`` in this process, and
+        the age in seconds of the oldest (0 when none)."""
+        return self._h.env.lmdb.held_snapshots()
+
+    def set_loop_thread(self, ident: int | None) -> None:
+        """Name the thread whose event loop releases ``get_buffers``' buffers: a remap it
+        needs while some are held raises ``StoreError`` instead of waiting for them."""
+        self._h.env.lmdb.loop_thread = ident
+
+    def has(self, hashes: Iterable[int], *, tier: bool = False) -> list[bool]:
+        """Whether each hash is stored; ``hashes`` are ints or a numpy integer array.
+
+        One read transaction, no write lock. Large queries are answered from a sorted copy
+        of the stored hashes, re-read (a page of hashes per LMDB call) only after a write.
+        ``tier``: a hash absent here counts as present when the store's tier holds it
+        (concurrent HEADs; nothing is read through).
+
+        Raises:
+            ValueError: a hash is not an integer in 0..2^64-1.
+        """
+        return _reads.has(self._h, hashes, tier)
+
+    def longest_prefix(self, hashes: Iterable[int], *, tier: bool = False) -> int:
+        """How many leading hashes are stored (the cached prefix of a chain); no write lock.
+
+        ``tier``: the prefix continues through blocks the store's tier holds (HEADs).
+
+        Raises:
+            ValueError: a hash is not an integer in 0..2^64-1.
+        """
+        return _reads.longest_prefix(self._h, hashes, tier)
+
+    def read_through(self, hashes: Iterable[int]) -> int:
+        """Bring the leading blocks of a chain that are missing here in from the tier
+        (validated, stored as evictable blocks), stopping at the first the tier lacks;
+        returns the length of the prefix now stored. Without a tier: ``longest_prefix``.
+
+        Raises:
+            ValueError: a hash is not an integer in 0..2^64-1.
+        """
+        return _reads.read_through(self._h, hashes)
+
+    def reader(self) -> Reader:
+        """A read transaction for zero-copy views: ``with store.reader() as r: r.view(h)``.
+
+        Views, memoryviews and arrays from it are valid only inside the ``with`` block;
+        a resize of LMDB's map (a write in this process) waits until it closes.
+        """
+        return _reads.reader(self._h)
+
+    def get_sequence(self, name: str) -> bytes | None:
+        """The sequence's envelope, byte-identical to the canonical one put; None when
+        absent or damaged (a block quarantined as corrupt and not put again)."""
+        return _reads.get_sequence(self._h, name)
+
+    def sequences(self) -> list[str]:
+        """Names of every sequence, sorted."""
+        return _reads.sequences(self._h)
+
+    # --- writes ------------------------------------------------------------------------
+
+    def put(self, envelope: Any) -> PutResult:
+        """Store every full block of ``envelope`` under its hash, in one transaction.
+
+        The envelope is validated by every reader rule against the store's geometry; the
+        value stored per block is its verbatim single-block envelope, the bytes ``get``
+        returns. Hashes already present are not rewritten (the first put wins); partial
+        blocks (hash 0) are not stored.
+
+        Raises:
+            EnvelopeError: a reader rule failed (nothing stored).
+            StoreFullError: the blocks do not fit even after eviction (nothing stored).
+        """
+        return _writes.put_report(self._h, envelope).counts()
+
+    def put_report(self, envelope: Any) -> PutReport:
+        """``put``, reporting the hashes stored and already present (the HTTP reply).
+
+        ``envelope``: bytes (any buffer), or the ``Envelope`` that ``decode`` returned for
+        them (not decoded again; the CRC is checked while the blocks are copied)."""
+        return _writes.put_report(self._h, envelope)
+
+    def put_sequence(self, name: str, envelope: Any) -> PutResult:
+        """Store a named KV state, replacing any sequence of that name.
+
+        Its full blocks are stored content-addressed (deduplicated) and pinned; its partial
+        tail, if any, is kept inside the sequence record. ``get_sequence`` returns the
+        envelope byte-identical (a block already stored in another format version or with
+        other bytes is kept inside the record too, unpinned).
+
+        Raises:
+            ValueError: ``name`` is not 1-128 characters of ``[A-Za-z0-9._-]``, or the
+                envelope has no block.
+            FormatError: a partial block (hash 0) is not the last block.
+            EnvelopeError: a reader rule failed.  StoreFullError: it does not fit.
+        """
+        return _writes.put_named_sequence(self._h, name, envelope)
+
+    def import_batch(
+        self,
+        blocks: Iterable[Any] = (),
+        sequences: Iterable[tuple[str, Any]] = (),
+        *,
+        journal: RestoreJournal | None = None,
+    ) -> PutResult:
+        """Put many block envelopes, then sequences ``(name, envelope)``, in ONE write
+        transaction: all or nothing (the archive restore path).
+
+        Everything is validated before the transaction opens; an envelope may be bytes or
+        the ``Envelope`` that ``decode`` returned for them (not decoded again). LMDB holds
+        the batch's dirty pages in memory until it commits: size batches accordingly. With
+        a ``journal`` (``begin_restore``), what the batch adds and replaces is noted in the
+        same commit.
+        """
+        return _writes.import_batch(self._h, blocks, sequences, journal)
+
+    def delete(self, block_hash: int) -> bool:
+        """Remove a block; False when absent.
+
+        Raises:
+            PinnedError: a sequence references the block (HTTP 409).
+        """
+        return _writes.delete(self._h, block_hash)
+
+    def delete_sequence(self, name: str) -> bool:
+        """Drop a sequence and its pins; False when absent."""
+        return _writes.delete_sequence(self._h, name)
+
+    # --- restores ----------------------------------------------------------------------
+
+    def begin_restore(self) -> RestoreJournal:
+        """A journal for one restore's ``import_batch`` calls, to pass to ``end_restore``:
+        until then, a process that opens the store after the restore's died undoes it."""
+        return _restores.begin_restore(self._h)
+
+    def end_restore(self, journal: RestoreJournal, *, keep: bool) -> None:
+        """Finish a restore: ``keep`` what it imported (one commit), or undo it.
+
+        Raises:
+            StoreError: the commit failed; the journal stays, and the next process to open
+                the store undoes the restore.
+        """
+        _restores.end_restore(self._h, journal, keep)
+
+    def keep_restores(self, journals: Iterable[RestoreJournal]) -> None:
+        """Keep several restores (one per model of an archive) in one commit: all of them
+        become whole, or none does (then ``end_restore(keep=False)`` each, or let the next
+        process to open the store undo them).
+
+        Raises:
+            StoreError: the commit failed; the journals stay (not released).
+        """
+        _restores.keep_restores(self._h, journals)
+
+    # --- counters ----------------------------------------------------------------------
+
+    def total_bytes(self) -> int:
+        """The bytes stored by every model together (what ``capacity_bytes`` bounds)."""
+        return _stats.total_bytes(self._h)
+
+    def stats(self) -> dict[str, int | None]:
+        """blocks, bytes, capacity_bytes, pinned_blocks, sequences, hits, misses, evictions,
+        corrupt (hits and misses: this process's reads since it opened the store;
+        pinned_blocks: the stored blocks sequences reference, plus the full blocks
+        sequences keep in their own records, once per sequence keeping one)."""
+        return _stats.stats(self._h)
 
     # --- the tier ----------------------------------------------------------------------
 
     @property
     def tier(self) -> Tier | None:
         """The object-store tier behind the store (None without one)."""
-        return None if self._tier is None else self._tier.tier
+        link = self._h.tier
+        return None if link is None else link.tier
 
     def tier_info(self) -> dict[str, Any] | None:
         """The tier's URL, state, counters and pending uploads (None without a tier)."""
-        return None if self._tier is None else self._tier.info()
+        link = self._h.tier
+        return None if link is None else link.info()
 
     def wait_uploaded(self, timeout: float | None = None) -> bool:
         """Wait until the blocks read through are committed here and no block is pending
         upload to the tier; False on timeout."""
-        if self._tier is None:
-            return True
-        self._tier.filler.flush()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self._tier.pending_count():
-            self._tier.uploader.wake()
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return False
-            self._tier.uploader.wait_idle(0.05 if left is None else min(0.05, left))
-        return True
+        link = self._h.tier
+        return True if link is None else link.wait_uploaded(timeout)

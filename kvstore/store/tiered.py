@@ -1,6 +1,7 @@
 """A store's link to its object-store tier: the pending set, read-through, tier queries.
 
-The store calls in at a few points (``Store`` stays the one owner of transactions):
+A model handle (``state.Handle``, seen here as ``LinkedHandle``) calls in at a few points
+(the handle stays the one owner of transactions):
 a put's new blocks join the ``pending`` sub-database in its own write transaction
 (``WriteTxn.pending``) and wake the :class:`~kvstore.tier.uploader.Uploader`; a local miss
 of ``get``/``get_many``/``read_through`` fetches the objects concurrently, validates each
@@ -22,7 +23,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
 from ..codec.assembly import crc_matches
 from ..codec.envelope import Envelope
@@ -30,11 +31,8 @@ from ..codec.geometry import Geometry
 from ..codec.layout import U64_MAX
 from ..errors import EnvelopeError, StoreError
 from ..tier import Tier, Uploader, check_block_object, namespace_of
-from .diskformat import BLOCK_KEY, PENDING_SINCE
+from .diskformat import BLOCK_KEY, PENDING_SINCE, Dbs
 from .writetxn import WriteTxn
-
-if TYPE_CHECKING:
-    from .store import Store
 
 log = logging.getLogger("tlkv.store")
 
@@ -46,6 +44,29 @@ GEOMETRY_RETRY = 1.0  # seconds before a tier without the namespace's geometry i
 # (and a worker's start-up) at most this, once per question.
 GEOMETRY_WAIT = 10.0
 FILL_QUEUE_BYTES = 512 << 20  # read-through bytes awaiting their local commit, at most
+
+T = TypeVar("T")
+
+
+class LinkedHandle(Protocol):
+    """What a link needs of its model's handle (``state.Handle``)."""
+
+    model: str
+    dbs: Dbs
+
+    @property
+    def path(self) -> str: ...
+    @property
+    def allow_nonfinite(self) -> bool: ...
+    @property
+    def is_root(self) -> bool: ...
+    def current_geometry(self) -> Geometry | None: ...
+    def begin_read(self, buffers: bool) -> Any: ...
+    def end_read(self, txn: Any) -> None: ...
+    def write(self, body: Callable[[WriteTxn], T], need: int = 0) -> T: ...
+    def resolve(self, create: bool) -> None: ...
+    def adopt_geometry(self, w: WriteTxn, geometry: Geometry) -> None: ...
+    def quarantine(self, hashes: list[int]) -> None: ...
 
 
 class _Filler:
@@ -106,13 +127,13 @@ class _Filler:
 
 
 class TierLink:
-    """The tier of one open store, and the uploader draining its pending set."""
+    """The tier of one model's handle, and the uploader draining its pending set."""
 
-    def __init__(self, store: Store, tier: Tier) -> None:
-        self._store = store
+    def __init__(self, handle: LinkedHandle, tier: Tier) -> None:
+        self._handle = handle
         self.tier = tier
         # The store's model is its namespace in the tier (one Tier serves every model).
-        self.namespace = namespace_of(store.model_id)
+        self.namespace = namespace_of(handle.model)
         self.filler = _Filler(self._insert)
         self._geometry_written = False
         self._learned: Geometry | None = None
@@ -120,17 +141,30 @@ class TierLink:
         self._asking: threading.Thread | None = None  # the geometry question in flight
         self._asking_until = 0.0  # when its callers stop waiting for it (monotonic)
         self._asking_lock = threading.Lock()
-        self.uploader = Uploader(self, tier, store.path, self.namespace)
-        if store._root is store:  # the processes of one store see one tier state
-            tier.share_state(store.path)
+        self.uploader = Uploader(self, tier, handle.path, self.namespace)
+        if handle.is_root:  # the processes of one store see one tier state
+            tier.share_state(handle.path)
 
     def close(self) -> None:
         """Commit the read-through blocks in flight; stop the uploader (what is not
         uploaded stays pending for the next open)."""
         self.filler.close()
         self.uploader.stop()
-        if self._store._root is self._store:
+        if self._handle.is_root:
             self.tier.stop_sharing()
+
+    def wait_uploaded(self, timeout: float | None) -> bool:
+        """``Store.wait_uploaded``: wait until the blocks read through are committed and
+        none is pending upload; False on timeout."""
+        self.filler.flush()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.pending_count():
+            self.uploader.wake()
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            self.uploader.wait_idle(0.05 if left is None else min(0.05, left))
+        return True
 
     # --- the pending set (the uploader's source) ---------------------------------------------
 
@@ -141,9 +175,9 @@ class TierLink:
         snapshot; a block deleted meanwhile leaves the set, a corrupt one is quarantined
         (never uploaded). Nothing is handed out before the namespace's geometry object
         exists in the tier."""
-        store, dbs = self._store, self._store._dbs
+        handle, dbs = self._handle, self._handle.dbs
         if not self._geometry_written:
-            geometry = store.geometry
+            geometry = handle.current_geometry()
             if geometry is None or not self.tier.put_geometry(geometry, self.namespace):
                 return []  # no block yet, or the tier failed: asked again on the next poll
             self._geometry_written = True
@@ -151,7 +185,7 @@ class TierLink:
         gone: list[int] = []
         corrupt: list[int] = []
         size = 0
-        txn = store._begin_read(False)
+        txn = handle.begin_read(False)
         try:
             cursor = txn.cursor(db=dbs.pending)
             if after >= U64_MAX or not (
@@ -171,11 +205,11 @@ class TierLink:
                     if len(out) >= max_blocks or size >= max_bytes:
                         break
         finally:
-            store._end_read(txn)
+            handle.end_read(txn)
         if gone:
             self.uploaded(gone)
         if corrupt:
-            store._quarantine(corrupt)
+            handle.quarantine(corrupt)
         return out
 
     def uploaded(self, hashes: list[int]) -> None:
@@ -187,7 +221,7 @@ class TierLink:
             for h in hashes:
                 w.txn.delete(BLOCK_KEY.pack(h), db=w.dbs.pending)
 
-        self._store._write(body)
+        self._handle.write(body)
 
     def learned_geometry(self) -> Geometry | None:
         """The namespace's geometry from the tier, for a store that has none yet: read
@@ -222,19 +256,19 @@ class TierLink:
 
     def pending_count(self) -> int:
         """Blocks waiting for upload."""
-        txn = self._store._begin_read(False)
+        txn = self._handle.begin_read(False)
         try:
-            return int(txn.stat(self._store._dbs.pending)["entries"])
+            return int(txn.stat(self._handle.dbs.pending)["entries"])
         finally:
-            self._store._end_read(txn)
+            self._handle.end_read(txn)
 
     def backlog(self) -> tuple[int, int, float]:
         """The pending set: blocks, their bytes, and the age in seconds of the oldest
         (0 when empty or of unknown age); one read snapshot, a lookup per pending block."""
-        store, dbs = self._store, self._store._dbs
+        handle, dbs = self._handle, self._handle.dbs
         blocks = size = 0
         oldest = None
-        txn = store._begin_read(True)
+        txn = handle.begin_read(True)
         try:
             for key, since in txn.cursor(db=dbs.pending):
                 value = txn.get(key, None, dbs.blocks)
@@ -244,7 +278,7 @@ class TierLink:
                     ms = PENDING_SINCE.unpack(since)[0]
                     oldest = ms if oldest is None else min(oldest, ms)
         finally:
-            store._end_read(txn)
+            handle.end_read(txn)
         age = 0.0 if oldest is None else max(0.0, time.time() - oldest / 1000)
         return blocks, size, age
 
@@ -256,15 +290,15 @@ class TierLink:
         wanted = list(dict.fromkeys(h for h in hashes if h))
         if not wanted:
             return {}
-        store = self._store
-        geometry = store.geometry
+        handle = self._handle
+        geometry = handle.current_geometry()
         envs: list[Envelope] = []
         valid: dict[int, bytes] = {}
         for h, data in zip(wanted, self.tier.fetch(wanted, self.namespace)):
             if data is None:
                 continue
             try:
-                env = check_block_object(data, h, geometry, allow_nonfinite=store._allow_nonfinite)
+                env = check_block_object(data, h, geometry, allow_nonfinite=handle.allow_nonfinite)
             except EnvelopeError as exc:
                 self.tier.refused += 1
                 log.warning("tier object of block %016x refused: %s", h, exc)
@@ -283,19 +317,19 @@ class TierLink:
     def _insert(self, envs: list[Envelope]) -> None:
         """Store read-through blocks as ordinary evictable blocks (not pending); a model
         this store has not created yet is created by them."""
-        store = self._store
-        store._resolve(create=True)
+        handle = self._handle
+        handle.resolve(create=True)
 
         def body(w: WriteTxn) -> None:
             w.pending = False  # the tier has them
-            store._adopt_geometry(w, envs[0].geometry)
+            handle.adopt_geometry(w, envs[0].geometry)
             for env in envs:
                 w.put_blocks(env)
 
         try:
-            store._write(body, sum(len(e.data) for e in envs))
+            handle.write(body, sum(len(e.data) for e in envs))
         except (StoreError, EnvelopeError) as exc:  # served anyway: they were validated
-            log.warning("%s: blocks read through from the tier not kept: %s", store.path, exc)
+            log.warning("%s: blocks read through from the tier not kept: %s", handle.path, exc)
 
     def present(self, hashes: Sequence[int]) -> list[bool]:
         """Whether each block has an object in the tier (concurrent HEADs)."""

@@ -15,17 +15,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from ..codec.assembly import SingleBlock, holds_record, same_bytes, single_block, stored_crc
+from ..codec.assembly import SingleBlock, single_block, stored_crc
 from ..codec.checksum import crc32c
 from ..codec.envelope import Envelope
-from ..codec.geometry import Geometry
 from ..codec.layout import (
     HEADER_SIZE,
     NO_HASH,
@@ -46,8 +44,6 @@ from .diskformat import (
     Dbs,
     counter,
     model_counter_key,
-    pack_sequence,
-    parse_sequence,
 )
 from .eviction import LruOrder
 
@@ -127,7 +123,7 @@ class WriteTxn:
             raise KeyError(model)
         return self._dbs_of(model)
 
-    def _count(self, model: int, field: int, amount: int) -> None:
+    def count(self, model: int, field: int, amount: int) -> None:
         """Note a change of a model's bytes (0), evictions (1) or corrupt (2) counter."""
         deltas = self._deltas.get(model)
         if deltas is None:
@@ -180,7 +176,7 @@ class WriteTxn:
         self.txn.put(INDEX_KEY, INDEX_VALUE.pack(h), db=self.dbs.index)
         self.bytes += len(value)
         self.inserted += len(value)
-        self._count(self.dbs.number, 0, len(value))
+        self.count(self.dbs.number, 0, len(value))
         if self.txn.get(hk, None, self.dbs.refs) is None:
             self.lru.add(hk, h)
         if self.pending:
@@ -192,7 +188,7 @@ class WriteTxn:
         self.txn.delete(INDEX_KEY, INDEX_VALUE.pack(h), db=self.dbs.index)
         self.lru.remove(hk, h)
         self.bytes -= size
-        self._count(self.dbs.number, 0, -size)
+        self.count(self.dbs.number, 0, -size)
 
     def pin(self, h: int, count: int) -> None:
         hk = BLOCK_KEY.pack(h)
@@ -279,8 +275,8 @@ class WriteTxn:
         txn.delete(INDEX_KEY, INDEX_VALUE.pack(h), db=dbs.index)
         self.bytes -= size
         self.evictions += 1
-        self._count(model, 0, -size)
-        self._count(model, 1, 1)
+        self.count(model, 0, -size)
+        self.count(model, 1, 1)
         return size
 
     def quarantine(self, h: int, still_bad: Callable[[Any], bool]) -> bool:
@@ -291,7 +287,7 @@ class WriteTxn:
             return False  # gone already, or put again since
         self.remove_block(hk, h, len(value))
         self.corrupt += 1
-        self._count(self.dbs.number, 2, 1)
+        self.count(self.dbs.number, 2, 1)
         log.warning(
             "%s: block %016x failed its CRC-32C; quarantined (removed from the block space, "
             "counted in stats()['corrupt'])",
@@ -393,116 +389,3 @@ class WriteTxn:
         self.make_room(len(stored) * single_block(env.geometry, env.version).single_len)
         self.write_records(env, hashes, new)
         return stored, duplicate, partial
-
-    # --- sequences ------------------------------------------------------------------------
-
-    def put_sequence(self, key: bytes, env: Envelope) -> tuple[int, int, int]:
-        """Store a sequence (replacing ``key``): ``(stored, duplicate, partial)``.
-
-        Full blocks go to the block space (deduplicated) and are pinned; a block whose
-        stored copy has another version or other bytes, and the partial tail, are kept
-        inside the record so ``get_sequence`` is byte-identical to ``env``.
-        """
-        self.drop_sequence(key, env.geometry)
-        txn = self.txn
-        c = single_block(env.geometry, env.version)
-        hashes = env.hashes.tolist()
-        new = [False] * len(hashes)
-        own: list[int] = []
-        pins: Counter[int] = Counter()
-        first: dict[int, int] = {}  # hash -> its first position in this envelope
-        stored = duplicate = partial = 0
-        for i, h in enumerate(hashes):
-            if h == NO_HASH:
-                partial += 1
-                own.append(i)
-                continue
-            record = env.record(i)
-            j = first.get(h)
-            if j is not None:  # the same hash again in this envelope
-                duplicate += 1
-                if j not in own and same_bytes(env.record(j), record):
-                    pins[h] += 1
-                else:
-                    own.append(i)
-                continue
-            first[h] = i
-            value = txn.get(BLOCK_KEY.pack(h), None, self.dbs.blocks)
-            if value is None:
-                new[i] = True
-                stored += 1
-                pins[h] += 1
-                continue
-            duplicate += 1
-            if holds_record(value, env.version, record):
-                pins[h] += 1
-            else:  # stored in another version or with other bytes: keep ours in the record
-                own.append(i)
-        for h, count in pins.items():
-            self.pin(h, count)
-        sequence = pack_sequence(env.version, hashes, own, [env.record(i) for i in own])
-        self.protect.update(first)
-        self.make_room(stored * c.single_len + len(sequence))
-        self.write_records(env, hashes, new)
-        txn.put(key, sequence, db=self.dbs.seqs)
-        self.bytes += len(sequence)
-        self._count(self.dbs.number, 0, len(sequence))
-        return stored, duplicate, partial
-
-    def drop_sequence(self, key: bytes, geometry: Geometry | None) -> bool:
-        """Delete a sequence record and release its pins; False when absent."""
-        raw = self.txn.get(key, None, self.dbs.seqs)
-        if raw is None:
-            return False
-        size = len(raw)
-        seq = parse_sequence(raw, geometry)
-        if seq is None:
-            self.drop_corrupt_sequence(key, size)
-            self.rebuild_refs(geometry)
-            return True
-        pins = Counter(seq.referenced())
-        self.txn.delete(key, db=self.dbs.seqs)
-        self.bytes -= size
-        self._count(self.dbs.number, 0, -size)
-        for h, count in pins.items():
-            self.unpin(h, count)
-        return True
-
-    def drop_corrupt_sequence(self, key: bytes, size: int) -> None:
-        self.txn.delete(key, db=self.dbs.seqs)
-        self.bytes -= size
-        self.corrupt += 1
-        self._count(self.dbs.number, 0, -size)
-        self._count(self.dbs.number, 2, 1)
-        log.warning(
-            "%s: sequence record %r failed its CRC-32C; removed (counted in "
-            "stats()['corrupt']) and every pin recounted",
-            self.path,
-            key.decode("ascii", "replace"),
-        )
-
-    def rebuild_refs(self, geometry: Geometry | None) -> None:
-        """Recount every pin from the sequence records (after one was found corrupt)."""
-        txn = self.txn
-        counts: Counter[int] = Counter()
-        bad: list[tuple[bytes, int]] = []
-        for key, raw in txn.cursor(db=self.dbs.seqs):
-            seq = parse_sequence(raw, geometry)
-            if seq is None:
-                bad.append((bytes(key), len(raw)))
-            else:
-                counts.update(seq.referenced())
-        for key, size in bad:
-            self.drop_corrupt_sequence(key, size)
-        current = {
-            BLOCK_KEY.unpack(k)[0]: REFCOUNT.unpack(v)[0] for k, v in txn.cursor(db=self.dbs.refs)
-        }
-        for h, have in current.items():
-            want = counts.get(h, 0)
-            if want == 0:
-                self.unpin(h, have)
-            elif want != have:
-                txn.put(BLOCK_KEY.pack(h), REFCOUNT.pack(want), db=self.dbs.refs)
-        for h, want in counts.items():
-            if h not in current:
-                self.pin(h, want)

@@ -1,0 +1,480 @@
+"""The state of an open store: one ``Environment``, and a ``Handle`` per model on it.
+
+``Environment`` is everything one LMDB environment shares, one object per open store: the
+LMDB environment, the model registry, the handles this process opened, the helper pool,
+the fork guard, the capacity, sync and finite settings, and the tier. ``Handle`` is one
+model on it: its sub-databases and key set, its geometry, its quota, its pending read hits
+(recency), its counters and its link to the tier; it runs every transaction of the API
+(``reads``, ``writes``, ``models`` and ``stats`` are functions over a handle), and
+``Store`` (``store``) presents one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from ..codec.assembly import crc_matches
+from ..codec.geometry import Geometry
+from ..errors import ShapeError, StoreError
+from ..protocol import DEFAULT_MODEL
+from ..tier import Tier
+from .diskformat import (
+    META_FORMAT,
+    META_FORMAT_VALUE,
+    META_GEOMETRY,
+    META_GEOMETRY_VALUE,
+    STORE_FORMAT,
+    STORE_FORMATS,
+    Dbs,
+)
+from .eviction import RecencyBuffer
+from .keyset import KeySet
+from .lmdbenv import MAP_ALIGN, LmdbEnv
+from .reader import KvSpec
+from .registry import Reclaim, Registry, UnknownModel
+from .tiered import TierLink
+from .writetxn import WriteTxn
+
+log = logging.getLogger("tlkv.store")
+
+_INITIAL_MAP_SIZE = 64 << 20  # LMDB map of a new store without a capacity; grows by doubling
+_FLUSH_INTERVAL = 5.0  # seconds: pending read hits are persisted at least this often
+
+T = TypeVar("T")
+
+_open_envs: weakref.WeakSet[Environment] = weakref.WeakSet()
+
+
+def _mark_forked() -> None:
+    for env in list(_open_envs):
+        env.forked = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_mark_forked)
+
+
+class Environment:
+    """One open LMDB environment of the store and what its model handles share.
+
+    Opens (or creates) the environment, records or checks the store format and the default
+    model's geometry (``geometry``: the one found or given). Arguments as ``Store``'s.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        geometry: Geometry | None,
+        capacity: int | None,
+        sync: bool,
+        map_bytes: int | None,
+        allow_nonfinite: bool,
+        max_models: int,
+    ) -> None:
+        self.path = path
+        self.capacity = capacity
+        self.sync = sync
+        self.allow_nonfinite = allow_nonfinite
+        self.closed = True
+        self.forked = False
+        self.pid = os.getpid()
+        self.pool: ThreadPoolExecutor | None = None
+        self.pool_lock = threading.Lock()
+        self.tier: Tier | None = None
+        self.geometry: Geometry | None = None  # the default model's, as opened
+        initial = _INITIAL_MAP_SIZE if map_bytes is None else map_bytes
+        map_size = initial
+        if capacity is not None:
+            map_size = max(map_size, -(-(2 * capacity) // MAP_ALIGN) * MAP_ALIGN)
+        self.lmdb = LmdbEnv(
+            path, map_size=map_size, sync=sync, grow_floor=initial, max_models=max_models
+        )
+        try:
+            self.dbs = self.lmdb.open(lambda txn, dbs: self._check_meta(txn, dbs, geometry))
+        except BaseException:
+            self.lmdb.env.close()
+            raise
+        self.keys = KeySet(self.dbs)  # the default model's
+        assert self.lmdb.nothing is not None
+        self.registry = Registry(self.lmdb, self.dbs, self.lmdb.nothing, path, max_models)
+        # (model, quota) -> shared handle; (model, quota, geometry) -> a handle given the
+        # geometry of a model that had none yet
+        self.handles: dict[tuple[Any, ...], Handle] = {}
+        self.handles_lock = threading.RLock()
+        self.root: Handle | None = None  # the default model's handle, whose life is ours
+        self.closed = False
+        _open_envs.add(self)
+
+    def _check_meta(self, txn: Any, dbs: Dbs, geometry: Geometry | None) -> None:
+        """Record or check the store format and the geometry (in the opening transaction)."""
+        fmt = txn.get(META_FORMAT, None, dbs.meta)
+        if fmt is None:
+            txn.put(META_FORMAT, META_FORMAT_VALUE.pack(STORE_FORMAT), db=dbs.meta)
+        elif META_FORMAT_VALUE.unpack(fmt)[0] not in STORE_FORMATS:
+            raise StoreError(
+                f"{self.path}: store format {META_FORMAT_VALUE.unpack(fmt)[0]} is not "
+                f"supported (expected one of {STORE_FORMATS})"
+            )
+        raw = txn.get(META_GEOMETRY, None, dbs.meta)
+        stored = None if raw is None else Geometry(*META_GEOMETRY_VALUE.unpack(raw))
+        if stored is not None and geometry is not None and stored != geometry:
+            raise ShapeError(
+                f"the store in {self.path} holds geometry {stored.as_tuple()}, "
+                f"opened with {geometry.as_tuple()}"
+            )
+        if stored is None and geometry is not None:
+            txn.put(META_GEOMETRY, META_GEOMETRY_VALUE.pack(*geometry.as_tuple()), db=dbs.meta)
+        self.geometry = stored or geometry
+
+    def helper_pool(self) -> ThreadPoolExecutor:
+        """The thread that stages large blocks while LMDB copies (``writetxn``)."""
+        with self.pool_lock:
+            if self.pool is None:
+                self.pool = ThreadPoolExecutor(1, thread_name_prefix="tlkv-store-stage")
+            return self.pool
+
+    def take_handles(self) -> list[Handle]:
+        """Every model handle opened, forgotten (the store closes)."""
+        with self.handles_lock:
+            handles = list(self.handles.values())
+            self.handles.clear()
+        return handles
+
+    def close(self) -> None:
+        """Close LMDB (syncing first without ``sync``) and the helper pool."""
+        self.lmdb.close(sync=not self.sync)
+        self.closed = True
+        with self.pool_lock:
+            if self.pool is not None:
+                self.pool.shutdown()
+                self.pool = None
+        _open_envs.discard(self)
+
+
+class Handle:
+    """One model of an ``Environment``: its sub-databases, key set, geometry, quota,
+    recency and tier link, this process's counters of it, and its transactions."""
+
+    __slots__ = (
+        "closed",
+        "dbs",
+        "env",
+        "facade",
+        "flush_lock",
+        "geometry",
+        "hits",
+        "keys",
+        "last_flush",
+        "misses",
+        "model",
+        "pending",
+        "quota",
+        "rconsts",
+        "recency",
+        "served_bytes",
+        "tier",
+        "tier_hits",
+        "written_bytes",
+    )
+
+    def __init__(self, env: Environment, model: str, quota: int | None) -> None:
+        self.env = env
+        self.model = model
+        self.quota = quota
+        self.closed = False
+        self.geometry: Geometry | None = None
+        self.recency = RecencyBuffer()
+        self.flush_lock = threading.Lock()
+        self.last_flush = time.monotonic()
+        self.rconsts: tuple[Geometry, dict[int, int], dict[int, KvSpec]] | None = None
+        self.pending: int | None = None  # a number this model claims by its first write
+        self.hits = self.misses = 0
+        # This process's figures for the service's metrics (``api.metrics``):
+        self.tier_hits = 0  # local misses answered from the object tier (read through)
+        self.served_bytes = 0  # envelope bytes handed out by get, get_many and get_buffers
+        self.written_bytes = 0  # block bytes written (puts, read-through copies, repairs)
+        self.facade: object | None = None  # the ``Store`` presenting this handle, once made
+        self.tier: TierLink | None = None
+        if model == DEFAULT_MODEL:
+            self.dbs, self.keys = env.dbs, env.keys
+        else:
+            self.dbs = env.registry.nothing
+            self.keys = KeySet(self.dbs)
+            self.resolve(create=False)
+
+    def link_tier(self) -> None:
+        """Start this model's link to the environment's tier (its own namespace there)."""
+        if self.env.tier is not None:
+            self.tier = TierLink(self, self.env.tier)
+
+    @property
+    def path(self) -> str:
+        return self.env.path
+
+    @property
+    def allow_nonfinite(self) -> bool:
+        return self.env.allow_nonfinite
+
+    @property
+    def is_root(self) -> bool:
+        """Whether this is the store's own handle (the model ``default`` without a quota),
+        whose life is the environment's."""
+        return self.env.root is self
+
+    # --- transactions --------------------------------------------------------------------
+
+    def check_usable(self) -> None:
+        env = self.env
+        if self.closed or env.closed:
+            raise StoreError(f"the store {env.path} is closed")
+        if env.forked:
+            raise StoreError(
+                f"the store {env.path} was opened in process {env.pid}; "
+                "open stores after fork, in the process that uses them"
+            )
+
+    def begin_read(self, buffers: bool) -> Any:
+        """A read transaction holding the map guard; end it with ``end_read``."""
+        self.check_usable()
+        if self.dbs.number < 0 or self.pending is not None:  # created elsewhere since?
+            self.resolve(create=False)
+        return self.env.lmdb.begin_read(buffers)
+
+    def end_read(self, txn: Any) -> None:
+        self.env.lmdb.end_read(txn)
+
+    def write(self, body: Callable[[WriteTxn], T], need: int = 0) -> T:
+        """Run ``body`` in one write transaction, after persisting pending read hits.
+
+        ``need``: the bytes the body writes (the map grows ahead of large writes).
+        """
+        self.check_usable()
+        env = self.env
+        taken = self.recency.take()
+
+        def run(txn: Any) -> tuple[T, WriteTxn]:
+            w = WriteTxn(
+                txn,
+                self.dbs,
+                env.capacity,
+                env.helper_pool,
+                env.path,
+                quota=self.quota,
+                dbs_of=env.registry.opened,
+            )
+            if self.pending is not None:
+                env.registry.claim(txn, self.model, self.pending)
+            if self.tier is not None:
+                w.pending = w.keep_pending = True
+            for h in taken:
+                w.touch(h)
+            result = body(w)
+            w.save()
+            return result, w
+
+        while True:
+            try:
+                result, w = env.lmdb.write(run, need)
+                break
+            except UnknownModel as exc:  # evicting a model created by another process
+                env.registry.dbs(exc.number)
+            except Reclaim:
+                self.resolve(create=True)
+            except BaseException:
+                self.recency.restore(taken)
+                raise
+        self.last_flush = time.monotonic()
+        self.pending = None
+        self.written_bytes += w.inserted
+        for hook in w.after_commit:
+            hook()
+        return result
+
+    def quarantine(self, hashes: list[int]) -> None:
+        """Remove blocks that fail their CRC (checked again inside the write transaction)."""
+
+        def body(w: WriteTxn) -> None:
+            for h in dict.fromkeys(hashes):
+                w.quarantine(h, lambda value: not crc_matches(value))
+
+        try:
+            self.write(body)
+        except StoreError as exc:
+            log.error("%s: could not quarantine corrupt blocks: %s", self.env.path, exc)
+
+    # --- the model and its geometry ------------------------------------------------------
+
+    def resolve(self, create: bool) -> None:
+        """Find this handle's model and open its sub-databases; with ``create``, a model
+        not registered yet gets the next free number, claimed by the write (``write``)."""
+        if self.dbs.number >= 0 and self.pending is None:
+            return
+        registry = self.env.registry
+        self.check_usable()
+        txn = self.env.lmdb.begin_read(False)
+        try:
+            number, last = registry.lookup(txn, self.model)
+            if number is None and create:
+                registry.check_room(txn, self.model)
+        finally:
+            self.end_read(txn)
+        if number is not None:
+            self.pending = None
+        elif create:
+            number = self.pending = last + 1  # its sub-databases exist from now, empty
+        else:
+            pending = self.pending
+            if pending is not None and pending <= last:  # another model took the number
+                nothing = registry.nothing
+                self.keys, self.dbs, self.pending = KeySet(nothing), nothing, None
+            return
+        dbs = registry.dbs(number)
+        self.keys = KeySet(dbs)  # before dbs: a concurrent read sees a consistent pair
+        self.dbs = dbs
+
+    def created(self) -> bool:
+        """Whether this handle's model exists (looked up again while it does not)."""
+        if self.dbs.number < 0 or self.pending is not None:
+            self.resolve(create=False)
+        return self.dbs.number >= 0 and self.pending is None
+
+    def _stored_geometry(self, txn: Any) -> Geometry | None:
+        if self.model != DEFAULT_MODEL:
+            return self.env.registry.geometry(txn, self.model)
+        raw = txn.get(META_GEOMETRY, None, self.dbs.meta)
+        return None if raw is None else Geometry(*META_GEOMETRY_VALUE.unpack(raw))
+
+    def geometry_in(self, txn: Any) -> Geometry | None:
+        """The geometry, read from ``txn`` while this handle has none (another process may
+        have adopted one)."""
+        if self.geometry is None:
+            self.geometry = self._stored_geometry(txn)
+        return self.geometry
+
+    def current_geometry(self) -> Geometry | None:
+        """The geometry (``Store.geometry``): read again while there is none, and with a
+        tier, until then the one of the model's namespace in the tier, if any."""
+        if self.geometry is None and not self.closed:
+            txn = self.begin_read(False)
+            try:
+                self.geometry_in(txn)
+            finally:
+                self.end_read(txn)
+            if self.geometry is None and self.tier is not None:
+                return self.tier.learned_geometry()
+        return self.geometry
+
+    def adopt_geometry(self, w: WriteTxn, geometry: Geometry) -> None:
+        """Record ``geometry`` as the model's in ``w`` if it has none; refuse another."""
+        if self.geometry is not None:
+            return  # decode checked the envelope against it already
+        stored = self._stored_geometry(w.txn)
+        if stored is None and self.model != DEFAULT_MODEL:
+            self.env.registry.set_geometry(w.txn, self.model, w.dbs.number, geometry)
+        elif stored is None:
+            w.txn.put(META_GEOMETRY, META_GEOMETRY_VALUE.pack(*geometry.as_tuple()), db=w.dbs.meta)
+        elif stored != geometry:
+            raise ShapeError(
+                "rule 'block_tokens, n_layers, n_kv_heads, head_dim equal the receiving pool's' "
+                f"failed: expected {stored.as_tuple()}, found {geometry.as_tuple()}"
+            )
+
+        def adopt() -> None:
+            self.geometry = geometry
+
+        w.after_commit.append(adopt)
+
+    # --- pending read hits, and closing ---------------------------------------------------
+
+    def flush_soon(self) -> None:
+        """Persist pending hits in a background thread when the last write is old."""
+        if time.monotonic() - self.last_flush < _FLUSH_INTERVAL or not len(self.recency):
+            return
+        if not self.flush_lock.acquire(blocking=False):
+            return
+        self.last_flush = time.monotonic()
+
+        def run() -> None:
+            try:
+                if not self.closed and not self.env.forked:
+                    self.write(lambda w: None)
+            except Exception as exc:  # a background flush must never take anything down
+                log.warning("%s: background recency flush failed: %s", self.env.path, exc)
+            finally:
+                self.flush_lock.release()
+
+        threading.Thread(target=run, name="tlkv-store-flush", daemon=True).start()
+
+    def _persist_recency(self) -> None:
+        if len(self.recency):
+            try:
+                self.write(lambda w: None)
+            except StoreError as exc:
+                log.warning("%s: could not persist recency on close: %s", self.env.path, exc)
+
+    def close(self) -> None:
+        """Persist pending recency and stop the tier link; the store's own handle also
+        closes every model handle and the environment."""
+        env = self.env
+        if self.closed or (self.is_root and env.closed):
+            return
+        if env.forked:
+            self.closed = True  # the parent's environment is not ours to close
+            return
+        if self.tier is not None:
+            self.tier.close()
+        if not self.is_root:
+            with self.flush_lock:
+                if not env.closed:
+                    self._persist_recency()
+                self.closed = True
+            return
+        for handle in env.take_handles():
+            handle.close()
+        with self.flush_lock:
+            self._persist_recency()
+            env.close()
+            self.closed = True
+
+
+def open_root(
+    path: str,
+    *,
+    geometry: Geometry | None,
+    capacity: int | None,
+    sync: bool,
+    map_bytes: int | None,
+    allow_nonfinite: bool,
+    max_models: int,
+    tier: Tier | str | None,
+    tier_endpoint: str | None,
+) -> Handle:
+    """Open the environment in ``path`` and its default model's handle, with the tier if
+    one is given (arguments as ``Store``'s)."""
+    env = Environment(
+        path,
+        geometry=geometry,
+        capacity=capacity,
+        sync=sync,
+        map_bytes=map_bytes,
+        allow_nonfinite=allow_nonfinite,
+        max_models=max_models,
+    )
+    root = env.root = Handle(env, DEFAULT_MODEL, None)
+    root.geometry = env.geometry
+    if tier is not None:
+        try:
+            env.tier = tier if isinstance(tier, Tier) else Tier(tier, endpoint=tier_endpoint)
+            root.link_tier()
+        except BaseException:
+            root.close()  # a bad tier URL leaves nothing open
+            raise
+    return root
