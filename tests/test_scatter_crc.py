@@ -101,3 +101,57 @@ def test_bad_arguments_raise_before_anything_is_written(impl: str) -> None:
     frozen[1].flags.writeable = False
     with pytest.raises((ValueError, BufferError)):
         checksum.scatter_crc(envs, OFFSET, frozen, [0, 1], G.n_kv_heads, RUN)
+
+
+def _joined(kv: np.ndarray, first: int = 0) -> bytes:
+    """One envelope of the blocks of ``kv`` (a prefix as ``/v1/prefix`` answers)."""
+    return encode(G, [Block(2000 + first + i, G.block_tokens, k) for i, k in enumerate(kv)])
+
+
+def test_joined_envelopes_go_block_by_block_into_their_places(impl: str) -> None:
+    kv, _ = _blocks(5, seed=3)
+    layers = _layers()
+    ids = [8, 2, 0, 5, 6]
+    want = _expect(layers, kv, ids)
+    envs = [_joined(kv[:3]), memoryview(_joined(kv[3:], first=3))]  # 3 blocks, then 2
+    got = checksum.scatter_crc(envs, OFFSET, layers, ids, G.n_kv_heads, RUN, RECORD_SIZE)
+    assert got == 5
+    for a, b in zip(layers, want, strict=True):
+        assert a.tobytes() == b.tobytes()
+    one = [_joined(kv[:1])]  # a joined envelope of one block is a single-block envelope
+    assert checksum.scatter_crc(one, OFFSET, _layers(), [4], 2, RUN, RECORD_SIZE) == 1
+
+
+@pytest.mark.parametrize("where", ["header", "first record", "middle record", "payload", "trailer"])
+def test_a_joined_envelope_whose_crc_fails_loads_none_of_its_blocks(impl: str, where: str) -> None:
+    kv, _ = _blocks(5, seed=4)
+    first, second = _joined(kv[:2]), _joined(kv[2:], first=2)
+    stride = (len(second) - HEADER_SIZE - 4) // 3  # one record and its payload
+    at = {
+        "header": 9,
+        "first record": HEADER_SIZE + 2,
+        "middle record": HEADER_SIZE + stride + 1,  # the 2nd block's hash
+        "payload": len(second) - 100,
+        "trailer": len(second) - 2,
+    }[where]
+    bad = bytearray(second)
+    bad[at] ^= 0x01
+    layers = _layers()
+    ids = [1, 2, 3, 4, 5]
+    want = _expect(layers, kv[:2], ids[:2])
+    assert checksum.scatter_crc([first, bad], OFFSET, layers, ids, 2, RUN, RECORD_SIZE) == 2
+    for a, b in zip(layers, want, strict=True):  # the first envelope's blocks in place
+        assert a[[1, 2]].tobytes() == b[[1, 2]].tobytes()
+
+
+def test_joined_envelopes_refuse_sizes_that_are_not_whole_blocks(impl: str) -> None:
+    kv, _ = _blocks(3, seed=5)
+    env = _joined(kv)
+    layers = _layers()
+    with pytest.raises(ValueError, match="whole number of blocks"):
+        checksum.scatter_crc([env[:-5] + env[-4:]], OFFSET, layers, [0, 1, 2], 2, RUN, 12)
+    with pytest.raises(ValueError, match="3 blocks, 2 block ids"):
+        checksum.scatter_crc([env], OFFSET, layers, [0, 1], 2, RUN, RECORD_SIZE)
+    with pytest.raises(ValueError, match="record_bytes"):
+        checksum.scatter_crc([env], OFFSET, layers, [0, 1, 2], 2, RUN, -1)
+    assert all(not layer.any() for layer in layers)

@@ -83,3 +83,41 @@ def test_only_full_single_block_v1_envelopes_take_the_fused_load() -> None:
     bad_magic = b"XLKV" + full[4:]
     for env in (partial, two, other, transcode(full, 2), bad_magic, full[:-1], full + b"\0"):
         assert not _full_v1_blocks([memoryview(full), memoryview(env)], g)
+
+
+def test_only_a_joined_v1_prefix_of_the_blocks_asked_for_takes_the_fused_load() -> None:
+    """``_joined_v1_blocks`` admits a server's prefix envelope only when every reader rule
+    but the CRC holds and its blocks are the leading hashes asked for, in order; anything
+    else (another block, another order, a partial block, v2, another geometry, a cut or
+    padded body) goes through ``decode`` and ``_same_hashes``."""
+    import numpy as np
+
+    from kvstore.codec.envelope import Block, decode, encode, transcode
+    from kvstore.codec.geometry import Geometry
+    from kvstore.codec.layout import NO_HASH
+    from kvstore.engines._vllm_parts import _joined_v1_blocks, _same_hashes
+
+    g = Geometry(4, 2, 1, 8)
+    kv = np.ones(g.kv_shape, np.float16)
+    asked = [7, 8, 9]
+    prefix = encode(g, [Block(7, 4, kv), Block(8, 4, kv)])
+    assert _joined_v1_blocks(prefix, g, asked) == 2
+    assert _joined_v1_blocks(memoryview(prefix), g, asked[:2]) == 2
+    assert _joined_v1_blocks(encode(g, [Block(7, 4, kv)]), g, asked) == 1
+    others = [
+        encode(g, [Block(7, 4, kv), Block(9, 4, kv)]),  # a block that was not asked for
+        encode(g, [Block(8, 4, kv), Block(7, 4, kv)]),  # out of order
+        encode(g, [Block(7, 4, kv), Block(NO_HASH, 3, kv)]),  # a partial block
+        transcode(prefix, 2),
+        encode(Geometry(4, 2, 2, 4), [Block(7, 4, np.ones((2, 2, 2, 4, 4), np.float16))]),
+        prefix[:-1],
+        prefix + b"\0",
+        encode(g, [Block(7, 4, kv)] * 4),  # more blocks than asked for
+    ]
+    for env in others:
+        assert _joined_v1_blocks(env, g, asked) is None
+    assert _joined_v1_blocks(prefix, g, []) is None
+    views = list(decode(others[0]))
+    assert _same_hashes(views, asked) == 1  # block 9 where 8 was asked: only 7 is loaded
+    assert _same_hashes(list(decode(prefix)), asked) == 2
+    assert _same_hashes(list(decode(prefix)), [7]) == 1

@@ -11,6 +11,7 @@ def scatter_crc(
     block_ids: Any,
     n_heads: int,
     run_bytes: int,
+    record_bytes: int | None = None,
     /,
 ) -> int: ...
 def crc32c_with(kernel: str, data: Any, crc: int = 0, /) -> int: ...

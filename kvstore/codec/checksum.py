@@ -84,31 +84,43 @@ def scatter_crc(
     block_ids: Sequence[int],
     n_heads: int,
     run_bytes: int,
+    record_bytes: int | None = None,
 ) -> int:
-    """Copy single-block envelopes' payloads into a paged cache, each envelope's CRC-32C
-    checked in the same pass; returns how many leading envelopes matched their CRC.
+    """Copy envelopes' block payloads into a paged cache, each envelope's CRC-32C checked
+    in the same pass; returns how many leading blocks are in envelopes that matched their
+    CRC.
 
-    An envelope's payload (at ``payload_offset``) is ``[L][2][n_heads][run_bytes]``, its
-    CRC (the trailer) covers every byte before the trailer. ``layers`` are the ``L``
-    writable C-contiguous per-layer caches ``[num_blocks][n_heads][2][run_bytes]`` (any
-    dtype); envelope ``i`` goes to block ``block_ids[i]`` of each. The copy stops at the
-    first envelope whose CRC does not match, whose block may then be partly written: the
-    caller must treat that block and the ones after it as not loaded.
+    A block's payload is ``[L][2][n_heads][run_bytes]``; an envelope's first payload is at
+    ``payload_offset`` and its CRC (the trailer) covers every byte before the trailer.
+    ``record_bytes`` None: each envelope holds one block. ``record_bytes >= 0``: an
+    envelope holds ``k >= 1`` blocks whose payloads are ``record_bytes`` apart (a joined
+    envelope: the next block's record sits between them), its length exactly
+    ``payload_offset + k * payload + (k - 1) * record_bytes + 4``. ``layers`` are the
+    ``L`` writable C-contiguous per-layer caches ``[num_blocks][n_heads][2][run_bytes]``
+    (any dtype); the ``i``-th block of the envelopes, in order, goes to block
+    ``block_ids[i]`` of each. The copy stops at the first envelope whose CRC does not
+    match, whose blocks may then be partly written: the caller must treat them and the
+    blocks after them as not loaded.
 
     The compiled kernel copies each 2-D run and checksums it in one pass; elsewhere the CRC
     of each envelope is checked before its copy.
 
     Raises:
-        ValueError: ids outside the layers' blocks, layers of unequal block counts, or an
-            envelope shorter than its payload.
+        ValueError: ids outside the layers' blocks, layers of unequal block counts, an
+            envelope shorter than its payload or not a whole number of blocks, or a block
+            id count other than the envelopes' blocks.
     """
     if _native is not None and _crc32c is _native.crc32c:
         return int(
-            _native.scatter_crc(envelopes, payload_offset, layers, block_ids, n_heads, run_bytes)
+            _native.scatter_crc(
+                envelopes, payload_offset, layers, block_ids, n_heads, run_bytes, record_bytes
+            )
         )
     n_layers = len(layers)
-    if len(block_ids) != len(envelopes) or n_layers < 1:
+    if (record_bytes is None and len(block_ids) != len(envelopes)) or n_layers < 1:
         raise ValueError("scatter_crc: one block id per envelope and at least one layer")
+    if record_bytes is not None and record_bytes < 0:
+        raise ValueError("scatter_crc: record_bytes None or >= 0")
     views = [np.asarray(layer).reshape(-1).view(np.uint8) for layer in layers]
     per_block = n_heads * 2 * run_bytes
     if any(v.size % per_block or v.size != views[0].size for v in views):
@@ -120,15 +132,34 @@ def scatter_crc(
         if not 0 <= block < n_blocks:
             raise ValueError(f"scatter_crc: block id {block} is not in 0..{n_blocks - 1}")
     mvs = [memoryview(env).cast("B") for env in envelopes]
+    counts = []
     for i, mv in enumerate(mvs):
         if len(mv) < payload_offset + payload + TRAILER.size:
             raise ValueError(f"scatter_crc: envelope {i} is shorter than its payload needs")
-    for i, (mv, block) in enumerate(zip(mvs, block_ids, strict=True)):
+        if record_bytes is None:
+            counts.append(1)
+            continue
+        k, extra = divmod(
+            len(mv) - payload_offset - TRAILER.size + record_bytes, payload + record_bytes
+        )
+        if extra:
+            raise ValueError(f"scatter_crc: envelope {i} is not a whole number of blocks")
+        counts.append(k)
+    if sum(counts) != len(block_ids):
+        raise ValueError(
+            f"scatter_crc: the envelopes hold {sum(counts)} blocks, "
+            f"{len(block_ids)} block ids given"
+        )
+    done = 0
+    stride = payload + (record_bytes or 0)
+    for mv, k in zip(mvs, counts, strict=True):
         (stored,) = TRAILER.unpack_from(mv, len(mv) - TRAILER.size)
         if crc32c(mv[: len(mv) - TRAILER.size]) != stored:
-            return i
-        src = np.frombuffer(mv, np.uint8, payload, payload_offset)
-        src = src.reshape(n_layers, 2, n_heads, run_bytes)
-        for layer, part in zip(shaped, src, strict=True):
-            layer[block] = part.transpose(1, 0, 2)
-    return len(envelopes)
+            return done
+        for j in range(k):
+            src = np.frombuffer(mv, np.uint8, payload, payload_offset + j * stride)
+            src = src.reshape(n_layers, 2, n_heads, run_bytes)
+            for layer, part in zip(shaped, src, strict=True):
+                layer[block_ids[done + j]] = part.transpose(1, 0, 2)
+        done += k
+    return done

@@ -178,13 +178,17 @@ class PagedCache:
             self._scatter_staged(views, block_ids)
         return sum(len(bv.raw) for bv in views)
 
-    def scatter_envelopes(self, envelopes: Sequence[Any], block_ids: Sequence[int]) -> int | None:
-        """Copy stored single-block v1 envelopes (every reader rule but the CRC already
-        checked, geometry equal to the engine's) into the paged blocks ``block_ids``, each
-        envelope's CRC checked in the same pass; returns how many leading envelopes matched
-        their CRC and are in place (the block of the first that did not may be partly
-        written: it and the ones after it are not loaded). None when this cache cannot take
-        them that way (not a CPU f16 cache): ``scatter`` of checked views then.
+    def scatter_envelopes(
+        self, envelopes: Sequence[Any], block_ids: Sequence[int], *, joined: bool = False
+    ) -> int | None:
+        """Copy v1 envelopes of full blocks (every reader rule but the CRC already checked,
+        geometry equal to the engine's) into the paged blocks ``block_ids``, each
+        envelope's CRC checked in the same pass; returns how many leading blocks are in
+        envelopes that matched their CRC and are in place (the blocks of the first that did
+        not may be partly written: they and the ones after them are not loaded). Single-
+        block envelopes (the store's), or ``joined``: envelopes of several blocks (a
+        server's prefix). None when this cache cannot take them that way (not a CPU f16
+        cache): ``scatter`` of checked views then.
         """
         import torch
 
@@ -193,7 +197,13 @@ class PagedCache:
         g = self.geometry
         run = g.block_tokens * g.head_dim * 2  # one (K or V, head) row block of f16
         return scatter_crc(
-            envelopes, HEADER_SIZE + RECORD_SIZE, self._np_layers, block_ids, g.n_kv_heads, run
+            envelopes,
+            HEADER_SIZE + RECORD_SIZE,
+            self._np_layers,
+            block_ids,
+            g.n_kv_heads,
+            run,
+            RECORD_SIZE if joined else None,
         )
 
     def _scatter_staged(self, views: Sequence[BlockView], block_ids: Sequence[int]) -> None:

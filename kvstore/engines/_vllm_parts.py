@@ -35,7 +35,7 @@ from ..client import Client
 from ..codec.assembly import pack_header
 from ..codec.envelope import BlockView, decode
 from ..codec.geometry import Geometry
-from ..codec.layout import HEADER_SIZE, RECORD, VERSION_V1
+from ..codec.layout import HEADER_SIZE, RECORD, TRAILER_SIZE, VERSION_V1
 from ..errors import NotFoundError, TlkvError
 from ..fileio import populate_mapped_pages
 from ..protocol import MODEL_ID_MAX
@@ -133,6 +133,7 @@ class Target:
         every block checked (CRC and reader rules) before the engine can use it; returns
         (blocks in place, payload bytes read)."""
         with self.views(hashes) as views:
+            views = views[: _same_hashes(views, hashes)]
             return len(views), paged.scatter(views, block_ids)
 
     def close(self) -> None:
@@ -217,6 +218,37 @@ class _StoreTarget(Target):
         return done, done * paged.geometry.record_bytes(VERSION_V1)
 
 
+def _same_hashes(views: Sequence[BlockView], hashes: Sequence[int]) -> int:
+    """How many leading ``views`` are the blocks asked for: a block under another hash
+    (a server's mistake, or another namespace's block) ends what is loaded."""
+    for i, (bv, h) in enumerate(zip(views, hashes)):
+        if bv.hash != h:
+            return i
+    return min(len(views), len(hashes))
+
+
+def _joined_v1_blocks(data: Any, g: Geometry, hashes: Sequence[int]) -> int | None:
+    """How many full v1 blocks of geometry ``g`` the joined envelope ``data`` holds, when
+    it is one by every reader rule but the CRC and its blocks are the leading ``hashes``,
+    in order: its header is the one such an envelope has, its length the one that header
+    implies, every record's ``n_tokens`` is ``B`` and its hash the one asked for (the
+    records are read as one strided array). None: anything else, for ``decode`` to judge.
+    """
+    stride = RECORD.size + g.payload_bytes(VERSION_V1)
+    n, extra = divmod(len(data) - HEADER_SIZE - TRAILER_SIZE, stride)
+    if (
+        extra
+        or not 0 < n <= len(hashes)
+        or bytes(data[:HEADER_SIZE]) != pack_header(VERSION_V1, g, n)
+    ):
+        return None
+    records = np.frombuffer(data, np.uint8, n * stride, HEADER_SIZE).reshape(n, stride)
+    got = records[:, :8].copy().view("<u8").reshape(n)
+    fill = records[:, 8:12].copy().view("<u4").reshape(n)
+    want = np.asarray(hashes[:n], dtype=np.uint64)
+    return n if (got == want).all() and (fill == g.block_tokens).all() else None
+
+
 def _full_v1_blocks(envelopes: Sequence[memoryview], g: Geometry) -> bool:
     """Whether each envelope is one full v1 block of geometry ``g`` by every reader rule
     but the CRC: its 28 header bytes are the ones such an envelope has (magic, version,
@@ -263,13 +295,38 @@ class _HttpTarget(Target):
     def put(self, envelope: bytes) -> int:
         return len(self.client.put(envelope).stored)
 
+    def _prefix(self, hashes: Sequence[int]) -> bytes:
+        try:
+            return self.client.prefix(hashes=np.asarray(hashes, dtype=np.uint64))
+        except NotFoundError:
+            return b""
+
     @contextlib.contextmanager
     def views(self, hashes: Sequence[int]) -> Iterator[list[BlockView]]:
-        try:
-            data = self.client.prefix(hashes=np.asarray(hashes, dtype=np.uint64))
-        except NotFoundError:
-            data = b""
+        data = self._prefix(hashes)
         yield list(decode(data)) if data else []  # decode checks the CRC and every rule
+
+    def load(
+        self, hashes: Sequence[int], paged: PagedCache, block_ids: Sequence[int]
+    ) -> tuple[int, int]:
+        """The prefix's one envelope straight into the paged blocks: every reader rule but
+        the CRC and each block's hash checked first (``_joined_v1_blocks``), then one pass
+        that copies the blocks and checks the envelope's CRC (``PagedCache.
+        scatter_envelopes``); a CRC that fails loads none of them (the engine computes
+        them). Anything else (v2 blocks, a cache that is not CPU f16) is decoded, checked
+        and scattered."""
+        data = self._prefix(hashes)
+        if not data:
+            return 0, 0
+        n = _joined_v1_blocks(data, paged.geometry, hashes)
+        done = None
+        if n is not None:
+            done = paged.scatter_envelopes([data], block_ids[:n], joined=True)
+        if done is None:
+            views = list(decode(data))  # decode checks the CRC and every rule
+            views = views[: _same_hashes(views, hashes)]
+            return len(views), paged.scatter(views, block_ids)
+        return done, done * paged.geometry.record_bytes(VERSION_V1)
 
     def close(self) -> None:
         self.client.close()
