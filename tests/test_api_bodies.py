@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from conftest import SMALL, make_envelope
 from http_server import ServerProcess, assert_error
+from waiting import async_wait_until
 
 import api.bodies as bodies
 from api.app import create_app
@@ -250,10 +251,9 @@ def test_budget_grants_in_order_and_times_out() -> None:
             order.append(name)
 
         big = asyncio.ensure_future(take("big", 80))
-        await asyncio.sleep(0)
+        await async_wait_until(lambda: len(budget._waiters) == 1, '"big" to queue')
         small = asyncio.ensure_future(take("small", 10))  # fits, but waits behind "big"
-        while len(budget._waiters) < 2:  # both queued, "small" behind "big"
-            await asyncio.sleep(0)
+        await async_wait_until(lambda: len(budget._waiters) == 2, '"small" to queue behind "big"')
         assert order == [] and budget.used == 60
         budget.release(60)
         await asyncio.gather(big, small)
@@ -273,7 +273,7 @@ def test_budget_head_timing_out_lets_the_next_in() -> None:
         budget = InflightBudget(100, wait=0.1)
         await budget.acquire(50)
         big = asyncio.ensure_future(budget.acquire(100))
-        await asyncio.sleep(0)
+        await async_wait_until(lambda: len(budget._waiters) == 1, "the head to queue")
         budget.wait = 5.0  # the next waits longer than the head
         small = asyncio.ensure_future(budget.acquire(30))
         with pytest.raises(BusyError):

@@ -16,6 +16,7 @@ import httpx
 import pytest
 from conftest import SMALL, make_envelope
 from http_server import ServerProcess, assert_error
+from waiting import wait_until
 
 from api.settings import Settings, parse_size
 from kvstore import decode
@@ -171,8 +172,16 @@ def test_metrics_sum_every_worker(tmp_path: Path) -> None:
                 if len(clients) == 2:
                     break
             assert len(clients) == 2, clients
-            time.sleep(0.2)
-            made = int(_sample(clients[min(clients)].get("/metrics").text, scrapes)) + 1
+
+            seen = [-1.0]
+
+            def settled() -> bool:  # the scrape before this one counted, and no other since
+                counted = _sample(clients[min(clients)].get("/metrics").text, scrapes)
+                settled, seen[0] = counted == seen[0] + 1, counted
+                return settled
+
+            wait_until(settled, "the scrape counts to settle")
+            made = int(seen[0]) + 1  # scrapes made so far, the last one included
             previous = made - 1
             for _ in range(10):  # alternate between the workers: the counts never go back
                 for pid, client in clients.items():

@@ -4,7 +4,10 @@ does meanwhile; a client that stops reading is cut off after ``BODY_HOLD_SECONDS
 
 from __future__ import annotations
 
+import array
+import fcntl
 import socket
+import termios
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,6 +18,7 @@ import httpx
 import numpy as np
 import pytest
 from http_server import ServerProcess, ThreadServer, assert_error
+from waiting import parked_on
 
 from api.app import create_app
 from api.http_protocol import TlkvHttpProtocol
@@ -85,6 +89,11 @@ def _wait(cond: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
+def _readable(sock: socket.socket) -> int:
+    """Bytes the kernel holds for ``sock`` to read (FIONREAD)."""
+    return int(array.array("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4))[0])
+
+
 def _churn(store: Any, gone: list[int], n: int) -> None:
     """Delete ``gone`` and put ``n`` new blocks of the same size, a commit each: LMDB
     reuses the freed pages as soon as no open snapshot still needs them."""
@@ -95,7 +104,7 @@ def _churn(store: Any, gone: list[int], n: int) -> None:
 
 
 def _pipelined_gets_with_writer(
-    server: _Server, sent: Callable[[], bool] | None = None
+    server: _Server, sent: Callable[[socket.socket], bool] | None = None
 ) -> tuple[list[tuple[int, bytes]], list[bytes], int]:
     """Two pipelined GETs from a starved client while a writer frees and reuses pages:
     the answers, the blocks as put, and how many snapshots were held during the churn."""
@@ -111,7 +120,8 @@ def _pipelined_gets_with_writer(
             b"GET /v1/blocks/00000000000000b2 HTTP/1.1\r\nHost: t\r\n\r\n"
         )
         # The first answer has been sent (send returned) but sits in the transport.
-        _wait(sent or (lambda: store.held_snapshots()[0] >= 1), "no body held by the transport")
+        held = (lambda: sent(sock)) if sent else (lambda: store.held_snapshots()[0] >= 1)
+        _wait(held, "no body held by the transport")
         _churn(store, [0xA1, 0xB2], 8)
         held = store.held_snapshots()[0]
         answers = [_read_response(f), _read_response(f)]
@@ -147,11 +157,8 @@ def test_the_scenario_catches_a_snapshot_ended_at_send_return(
     monkeypatch.setattr(lmdbenv.LmdbEnv, "hold", ended_at_once)
     store = server.store
 
-    def sent() -> bool:  # the first body was read and handed to the transport
-        if store.hits < 1:
-            return False
-        time.sleep(0.3)
-        return True
+    def sent(sock: socket.socket) -> bool:  # the first body was handed to the transport:
+        return store.hits >= 1 and _readable(sock) >= 2048  # more than its head has arrived
 
     answers, expected, _ = _pipelined_gets_with_writer(server, sent)
     assert [status for status, _ in answers] == [200, 200]
@@ -225,7 +232,8 @@ def test_a_remap_waits_for_held_bodies(server: _Server) -> None:
 
         t = threading.Thread(target=grow)
         t.start()
-        time.sleep(0.3)
+        held_cond = store._h.env.lmdb._held_cond  # what a remap waits on for held bodies to end
+        _wait(lambda: parked_on(held_cond) or grown.is_set(), "the remap neither waits nor ends")
         assert not grown.is_set()  # waiting for the transport to let go
         status, body = _read_response(f)
         t.join(10)

@@ -491,7 +491,7 @@ def test_transport_errors_are_httpx_errors(fake: Any) -> None:
 
     def silent(sock: socket.socket, index: int) -> None:
         _read_request(sock)
-        time.sleep(2)
+        time.sleep(2)  # never answers within the client's timeout: what is tested
 
     def garbage(sock: socket.socket, index: int) -> None:
         _read_request(sock)

@@ -160,7 +160,7 @@ def _load(url: str, grpc_port: int, seconds: float) -> None:
                 http.get(f"{prefix}/blocks/{seed:016x}")  # a miss
                 http.post(f"{prefix}/has-blocks", json={"hashes": [f"{h:016x}" for h in hashes]})
             c.fetch(hashes=hashes[:2])
-            time.sleep(0.2)
+            time.sleep(0.2)  # load spread over several scrapes: the rates need samples
         # A block dropped here after its upload: the next read is an object-tier hit.
         deadline = time.monotonic() + 20
         while http.get("/v1/info").json()["tier"]["pending_uploads"]:
@@ -169,7 +169,7 @@ def _load(url: str, grpc_port: int, seconds: float) -> None:
         for h in hashes[:2]:  # two, a few scrapes apart: a rate needs the counter to move
             assert http.delete(f"/v1/blocks/{h:016x}").status_code == 204
             assert http.get(f"/v1/blocks/{h:016x}").status_code == 200
-            time.sleep(2.5)
+            time.sleep(2.5)  # scrapes apart (Prometheus samples on its interval)
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,6 +23,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from http_server import REPO, ServerProcess, assert_error, free_port
+from waiting import wait_until
 
 from kvstore import Block, Geometry, chain_hashes, crc32c, decode, encode, join, split
 from kvstore.cli import main as cli_main
@@ -477,25 +477,24 @@ def test_cancelled_stream_stores_nothing(
     server: GrpcServer, stub: Any, pb: SimpleNamespace
 ) -> None:
     blocks = [fresh_block() for _ in range(3)]
+    sent_two = threading.Event()
     release = threading.Event()
 
     def chunks() -> Iterator[Any]:
         yield chunk(pb, blocks[0])
         yield chunk(pb, blocks[1])
+        sent_two.set()  # gRPC asks for the third: the first two are on their way
         release.wait(10)  # the stream stays open, never half-closed
         yield chunk(pb, blocks[2])
 
     future = stub.PushKv.future(chunks(), metadata=AUTH)
-    time.sleep(0.3)
+    assert sent_two.wait(10), "the first two chunks were never sent"
     future.cancel()
     release.set()
     with pytest.raises(grpc.FutureCancelledError):
         future.result()
-    deadline = time.monotonic() + 5
     with server.client() as http:
-        while "PushKv" not in _calls(http, "CANCELLED") and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _counted(http, PUSH, "CANCELLED")
+        wait_until(lambda: _counted(http, PUSH, "CANCELLED"), "the server to count the cancel", 5)
     assert held(stub, pb, *blocks) == [False, False, False]
 
 

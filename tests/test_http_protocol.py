@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from http_server import ThreadServer
 from prometheus_client import generate_latest
+from waiting import async_wait_until
 
 from api.access import Access, TokenTable
 from api.app import create_app
@@ -227,10 +228,14 @@ def test_batched_requests_render_as_observed_ones() -> None:
             )
         assert _series(batched) == _series(one)  # render writes pending ones out first
         batched.observe_request_soon("GET", "/x", 200, 0.001, None, loop)
-        await asyncio.sleep(BATCH_SECONDS * 3)  # the timer writes them out
+        line = 'tlkv_http_requests_total{method="GET",route="/x",status="200"} 1.0'
+        assert line not in generate_latest(batched.registry).decode()  # pending
+        await async_wait_until(  # the timer writes them out (render() would flush them)
+            lambda: line in generate_latest(batched.registry).decode(),
+            f"the batch timer ({BATCH_SECONDS} s) to write the pending request out",
+            timeout=5,
+        )
         one.observe("GET", "/x", 200, 0.001)
-        unflushed = generate_latest(batched.registry).decode()  # render() would flush
-        assert 'tlkv_http_requests_total{method="GET",route="/x",status="200"} 1.0' in unflushed
 
     asyncio.run(record())
     assert _series(batched) == _series(one)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
+from waiting import parked_on, wait_until
 
 from kvstore.errors import StoreError
 from kvstore.store.mapguard import MapGuard
@@ -36,7 +36,9 @@ def test_exclusive_waits_for_shared_and_holds_new_ones_back() -> None:
         with g.exclusive():
             in_exclusive.set()
             events.append("resize")
-            time.sleep(0.05)
+            # the late reader, woken by the release, is held back again while this runs
+            wait_until(lambda: parked_on(g._cond), "the late reader to wait out the resize")
+            events.append(f"{len(events)} in exclusive")
         events.append("resized")
 
     def late_reader() -> None:
@@ -46,15 +48,16 @@ def test_exclusive_waits_for_shared_and_holds_new_ones_back() -> None:
 
     t1 = threading.Thread(target=resizer)
     t1.start()
-    time.sleep(0.05)
+    wait_until(lambda: parked_on(g._cond), "the resize to wait for the shared holder")
     assert not in_exclusive.is_set()  # a shared holder is inside
     t2 = threading.Thread(target=late_reader)
     t2.start()
-    time.sleep(0.05)
+    wait_until(lambda: parked_on(g._cond, 2), "the late reader to wait behind the resize")
     assert events == []
     g.release()
     t1.join(5)
     t2.join(5)
+    assert events[:2] == ["resize", "1 in exclusive"]  # nobody else got in meanwhile
     assert events.index("resize") < events.index("late reader")
 
 
@@ -71,7 +74,7 @@ def test_a_thread_inside_may_reenter_while_a_resize_is_pending() -> None:
     t = threading.Thread(target=resizer)
     t.start()
     assert pending.wait(5)
-    time.sleep(0.02)
+    wait_until(lambda: parked_on(g._cond), "the resize to be pending")
     g.acquire()  # a nested transaction of a holder: must not wait for the resize
     g.release()
     g.release()

@@ -119,7 +119,7 @@ def test_backlog_counts_blocks_bytes_and_the_oldest_age(tmp_path: Path) -> None:
     with Store(tmp_path / "s", tier="s3://nowhere/x", tier_endpoint=down) as s:
         first = make_envelope(SMALL, 4 * 3, seed=31)
         s.put(first)
-        time.sleep(1.2)
+        time.sleep(1.2)  # the first put's blocks age past 1 s: their age is what is tested
         s.put(make_envelope(SMALL, 4 * 2, seed=32))
         info = s.tier_info()
         assert info is not None

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import make_envelope
 from s3_server import S3Server
+from waiting import wait_until
 
 from kvstore import Geometry, Store, decode
 from kvstore.cli.common import parse_rate
@@ -134,6 +135,7 @@ def test_background_scrub_repairs_within_a_pass_and_never_blocks_a_put(
     with Store(data, tier=url, tier_endpoint=s3_server.endpoint) as s:
         _flip(data, blocks[9])  # while open: LMDB's map sees the page cache's bytes
         passes: list[tuple[int, int]] = []
+        under_way = threading.Event()
         done = threading.Event()
         rate = 64 << 10  # 12 x 16 KiB at 64 KiB/s: a pass of about 3 s
 
@@ -141,9 +143,12 @@ def test_background_scrub_repairs_within_a_pass_and_never_blocks_a_put(
             passes.append((report.found, report.repaired))  # type: ignore[attr-defined]
             done.set()
 
-        scrubber = Scrubber(s, rate=rate, period=3600, on_pass=on_pass)
+        scrubber = Scrubber(
+            s, rate=rate, period=3600, on_batch=lambda *_: under_way.set(), on_pass=on_pass
+        )
         try:
-            time.sleep(0.3)  # the pass is under way, paced
+            assert under_way.wait(10)  # a first batch is checked: the pass is under way, paced
+            assert not done.is_set()
             t0 = time.monotonic()
             s.put(make_envelope(GEOMETRY, 16 * 4, seed=8))
             put_seconds = time.monotonic() - t0
@@ -157,8 +162,10 @@ def test_background_scrub_repairs_within_a_pass_and_never_blocks_a_put(
         first = Scrubber(s, rate=rate, period=3600)
         second = Scrubber(s, rate=rate, period=3600)
         try:
-            time.sleep(0.5)
-            assert sorted([first._lock_fd >= 0, second._lock_fd >= 0]) == [False, True]
+            wait_until(lambda: max(first._lock_fd, second._lock_fd) >= 0, "a scrubber's lock")
+            holder, other = (first, second) if first._lock_fd >= 0 else (second, first)
+            assert not other._own_lock()  # what its thread asks each round: refused
+            assert holder._lock_fd >= 0 and other._lock_fd < 0
         finally:
             first.stop()
             second.stop()

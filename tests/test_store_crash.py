@@ -65,7 +65,7 @@ def _run_writer(script: Path, path: Path, seed: int, rng: random.Random) -> list
     assert proc.stdout is not None and proc.stderr is not None
     first = proc.stdout.readline()
     assert first == "ready\n", proc.stderr.read()
-    time.sleep(rng.uniform(0.01, 0.25))
+    time.sleep(rng.uniform(0.01, 0.25))  # the kill lands at a random moment of the writes
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     out = proc.stdout.read().splitlines()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
 import subprocess
 import sys
 import time
@@ -11,11 +13,13 @@ import numpy as np
 import pytest
 from conftest import SMALL, make_envelope
 from s3_server import CREDENTIALS, S3Process, S3Server, free_port, set_credentials
+from waiting import wait_until
 
 from kvstore import Geometry, Store, split
 from kvstore.errors import ShapeError, StoreFullError, TierError
 from kvstore.tier import ObjectClient, Tier, block_key, parse_url
 from kvstore.tier.layout import is_object_url
+from kvstore.tier.uploader import LOCK_FILE
 
 OTHER = Geometry(block_tokens=4, n_layers=2, n_kv_heads=2, head_dim=16)
 
@@ -29,6 +33,21 @@ def _hashes(envelope: bytes) -> list[int]:
 @pytest.fixture
 def bucket_url(s3_server: S3Server) -> str:
     return f"s3://{s3_server.new_bucket()}/fleet/a"
+
+
+def _flock_held(path: Path) -> bool:
+    """Whether another open file holds an exclusive ``flock`` on ``path``."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing releases a lock this probe took
+    return False
 
 
 def _store(path: Path, url: str, server: S3Server | None, **kw: object) -> Store:
@@ -277,8 +296,8 @@ def test_one_uploader_per_store_directory(
         "    print(s.tier_info()['uploads'])\n"
     )
     with _store(tmp_path / "a", bucket_url, s3_server) as first:
-        first.tier_info()  # its uploader holds the store's lock from its first round
-        time.sleep(0.2)
+        lock = tmp_path / "a" / LOCK_FILE  # its uploader holds it from its first round
+        wait_until(lambda: _flock_held(lock), "the first store's uploader to take its lock")
         args = [str(tmp_path / "a"), bucket_url, s3_server.endpoint, str(tmp_path / "e.tlkv")]
         out = subprocess.run(
             [sys.executable, "-c", child, *args], capture_output=True, text=True, timeout=60
@@ -369,10 +388,12 @@ def test_a_request_with_no_answer_marks_the_tier_down_for_every_process(
     other = Tier("s3://hung/p", endpoint=endpoint)
     asking.share_state(str(tmp_path))
     other.share_state(str(tmp_path))
+    accepted: list[socket.socket] = []
     try:
         assert asking.state == other.state == "unknown"
         threading.Thread(target=asking.present, args=([1],), daemon=True).start()
-        time.sleep(0.5)
+        hung.settimeout(10)
+        accepted.append(hung.accept()[0])  # the request reached the endpoint: never answered
         assert asking.state == "unknown"  # outstanding, not for long yet
         deadline = time.monotonic() + 5
         while other.state != "unreachable":
@@ -384,4 +405,6 @@ def test_a_request_with_no_answer_marks_the_tier_down_for_every_process(
     finally:
         asking.stop_sharing()
         other.stop_sharing()
+        for conn in accepted:
+            conn.close()
         hung.close()

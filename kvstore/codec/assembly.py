@@ -4,7 +4,8 @@ Every layer that puts an envelope together -- ``encode``/``join``, the store's s
 the archive's restore and the HTTP service's streamed prefix -- goes through here, so the
 wire format (FORMAT.md, section 2) is assembled in one place:
 
-- :func:`pack_header` and :func:`assemble` (parts in, one copy out, CRC appended);
+- :func:`pack_header` and :func:`assemble` (parts in, one copy out, CRC appended), and
+  :func:`from_records` over them (``split``, ``join``, ``Envelope.single``);
 - :class:`EnvelopeStream`, the streaming form: the header, then records as they come,
   then the trailer, with the CRC carried along (nothing is buffered);
 - :class:`SingleBlock`, the sizes and CRC constants of one-block envelopes (the store's
@@ -16,7 +17,7 @@ wire format (FORMAT.md, section 2) is assembled in one place:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from typing import Any, NamedTuple
 
@@ -47,6 +48,11 @@ def assemble(parts: Iterable[Any]) -> bytes:
     """Header and record parts concatenated with their CRC-32C appended, in one pass that
     copies and checksums each part (``checksum.join_crc``)."""
     return join_crc(list(parts))
+
+
+def from_records(version: int, geometry: Geometry, records: Sequence[Any]) -> bytes:
+    """One envelope of these block records (already checked): header, records, CRC."""
+    return assemble([pack_header(version, geometry, len(records)), *records])
 
 
 def stored_crc(data: Any) -> int:
