@@ -146,6 +146,38 @@ def test_has_blocks_and_prefix(client: Client) -> None:
     assert len(client.prefix(hashes=hashes[3:])) == 32
 
 
+def test_prefix_into_fills_the_callers_buffer_or_answers_new_bytes(
+    server: ServerProcess, client: Client
+) -> None:
+    """``prefix_into``: the answer read into the caller's buffer when it fits (the filled
+    part returned, the rest untouched), new bytes when it does not or when the client
+    runs on another transport (the test's recording one); errors as ``prefix``."""
+    tokens, data = _prompt(17, seed=12)  # 4 full blocks + 1 token
+    hashes = [int(h) for h in decode(data).hashes if h]
+    client.put(_first_blocks(data, 2))
+    want = client.prefix(hashes=hashes)
+    other = client.prefix_into(np.empty(len(want), np.uint8), hashes=hashes)
+    assert isinstance(other, bytes) and other == want
+    client = Client(server.url, token=TOKEN)  # tlkv's own transport
+    out = np.full(len(want) + 7, 0xAB, np.uint8)
+    got = client.prefix_into(out, hashes=hashes)
+    assert isinstance(got, memoryview) and bytes(got) == want
+    assert np.shares_memory(np.frombuffer(got, np.uint8), out)
+    assert (out[len(want) :] == 0xAB).all()
+    again = client.prefix_into(out, tokens=tokens)  # the same buffer, used again
+    assert bytes(again) == want
+    small = bytearray(len(want) - 1)
+    got = client.prefix_into(small, hashes=hashes)
+    assert isinstance(got, bytes) and got == want and small == bytearray(len(want) - 1)
+    v2 = client.prefix_into(out, hashes=hashes, format=2)
+    assert bytes(v2) == client.prefix(hashes=hashes, format=2)
+    with pytest.raises(ValueError):
+        client.prefix_into(out)
+    with pytest.raises(InvalidRequestError):
+        client.prefix_into(out, hashes=hashes, format=7)
+    client.close()
+
+
 def _first_blocks(data: bytes, n: int) -> bytes:
     return join(split(data)[:n])
 

@@ -83,3 +83,24 @@ def test_workers_are_counted_per_engine() -> None:
     p.remove_worker("e")
     assert not p.worker_here("e")
     assert not p.start("e", "r", [1], 1, lambda: 0)
+
+
+def test_receive_buffers_are_used_again_within_their_bounds() -> None:
+    from kvstore.engines._vllm_prefetch import ReceiveBuffers
+
+    bufs = ReceiveBuffers(keep=2, keep_bytes=1000)
+    a = bufs.take(100)
+    assert a.nbytes >= 100
+    bufs.give(a)
+    b = bufs.take(50)
+    assert b is a  # the same memory: its pages stay mapped
+    c = bufs.take(100)
+    assert c is not a  # lent out: never handed to two takers
+    bufs.give(b)
+    bufs.give(c)
+    big = bufs.take(5000)
+    bufs.give(big)  # over keep_bytes: not kept
+    assert bufs.take(5000) is not big
+    d = bufs.take(900)
+    bufs.give(d)  # the pool is full (a, c): the larger one replaces the smaller
+    assert bufs.take(900) is d

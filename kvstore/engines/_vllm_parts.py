@@ -41,6 +41,7 @@ from ..fileio import populate_mapped_pages
 from ..protocol import MODEL_ID_MAX
 from ..store import Store
 from ..transfer import GRPC_SCHEME, TransferClient
+from ._vllm_prefetch import ReceiveBuffers
 
 if TYPE_CHECKING:
     from ._vllm_paged import PagedCache
@@ -128,9 +129,10 @@ class Target:
 
     prefetches = False  # whether ``fetch`` is worth starting ahead (a transfer)
 
-    def fetch(self, hashes: Sequence[int]) -> Any:
-        """What ``load`` needs from the target for ``hashes`` (a server's answer), fetched
-        ahead of it on another thread (``_vllm_prefetch``); not checked yet."""
+    def fetch(self, hashes: Sequence[int], size: int) -> Any:
+        """What ``load`` needs from the target for ``hashes`` (a server's answer, at most
+        ``size`` bytes when the blocks are v1), fetched ahead of it on another thread
+        (``_vllm_prefetch``); not checked yet."""
         raise NotImplementedError
 
     def load(
@@ -286,6 +288,7 @@ def _full_v1_blocks(envelopes: Sequence[memoryview], g: Geometry) -> bool:
 class _HttpTarget(Target):
     def __init__(self, url: str, model: str, token: str | None, timeout: float) -> None:
         self.client = Client(url, token, timeout=timeout, model=model)
+        self._buffers = ReceiveBuffers()
 
     def geometry(self) -> Geometry | None:
         try:
@@ -316,16 +319,22 @@ class _HttpTarget(Target):
 
     prefetches = True
 
-    def fetch(self, hashes: Sequence[int]) -> bytes:
-        """The envelope of the longest held prefix of ``hashes`` (``/v1/prefix``)."""
+    def fetch(self, hashes: Sequence[int], size: int) -> tuple[Any, np.ndarray]:
+        """The envelope of the longest held prefix of ``hashes`` (``/v1/prefix``), read
+        into a buffer of ``_buffers`` (given back by ``load``): (the envelope, the buffer)."""
+        buf = self._buffers.take(size)
         try:
-            return self.client.prefix(hashes=np.asarray(hashes, dtype=np.uint64))
+            ask = np.asarray(hashes, dtype=np.uint64)
+            return self.client.prefix_into(buf, hashes=ask), buf
         except NotFoundError:
-            return b""
+            return b"", buf
 
     @contextlib.contextmanager
     def views(self, hashes: Sequence[int]) -> Iterator[list[BlockView]]:
-        data = self.fetch(hashes)
+        try:
+            data = self.client.prefix(hashes=np.asarray(hashes, dtype=np.uint64))
+        except NotFoundError:
+            data = b""
         yield list(decode(data)) if data else []  # decode checks the CRC and every rule
 
     def load(
@@ -341,18 +350,27 @@ class _HttpTarget(Target):
         scatter_envelopes``); a CRC that fails loads none of them (the engine computes
         them). Anything else (v2 blocks, a cache that is not CPU f16) is decoded, checked
         and scattered."""
-        data = self.fetch(hashes) if fetched is None else fetched
-        if not data:
-            return 0, 0
-        n = _joined_v1_blocks(data, paged.geometry, hashes)
-        done = None
-        if n is not None:
-            done = paged.scatter_envelopes([data], block_ids[:n], joined=True)
-        if done is None:
-            views = list(decode(data))  # decode checks the CRC and every rule
-            views = views[: _same_hashes(views, hashes)]
-            return len(views), paged.scatter(views, block_ids)
-        return done, done * paged.geometry.record_bytes(VERSION_V1)
+        g = paged.geometry
+        if fetched is None:
+            fetched = self.fetch(hashes, g.envelope_bytes(len(hashes), VERSION_V1))
+        data, buf = fetched
+        try:
+            if not len(data):
+                return 0, 0
+            n = _joined_v1_blocks(data, g, hashes)
+            done = None
+            if n is not None:
+                done = paged.scatter_envelopes([data], block_ids[:n], joined=True)
+            if done is None:
+                views = list(decode(data))  # decode checks the CRC and every rule
+                views = views[: _same_hashes(views, hashes)]
+                loaded, nbytes = len(views), paged.scatter(views, block_ids)
+                del views  # they view the buffer
+                return loaded, nbytes
+            return done, done * g.record_bytes(VERSION_V1)
+        finally:
+            del data
+            self._buffers.give(buf)  # no view of it is left
 
     def close(self) -> None:
         self.client.close()
@@ -386,7 +404,7 @@ class _GrpcTarget(Target):
 
     prefetches = True
 
-    def fetch(self, hashes: Sequence[int]) -> list[BlockView]:
+    def fetch(self, hashes: Sequence[int], size: int = 0) -> list[BlockView]:
         """The longest held prefix of ``hashes`` (a FetchKv stream), each chunk checked
         (CRC, reader rules, fields) as it arrived."""
         try:

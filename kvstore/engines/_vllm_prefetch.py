@@ -15,6 +15,10 @@ worker of the engine registers here and nothing is fetched ahead: the worker fet
 fetch ahead that is not taken (vLLM did not allocate for the load, the request ended or was
 planned again) is dropped; at most ``MAX_AHEAD_BYTES`` of fetches are held at once (beyond,
 the worker fetches).
+
+``ReceiveBuffers``: a server's answer is read into a buffer used again, whose pages stay
+mapped: a 12 MiB answer read into new memory takes ~3,000 page faults (8.5 ms of CPU per
+answer against 1.9 ms, measured on loopback), as many faults as the kernel's copy.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-__all__ = ["MAX_AHEAD_BYTES", "PREFETCHES", "Prefetches"]
+import numpy as np
+
+__all__ = ["MAX_AHEAD_BYTES", "PREFETCHES", "Prefetches", "ReceiveBuffers"]
 
 MAX_AHEAD_BYTES = 1 << 30  # fetched blocks held for workers at once (estimated before)
 
@@ -104,6 +110,37 @@ class Prefetches:
         """(fetches ahead not taken yet, their estimated bytes)."""
         with self._lock:
             return len(self._ahead), self._bytes
+
+
+class ReceiveBuffers:
+    """Byte buffers lent for one answer each and given back once it is used: at most
+    ``keep`` are kept, none over ``keep_bytes`` (a larger one is allocated each time)."""
+
+    def __init__(self, keep: int = 3, keep_bytes: int = 256 << 20) -> None:
+        self._keep = keep
+        self._keep_bytes = keep_bytes
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A buffer of at least ``nbytes`` (its content undefined)."""
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if buf.nbytes >= nbytes:
+                    return self._free.pop(i)
+        return np.empty(nbytes, np.uint8)
+
+    def give(self, buf: np.ndarray) -> None:
+        """``buf`` is no longer used by its taker."""
+        if buf.nbytes <= self._keep_bytes:
+            with self._lock:
+                if len(self._free) < self._keep:
+                    self._free.append(buf)
+                    return
+                # keep the larger ones: an answer that fits none of them allocates
+                small = min(range(len(self._free)), key=lambda i: self._free[i].nbytes)
+                if self._free[small].nbytes < buf.nbytes:
+                    self._free[small] = buf
 
 
 PREFETCHES = Prefetches()  # the process's one registry: scheduler and worker meet here

@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..codec.hashing import chain_hashes
+from ..codec.layout import VERSION_V1
 from ..errors import ShapeError
 from ._vllm_parts import Saver, Target, UnsupportedLayoutError, namespace, open_target, salted
 from ._vllm_prefetch import PREFETCHES
@@ -280,9 +281,13 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         target = self._target(model)
         if target.prefetches:  # the transfer overlaps vLLM's allocation and input preparation
             ahead = req.hashes[start:held]
-            nbytes = len(ahead) * self._geometry.record_bytes(self._version)
+            nbytes = self._geometry.envelope_bytes(len(ahead), VERSION_V1)  # v2: less
             PREFETCHES.start(
-                self._engine, request.request_id, ahead, nbytes, lambda: target.fetch(ahead)
+                self._engine,
+                request.request_id,
+                ahead,
+                nbytes,
+                lambda: target.fetch(ahead, nbytes),
             )
         return held * b - num_computed_tokens, False
 
