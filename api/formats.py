@@ -21,22 +21,27 @@ from kvstore.codec.layout import SUPPORTED_VERSIONS
 from kvstore.errors import EnvelopeError, UnconvertibleError, UnsupportedVersionError
 
 
-def require_formats(body: Any, formats: Sequence[int]) -> None:
+def require_formats(body: Any, formats: Sequence[int]) -> Any:
     """Refuse an envelope whose version is not in ``formats`` (other rules: the store's).
+
+    Returns:
+        What to hand the store: the ``Envelope`` decoded here (on a server that does not
+        read every version; the store takes it without decoding it again, and checks the
+        CRC as it copies it), else ``body`` itself.
 
     Raises:
         UnsupportedVersionError: the version is not read here (HTTP 415).
         FormatError: the envelope is damaged before its version could be refused.
     """
     if tuple(formats) == SUPPORTED_VERSIONS:
-        return
+        return body
     try:
-        decode(body, versions=formats, verify_crc=False)
+        return decode(body, versions=formats, verify_crc=False)
     except UnsupportedVersionError:
         decode(body, versions=formats)  # the CRC first, as every reader checks it
         raise
     except EnvelopeError:
-        pass  # any other rule: the store's validation reports it
+        return body  # any other rule: the store's validation reports it
 
 
 def read_version(asked: int | None, formats: Sequence[int]) -> int | None:

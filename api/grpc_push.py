@@ -4,7 +4,9 @@ The rules are :class:`kvstore.transfer.PushStream`'s (the client plans its chunk
 same ones); what is left here is what only the store can answer -- a referenced block is
 held -- and the commit: everything in one store transaction (``Store.import_batch``, or
 ``Store.put_sequence`` when the stream names a sequence), so a failed or cancelled stream
-stores nothing.
+stores nothing. A payload is decoded once, by its check: the store takes the decoded
+envelopes (a named sequence of several blocks is joined from their bytes) and checks each
+CRC again as it copies them.
 
 - A referenced block (empty payload) must be held when the stream commits: sent earlier
   in the same stream, or in the store (FAILED_PRECONDITION naming the hash otherwise).
@@ -18,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvstore import Store, decode
+from kvstore.codec.envelope import Envelope
 from kvstore.codec.layout import NO_HASH
 from kvstore.errors import NotFoundError
 from kvstore.store import transcode_stored
@@ -72,13 +75,15 @@ class PushCommit:
 
     def _commit_blocks(self) -> tuple[int, int]:
         entries = self.stream.entries
-        sent = {h for h, payload, _ in entries if payload is not None and h != NO_HASH}
-        refs = [h for h, payload, _ in entries if payload is None and h not in sent]
+        sent = {h for h, env, _ in entries if env is not None and h != NO_HASH}
+        refs = [h for h, env, _ in entries if env is None and h not in sent]
         if refs:
             for h, here in zip(refs, self.store.has(refs)):
                 if not here:
                     raise _missing(h)
-        blocks = [p for h, p, _ in entries if p is not None and h != NO_HASH]
+        # The envelopes check_chunk decoded: the store fits them to the model without
+        # decoding them again, and checks each CRC again as it copies the bytes.
+        blocks = [env for h, env, _ in entries if env is not None and h != NO_HASH]
         if not blocks:
             return 0, 0
         result = self.store.import_batch(blocks=blocks)  # the store's write: one transaction
@@ -87,8 +92,8 @@ class PushCommit:
     def _commit_sequence(self, name: str) -> tuple[int, int]:
         entries, version = self.stream.entries, self.stream.version
         assert version is not None  # take() sets it for a named stream with entries
-        sent = {h: p for h, p, _ in entries if p is not None and h != NO_HASH}
-        refs = [h for h, p, _ in entries if p is None and h not in sent]
+        sent = {h: env for h, env, _ in entries if env is not None and h != NO_HASH}
+        refs = [h for h, env, _ in entries if env is None and h not in sent]
         held: dict[int, bytes] = {}
         if refs:
             for h, data in zip(refs, self.store.get_many(refs)):
@@ -97,12 +102,19 @@ class PushCommit:
                 if decode(data, verify_crc=False).version != version:
                     data = transcode_stored(h, data, version)
                 held[h] = data
-        parts = [p if p is not None else held.get(h) or sent[h] for h, p, _ in entries]
-        # every part's CRC was checked: on arrival, by Store.get_many, or made by transcode
-        envelope = parts[0] if len(parts) == 1 else join_checked(parts)
+        # The envelopes check_chunk decoded (sent in this stream) and the stored bytes (held).
+        parts: list[Envelope | bytes] = [
+            env if env is not None else held.get(h) or sent[h] for h, env, _ in entries
+        ]
+        if len(parts) == 1:
+            envelope = parts[0]  # the store takes either without decoding an Envelope again
+        else:
+            # every part's CRC was checked: on arrival, by Store.get_many, or made by
+            # transcode (the store checks the joined envelope's as it copies it)
+            envelope = join_checked([p.data if isinstance(p, Envelope) else p for p in parts])
         result = self.store.put_sequence(name, envelope)  # the store's write: one transaction
         # put_sequence counts the referenced blocks as duplicates (they were held).
-        full_refs = sum(1 for h, p, _ in entries if p is None)
+        full_refs = sum(1 for h, env, _ in entries if env is None)
         return result.stored, max(0, result.duplicate - full_refs)
 
 

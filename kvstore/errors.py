@@ -164,6 +164,8 @@ class ForbiddenError(TlkvError):
 
     kind = "forbidden"
     http_status = 403
+    grpc_status = "PERMISSION_DENIED"
+    grpc_default_for = ("PERMISSION_DENIED",)
 
 
 class InvalidRequestError(TlkvError, ValueError):

@@ -187,8 +187,9 @@ def test_client_and_transfer_client_address_a_model(server: ServerProcess) -> No
     hidden = pytest.raises(NotFoundError, match="model 'b' not found")
     with TransferClient(target, "alice", model="b") as t, hidden:
         t.has_blocks(HASHES)
-    with TransferClient(target, "alice", model="shared") as t, pytest.raises(ForbiddenError):
+    with TransferClient(target, "alice", model="shared") as t, pytest.raises(ForbiddenError) as e:
         t.push(PROMPT_A)
+    assert e.value.grpc_code is grpc.StatusCode.PERMISSION_DENIED  # type: ignore[attr-defined]
     hidden = pytest.raises(NotFoundError, match="model 'b' not found")
     with Client(server.url, token="alice", model="b") as c, hidden:
         c.has_blocks(HASHES)

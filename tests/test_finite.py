@@ -117,6 +117,27 @@ def test_store_refuses_unless_allowed(tmp_path: Path) -> None:
             s.get(h, version=1)
 
 
+def test_store_refuses_a_decoded_envelope_unless_allowed(tmp_path: Path) -> None:
+    """An ``Envelope`` that ``decode`` returned is not decoded again by the store, but the
+    finite rule still applies to it, on every write."""
+    bad = v1_with(0x7E00)
+    one = decode(bad).single(1)  # the non-finite block alone
+    with Store(tmp_path / "s") as s:
+        for write in (
+            lambda: s.put(decode(bad)),
+            lambda: s.put_report(decode(bad)),
+            lambda: s.put_sequence("x", decode(bad)),
+            lambda: s.import_batch([decode(one)]),
+            lambda: s.import_batch(sequences=[("x", decode(bad))]),
+        ):
+            with pytest.raises(FormatError, match=r"finite.* layer 1, V, head 0"):
+                write()
+        assert s.stats()["blocks"] == 0 and s.sequences() == []
+    with Store(tmp_path / "t", allow_nonfinite=True) as s:
+        s.import_batch([decode(one)])
+        assert s.get(int(decode(bad).hashes[1])) == one  # verbatim
+
+
 @pytest.mark.slow
 def test_http_refuses_or_answers_unconvertible(tmp_path: Path) -> None:
     bad = v1_with(0x7C00, 2, (0, 0, 1))

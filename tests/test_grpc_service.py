@@ -27,6 +27,7 @@ from waiting import wait_until
 
 from kvstore import Block, Geometry, chain_hashes, crc32c, decode, encode, join, split
 from kvstore.cli import main as cli_main
+from kvstore.codec.layout import HEADER_SIZE, RECORD_SIZE
 from kvstore.errors import UnsupportedVersionError
 from kvstore.transfer import MAX_CHUNK_PAYLOAD, HasResult, TransferClient
 
@@ -563,6 +564,27 @@ def test_ops04_v1_only_server_refuses_v2(v1_server: GrpcServer, pb: SimpleNamesp
         )
         assert_error(response, 415, "version")
         assert http.get("/v1/info").json()["formats"] == [1]
+
+
+def test_ops04_v1_only_server_takes_v1_puts_by_every_rule(v1_server: GrpcServer) -> None:
+    """On a v1-only server the version check decodes a put's envelope and the store takes
+    that decoding: a good v1 sequence or block is stored byte for byte, and the rules the
+    version check leaves to the store still refuse (the CRC, the store's geometry)."""
+    _, v1 = prompt(2 * G.block_tokens + 1, version=1)
+    damaged = bytearray(v1)
+    damaged[HEADER_SIZE + RECORD_SIZE + 3] ^= 0x01  # a KV byte: only the CRC notices
+    other = Geometry(block_tokens=4, n_layers=1, n_kv_heads=2, head_dim=8)
+    foreign = encode(other, [Block(0, 2, np.zeros(other.kv_shape, np.float32))], 1)
+    headers = {"content-type": "application/vnd.tlkv"}
+    with v1_server.client() as http:
+        assert http.put("/v1/sequences/v1-put", content=v1, headers=headers).status_code == 201
+        assert http.get("/v1/sequences/v1-put").content == v1
+        for url in ("/v1/sequences/v1-bad", "/v1/blocks"):
+            assert "CRC" in assert_error(
+                http.put(url, content=bytes(damaged), headers=headers), 422, "format"
+            )
+            assert_error(http.put(url, content=foreign, headers=headers), 422, "shape")
+        assert http.get("/v1/sequences/v1-bad").status_code == 404
 
 
 def test_ops04_v1_only_server_never_sends_v2(v1_server: GrpcServer, pb: SimpleNamespace) -> None:

@@ -51,7 +51,7 @@ from kvstore import (
     transcode,
 )
 from kvstore.codec.crcmath import crc_combine, crc_shift
-from kvstore.codec.layout import HEADER_SIZE, TRAILER_SIZE
+from kvstore.codec.layout import HEADER_SIZE, RECORD_SIZE, TRAILER_SIZE
 from kvstore.errors import BadMagicError, PinnedError, TruncatedError, ViewClosedError
 from kvstore.store.debug import lmdb_flags, pending_hits, raw_snapshot
 
@@ -1228,4 +1228,29 @@ def test_a_decoded_envelope_with_a_bad_crc_stores_nothing(tmp_path: Path) -> Non
         with pytest.raises(ChecksumError):
             s.import_batch([env])
         assert s.stats()["blocks"] == 0
+        check_consistency(s)
+
+
+@pytest.mark.parametrize("n_tokens", [SMALL.block_tokens, 2 * SMALL.block_tokens + 1])
+def test_a_decoded_envelope_altered_after_its_decode_is_refused(
+    tmp_path: Path, n_tokens: int
+) -> None:
+    """The store checks the CRC of a decoded envelope as it copies it: bytes changed after
+    ``decode`` verified them (one block: the envelope is the stored value; several: the
+    records are copied) are refused by every write, and nothing is stored."""
+    data = bytearray(make_envelope(SMALL, n_tokens, seed=46))
+    env = decode(data)  # the CRC verified here
+    data[HEADER_SIZE + RECORD_SIZE + 3] ^= 0x01  # a KV byte of the first block, afterwards
+    with Store(tmp_path / "s") as s:
+        with pytest.raises(ChecksumError):
+            s.put_report(env)
+        with pytest.raises(ChecksumError):
+            s.put(env)
+        with pytest.raises(ChecksumError):
+            s.put_sequence("s", env)
+        with pytest.raises(ChecksumError):
+            s.import_batch([env])
+        with pytest.raises(ChecksumError):
+            s.import_batch(sequences=[("s", env)])
+        assert s.stats()["blocks"] == 0 and s.sequences() == []
         check_consistency(s)

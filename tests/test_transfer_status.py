@@ -67,6 +67,7 @@ def test_the_client_table_is_derived_from_the_classes() -> None:
         grpc.StatusCode.INVALID_ARGUMENT: errors.InvalidRequestError,
         grpc.StatusCode.RESOURCE_EXHAUSTED: errors.TooLargeError,
         grpc.StatusCode.UNAUTHENTICATED: errors.UnauthorizedError,
+        grpc.StatusCode.PERMISSION_DENIED: errors.ForbiddenError,
         grpc.StatusCode.NOT_FOUND: errors.NotFoundError,
     } == ERROR_FOR_CODE
 

@@ -51,8 +51,8 @@ async def put_sequence(request: Request, name: NamePath) -> Response:
     require_envelope_type(request)
     store = store_of(request)
     body = await read_envelope(request, store.geometry, max_body_of(request))
-    require_formats(body, request.app.state.settings.formats)
-    await run_in_threadpool(store.put_sequence, name, body)
+    envelope = require_formats(body, request.app.state.settings.formats)
+    await run_in_threadpool(store.put_sequence, name, envelope)
     return json_response({"name": name}, status_code=201)
 
 

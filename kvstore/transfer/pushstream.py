@@ -44,13 +44,21 @@ __all__ = ["Checked", "PushStream", "plan_push"]
 
 
 class Checked(NamedTuple):
-    """A chunk past its own rules: its hash, its payload (None for a reference), its
-    format, and its payload's geometry (None for a reference)."""
+    """A chunk past its own rules: its hash, the envelope that carries its block (None for
+    a reference), and its format.
+
+    On the receiver the envelope is the one :func:`~kvstore.transfer.chunks.check_chunk`
+    decoded from the chunk's payload (the store takes it without decoding it again); in
+    :func:`plan_push` it is the sender's envelope the block travels from."""
 
     block_hash: int
-    payload: Any
+    envelope: Envelope | None
     kv_format: int
-    geometry: Geometry | None
+
+    @property
+    def geometry(self) -> Geometry | None:
+        """The carrying envelope's geometry (None for a reference)."""
+        return None if self.envelope is None else self.envelope.geometry
 
 
 class PushStream:
@@ -62,7 +70,8 @@ class PushStream:
         max_bytes: payload bytes the receiver takes in one stream (None: no limit).
 
     Once ``take`` has run: ``name`` is the sequence the stream names (or None),
-    ``entries`` its ``(hash, payload or None, kv_format)`` in stream order, ``referenced``
+    ``entries`` its ``(hash, envelope or None, kv_format)`` in stream order (the
+    envelope as ``Checked`` holds it), ``referenced``
     its empty-payload chunks, ``payload_bytes`` the bytes that travelled, and ``version``
     the format of a named sequence (None without a name).
     """
@@ -80,7 +89,7 @@ class PushStream:
         self.name: str | None = None
         self.count = 0
         self.payload_bytes = 0
-        self.entries: list[tuple[int, Any, int]] = []
+        self.entries: list[tuple[int, Envelope | None, int]] = []
         self.referenced = 0
         self.version: int | None = None
 
@@ -143,7 +152,7 @@ class PushStream:
                     f"chunk {index}: an empty payload references a full block by its hash; "
                     "block_hash 0 (the partial tail) must carry its payload"
                 )
-            return Checked(h, None, fmt, None)
+            return Checked(h, None, fmt)
         try:
             env = check_chunk(
                 h,
@@ -156,7 +165,7 @@ class PushStream:
             )
         except TlkvError as exc:
             raise type(exc)(f"chunk {index} (block {h:016x}): {exc}") from None
-        return Checked(h, payload, env.version, env.geometry)
+        return Checked(h, env, env.version)
 
     def take(self, checked: Sequence[Checked], chunks: Sequence[Any]) -> None:
         """The rules across the stream's checked chunks, in stream order; fills ``entries``.
@@ -167,7 +176,9 @@ class PushStream:
                 formats.
         """
         geometry = self.receiver_geometry
-        for index, ((h, payload, fmt, g), chunk) in enumerate(zip(checked, chunks)):
+        for index, (c, chunk) in enumerate(zip(checked, chunks)):
+            h, env, fmt = c
+            g = c.geometry
             if g is not None and geometry is None:
                 geometry = g
             elif g is not None and g != geometry:
@@ -176,23 +187,23 @@ class PushStream:
                     f"chunk {index} (block {h:016x}): geometry {g.as_tuple()} differs from "
                     f"the stream's {geometry.as_tuple()}"
                 )
-            if payload is None:
+            if env is None:
                 if geometry is not None and chunk.n_tokens != geometry.block_tokens:
                     raise InvalidRequestError(
                         f"chunk {index}: a referenced block is full: n_tokens must be "
                         f"{geometry.block_tokens}, found {chunk.n_tokens}"
                     )
                 self.referenced += 1
-            self.entries.append((h, payload, fmt))
+            self.entries.append((h, env, fmt))
         if self.name is not None and self.entries:
             self.version = self._sequence_format()
 
     def _sequence_format(self) -> int:
         """The one format of a named sequence: its payloads', else its references'."""
-        sent = [v for _, p, v in self.entries if p is not None]
+        sent = [v for _, e, v in self.entries if e is not None]
         version = sent[0] if sent else self.entries[0][2]
-        for i, (_, payload, v) in enumerate(self.entries):
-            if payload is not None and v != version:
+        for i, (_, env, v) in enumerate(self.entries):
+            if env is not None and v != version:
                 raise InvalidRequestError(
                     f"chunk {i}: a sequence is one envelope of one format: kv_format {v} "
                     f"after {version}"
@@ -225,7 +236,7 @@ def plan_push(
         if h != NO_HASH and h in held:
             checked.append(stream.check(index, chunk))
         else:
-            checked.append(Checked(h, chunk.payload, env.version, env.geometry))
+            checked.append(Checked(h, env, env.version))
         chunks.append(chunk)
     stream.take(checked, chunks)
-    return [(chunk, payload is None) for chunk, (_, payload, _) in zip(chunks, stream.entries)]
+    return [(chunk, e is None) for chunk, (_, e, _) in zip(chunks, stream.entries)]
