@@ -579,6 +579,11 @@ def test_ops04_v1_only_server_takes_v1_puts_by_every_rule(v1_server: GrpcServer)
     with v1_server.client() as http:
         assert http.put("/v1/sequences/v1-put", content=v1, headers=headers).status_code == 201
         assert http.get("/v1/sequences/v1-put").content == v1
+        put = http.put("/v1/blocks", content=v1, headers=headers)
+        assert put.status_code == 200, put.text
+        for part, h in zip(split(v1), decode(v1).hashes.tolist(), strict=True):
+            if h:  # the full blocks, each stored byte for byte
+                assert http.get(f"/v1/blocks/{h:016x}").content == part
         for url in ("/v1/sequences/v1-bad", "/v1/blocks"):
             assert "CRC" in assert_error(
                 http.put(url, content=bytes(damaged), headers=headers), 422, "format"

@@ -113,16 +113,17 @@ async def put_blocks(request: Request) -> Response:
     require_envelope_type(request)
     store = store_of(request)
     body = await read_envelope(request, store.geometry, max_body_of(request))
-    require_formats(body, request.app.state.settings.formats)
-    stored, duplicate, partial = await run_in_threadpool(_put, store, body)
+    checked = require_formats(body, request.app.state.settings.formats)
+    stored, duplicate, partial = await run_in_threadpool(_put, store, checked)
     return json_response(
         {"stored": hex_list(stored), "duplicate": hex_list(duplicate), "partial": partial}
     )
 
 
-def _put(store: Store, body: bytes | bytearray) -> tuple[list[int], list[int], int]:
-    """``store.put`` with the hashes it stored and those already present (from its own
-    write transaction, exact under concurrent puts)."""
+def _put(store: Store, body: Any) -> tuple[list[int], list[int], int]:
+    """``store.put`` of the body (or of the envelope ``require_formats`` decoded) with the
+    hashes it stored and those already present (from its own write transaction, exact
+    under concurrent puts)."""
     report = store.put_report(body)
     return report.stored, report.duplicate, report.partial
 
