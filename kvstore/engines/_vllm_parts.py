@@ -41,7 +41,7 @@ from ..fileio import populate_mapped_pages
 from ..protocol import MODEL_ID_MAX
 from ..store import Store
 from ..transfer import GRPC_SCHEME, TransferClient
-from ._vllm_prefetch import ReceiveBuffers
+from ._vllm_buffers import ReceiveBuffers
 
 if TYPE_CHECKING:
     from ._vllm_paged import PagedCache
@@ -127,28 +127,12 @@ class Target:
         """Checked views of the longest held prefix of ``hashes``, valid in the block."""
         raise NotImplementedError
 
-    prefetches = False  # whether ``fetch`` is worth starting ahead (a transfer)
-
-    def fetch(self, hashes: Sequence[int], size: int) -> Any:
-        """What ``load`` needs from the target for ``hashes`` (a server's answer, at most
-        ``size`` bytes when the blocks are v1), fetched ahead of it on another thread
-        (``_vllm_prefetch``); not checked yet."""
-        raise NotImplementedError
-
     def load(
-        self,
-        hashes: Sequence[int],
-        paged: PagedCache,
-        block_ids: Sequence[int],
-        fetched: Any = None,
+        self, hashes: Sequence[int], paged: PagedCache, block_ids: Sequence[int]
     ) -> tuple[int, int]:
         """Copy the longest held prefix of ``hashes`` into the paged blocks ``block_ids``,
         every block checked (CRC, reader rules, its hash the one asked for) before the
-        engine can use it; returns (blocks in place, payload bytes read). ``fetched``: what
-        ``fetch(hashes)`` answered, when it ran ahead."""
-        if fetched is not None:
-            views = fetched[: _same_hashes(fetched, hashes)]
-            return len(views), paged.scatter(views, block_ids)
+        engine can use it; returns (blocks in place, payload bytes read)."""
         with self.views(hashes) as views:
             views = views[: _same_hashes(views, hashes)]
             return len(views), paged.scatter(views, block_ids)
@@ -207,11 +191,7 @@ class _StoreTarget(Target):
             yield out
 
     def load(
-        self,
-        hashes: Sequence[int],
-        paged: PagedCache,
-        block_ids: Sequence[int],
-        fetched: Any = None,
+        self, hashes: Sequence[int], paged: PagedCache, block_ids: Sequence[int]
     ) -> tuple[int, int]:
         """The stored envelopes straight into the paged blocks: every reader rule but the
         CRC checked first (``_full_v1_blocks``), then one pass that copies each block and
@@ -317,11 +297,10 @@ class _HttpTarget(Target):
     def put(self, envelope: bytes) -> int:
         return len(self.client.put(envelope).stored)
 
-    prefetches = True
-
-    def fetch(self, hashes: Sequence[int], size: int) -> tuple[Any, np.ndarray]:
-        """The envelope of the longest held prefix of ``hashes`` (``/v1/prefix``), read
-        into a buffer of ``_buffers`` (given back by ``load``): (the envelope, the buffer)."""
+    def _fetch(self, hashes: Sequence[int], size: int) -> tuple[Any, np.ndarray]:
+        """The envelope of the longest held prefix of ``hashes`` (``/v1/prefix``, at most
+        ``size`` bytes when it is v1), read into a buffer of ``_buffers`` (given back by
+        ``load``): (the envelope, the buffer)."""
         buf = self._buffers.take(size)
         try:
             ask = np.asarray(hashes, dtype=np.uint64)
@@ -338,11 +317,7 @@ class _HttpTarget(Target):
         yield list(decode(data)) if data else []  # decode checks the CRC and every rule
 
     def load(
-        self,
-        hashes: Sequence[int],
-        paged: PagedCache,
-        block_ids: Sequence[int],
-        fetched: Any = None,
+        self, hashes: Sequence[int], paged: PagedCache, block_ids: Sequence[int]
     ) -> tuple[int, int]:
         """The prefix's one envelope straight into the paged blocks: every reader rule but
         the CRC and each block's hash checked first (``_joined_v1_blocks``), then one pass
@@ -351,9 +326,7 @@ class _HttpTarget(Target):
         them). Anything else (v2 blocks, a cache that is not CPU f16) is decoded, checked
         and scattered."""
         g = paged.geometry
-        if fetched is None:
-            fetched = self.fetch(hashes, g.envelope_bytes(len(hashes), VERSION_V1))
-        data, buf = fetched
+        data, buf = self._fetch(hashes, g.envelope_bytes(len(hashes), VERSION_V1))
         try:
             if not len(data):
                 return 0, 0
@@ -402,19 +375,13 @@ class _GrpcTarget(Target):
     def put(self, envelope: bytes) -> int:
         return int(self.client.push(envelope).stored)
 
-    prefetches = True
-
-    def fetch(self, hashes: Sequence[int], size: int = 0) -> list[BlockView]:
-        """The longest held prefix of ``hashes`` (a FetchKv stream), each chunk checked
-        (CRC, reader rules, fields) as it arrived."""
-        try:
-            return [env[0] for env in self.client.fetch_blocks(hashes=list(hashes))]
-        except NotFoundError:
-            return []
-
     @contextlib.contextmanager
     def views(self, hashes: Sequence[int]) -> Iterator[list[BlockView]]:
-        yield self.fetch(hashes)
+        try:
+            blocks = [env[0] for env in self.client.fetch_blocks(hashes=list(hashes))]
+        except NotFoundError:
+            blocks = []
+        yield blocks  # every chunk checked (CRC, reader rules, fields) as it arrived
 
     def close(self) -> None:
         self.client.close()

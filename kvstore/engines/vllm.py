@@ -28,8 +28,9 @@ Choices:
   CRC-32C; a block that fails (and the ones after it) is reported as not loaded before
   the forward runs, and quarantined. Blocks from a server are checked the same way (the
   prefix's envelope: reader rules and each block's hash, then one pass that copies and
-  checks its CRC), and start travelling at the scheduler's lookup when the worker runs in
-  the scheduler's process (``_vllm_prefetch``).
+  checks its CRC), fetched by the worker in ``start_load_kv``. (A fetch started on a
+  thread at the scheduler's lookup measured no faster on 2 cores, and 20-30 ms slower in
+  some engines: that thread, the server and vLLM's threads contend.)
 - Roles: ``kv_both`` loads and saves, ``kv_producer`` only saves, ``kv_consumer`` only loads.
 - Never cached: requests with a LoRA adapter, multimodal inputs or prompt embeddings. A
   ``cache_salt`` gives the request a namespace of its own.
@@ -58,10 +59,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..codec.hashing import chain_hashes
-from ..codec.layout import VERSION_V1
 from ..errors import ShapeError
 from ._vllm_parts import Saver, Target, UnsupportedLayoutError, namespace, open_target, salted
-from ._vllm_prefetch import PREFETCHES
 from ._vllm_stats import TlkvConnectorStats
 
 try:
@@ -182,9 +181,6 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._warned: set[str] = set()
         self._load_errors: set[int] = set()
         self._paged: Any = None
-        self._engine = str(cfg.engine_id)  # the scheduler and its workers share it
-        if role == KVConnectorRole.WORKER:
-            PREFETCHES.add_worker(self._engine)  # fetches ahead reach this process's worker
         if cfg.kv_load_failure_policy != "recompute":
             cfg.kv_load_failure_policy = "recompute"  # a failed load is recomputed
         self._off: str | None = None
@@ -278,17 +274,6 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if held <= start:
             return 0, False
         req.load_start, req.load = start, held - start
-        target = self._target(model)
-        if target.prefetches:  # the transfer overlaps vLLM's allocation and input preparation
-            ahead = req.hashes[start:held]
-            nbytes = self._geometry.envelope_bytes(len(ahead), VERSION_V1)  # v2: less
-            PREFETCHES.start(
-                self._engine,
-                request.request_id,
-                ahead,
-                nbytes,
-                lambda: target.fetch(ahead, nbytes),
-            )
         return held * b - num_computed_tokens, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -296,7 +281,6 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         req = self._reqs.get(request.request_id)
         if req is not None and num_external_tokens == 0:
             req.load = 0
-            PREFETCHES.drop(self._engine, request.request_id)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         """This step's loads (new requests with a planned load) and saves (prompt blocks
@@ -351,7 +335,6 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         """Forget the request; its blocks are freed at once (saves are synchronous)."""
         self._reqs.pop(request.request_id, None)
-        PREFETCHES.drop(self._engine, request.request_id)
         return False, None
 
     # --- worker side ----------------------------------------------------------------
@@ -384,10 +367,8 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 continue
             done = 0
             try:
-                ahead = PREFETCHES.take(self._engine, load.req_id, load.hashes)
-                fetched = None if ahead is None else ahead.result(2 * self._timeout)
                 done, nbytes = self._target(load.model).load(
-                    load.hashes, self._paged, load.block_ids, fetched
+                    load.hashes, self._paged, load.block_ids
                 )
                 self._count("blocks_loaded", done)
                 self._count("bytes_loaded", nbytes)
@@ -469,8 +450,6 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def shutdown(self) -> None:
         """Finish the queued saves, then close the connections to servers."""
         self._saver.close()
-        if self.role == KVConnectorRole.WORKER:
-            PREFETCHES.remove_worker(self._engine)
         for t in self._targets.values():
             t.close()
         self._targets.clear()

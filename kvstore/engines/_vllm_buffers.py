@@ -1,0 +1,46 @@
+"""Receive buffers of the vLLM connector's server targets.
+
+A server's answer is read into a buffer used again, whose pages stay mapped: a 12 MiB
+answer (a 1,024-token prompt of a 12-layer model) read into new memory takes ~3,000 page
+faults, as many as the kernel's copy (8.5 ms of client CPU per answer against 1.9 ms into
+a buffer used again, on loopback, measured in one session).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+__all__ = ["ReceiveBuffers"]
+
+
+class ReceiveBuffers:
+    """Byte buffers lent for one answer each and given back once it is used: at most
+    ``keep`` are kept, none over ``keep_bytes`` (a larger one is allocated each time)."""
+
+    def __init__(self, keep: int = 3, keep_bytes: int = 256 << 20) -> None:
+        self._keep = keep
+        self._keep_bytes = keep_bytes
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A buffer of at least ``nbytes`` (its content undefined)."""
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if buf.nbytes >= nbytes:
+                    return self._free.pop(i)
+        return np.empty(nbytes, np.uint8)
+
+    def give(self, buf: np.ndarray) -> None:
+        """``buf`` is no longer used by its taker."""
+        if buf.nbytes <= self._keep_bytes:
+            with self._lock:
+                if len(self._free) < self._keep:
+                    self._free.append(buf)
+                    return
+                # keep the larger ones: an answer that fits none of them allocates
+                small = min(range(len(self._free)), key=lambda i: self._free[i].nbytes)
+                if self._free[small].nbytes < buf.nbytes:
+                    self._free[small] = buf

@@ -1,0 +1,25 @@
+"""kvstore.engines._vllm_buffers without vLLM: a receive buffer is lent to one taker at a
+time, used again once given back, and kept within its bounds."""
+
+from __future__ import annotations
+
+from kvstore.engines._vllm_buffers import ReceiveBuffers
+
+
+def test_receive_buffers_are_used_again_within_their_bounds() -> None:
+    bufs = ReceiveBuffers(keep=2, keep_bytes=1000)
+    a = bufs.take(100)
+    assert a.nbytes >= 100
+    bufs.give(a)
+    b = bufs.take(50)
+    assert b is a  # the same memory: its pages stay mapped
+    c = bufs.take(100)
+    assert c is not a  # lent out: never handed to two takers
+    bufs.give(b)
+    bufs.give(c)
+    big = bufs.take(5000)
+    bufs.give(big)  # over keep_bytes: not kept
+    assert bufs.take(5000) is not big
+    d = bufs.take(900)
+    bufs.give(d)  # the pool is full (a, c): the larger one replaces the smaller
+    assert bufs.take(900) is d
