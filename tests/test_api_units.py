@@ -256,3 +256,26 @@ def test_unexpected_error_is_a_json_500_and_counted(
             assert 'route="/v1/blocks/{hash}",status="500"} 1.0' in metrics
 
     asyncio.run(requests())
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 65535, 65536, 65537, 140_000])
+@pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
+def test_has_blocks_answer_is_the_json_of_its_bools(n: int, share: float) -> None:
+    """The has-blocks answer, written from the bool array a part at a time, is byte for
+    byte what ``json.dumps`` writes for the same list (parts of 65,536, at and across the
+    edges); ``Store.has_mask`` is ``Store.has`` as an array."""
+    present = np.random.default_rng(n).random(n) < share
+    prefix = int(np.argmin(present)) if not present.all() else n
+    want = json.dumps({"present": present.tolist(), "prefix": prefix}, separators=(",", ":"))
+    assert blocks_module._present_json(present, prefix) == want.encode()
+
+
+def test_store_has_mask_is_has_as_an_array(tmp_path: Path) -> None:
+    data = make_envelope(SMALL, 3 * SMALL.block_tokens, seed=3)
+    with Store(str(tmp_path / "s"), geometry=SMALL) as store:
+        store.put(data)
+        held = [int(h) for h in decode(data).hashes]
+        ask = [held[0], 12345, held[2], held[1]]
+        mask = store.has_mask(ask)
+        assert mask.dtype == bool and mask.tolist() == store.has(ask) == [True, False, True, True]
+        assert store.has_mask([]).shape == (0,) and store.has([]) == []

@@ -35,9 +35,32 @@ PROMPT = prompt(300)  # 9 full blocks of 32 and a tail of 12
 HIT = 9 * 32
 
 
-def _run(model: str, connector: dict[str, Any] | None, *prompts: Any, **kw: Any) -> Any:
+def _run(
+    model: str,
+    connector: dict[str, Any] | None,
+    *prompts: Any,
+    env: dict[str, str] | None = None,
+    **kw: Any,
+) -> Any:
     items = [p if isinstance(p, dict) else {"tokens": p} for p in prompts]
-    return run_engine({"model": model, "connector": connector, "prompts": items, **kw}, ENV)
+    spec = {"model": model, "connector": connector, "prompts": items, **kw}
+    return run_engine(spec, {**ENV, **(env or {})})
+
+
+# vLLM's stats logger on, logging after every step: the connector's counters reach its
+# "KV Transfer metrics" lines (``tlkv_blocks_loaded=9, ...``).
+STATS = {"llm": {"disable_log_stats": False}, "env": {"VLLM_LOG_STATS_INTERVAL": "0.001"}}
+
+
+def _transfer_metrics(log: str) -> dict[str, int]:
+    """The connector's counters summed over the log's "KV Transfer metrics" lines."""
+    total: dict[str, int] = {}
+    for line in log.splitlines():
+        _, found, metrics = line.partition("KV Transfer metrics: ")
+        for item in metrics.split(", ") if found else []:
+            key, _, value = item.partition("=")
+            total[key] = total.get(key, 0) + int(float(value))
+    return total
 
 
 def _ns(model: str, dtype: str = "float16") -> str:
@@ -74,9 +97,14 @@ def test_store_directory_cold_then_warm_with_salts_and_models(cold: Any, models:
     with Store(data) as store:
         assert set(store.models()) - {"default"} == {ns}  # derived from the model config
         assert store.model(ns).stats()["blocks"] == 9
-    warm = _run(models["f16"], tlkv_config(data), PROMPT, {"tokens": PROMPT, "salt": "tenant-a"})
+    warm = _run(
+        models["f16"], tlkv_config(data), PROMPT, {"tokens": PROMPT, "salt": "tenant-a"}, **STATS
+    )
     hit, salted_cold = warm["results"]
     assert hit["cached"] == HIT
+    counted = _transfer_metrics(warm["log"])  # through vLLM's connector stats hooks
+    assert counted["tlkv_blocks_loaded"] == 9, warm["log"][-3000:]
+    assert counted["tlkv_bytes_loaded"] > 0 and counted["tlkv_load_errors"] == 0
     _same(hit, ref)
     assert salted_cold["cached"] == 0  # an unsalted run's blocks are not a salted request's
     _same(salted_cold, ref)
@@ -119,9 +147,11 @@ def test_corrupt_block_is_recomputed_quarantined_and_counted(
     assert at > 0
     raw[at + 100] ^= 0x40
     mdb.write_bytes(bytes(raw))
-    out = _run(models["f16"], tlkv_config(str(copy)), PROMPT)
+    out = _run(models["f16"], tlkv_config(str(copy)), PROMPT, **STATS)
     _same(out["results"][0], ref)  # blocks 4..8 recomputed: the same output
     assert "tlkv load failed" in out["log"] and "5 of 9 blocks" in out["log"]
+    counted = _transfer_metrics(out["log"])
+    assert counted["tlkv_blocks_loaded"] == 4 and counted["tlkv_load_errors"] == 5
     with Store(str(copy)) as store:
         handle = store.model(ns)
         assert handle.stats()["corrupt"] == 1  # quarantined, counted

@@ -95,12 +95,12 @@ class KeySet:
                 break
         return out
 
-    def has(self, txn: Any, queries: np.ndarray) -> list[bool]:
-        """Whether each hash is stored in ``txn``'s snapshot."""
+    def has(self, txn: Any, queries: np.ndarray) -> np.ndarray:
+        """Whether each hash is stored in ``txn``'s snapshot (a bool array)."""
         present = self._present(txn, queries.size)
         if present is None:
-            return self._probe(txn, queries, stop_at_miss=False)
-        return list(_in_sorted(present, queries).tolist())
+            return np.array(self._probe(txn, queries, stop_at_miss=False), dtype=bool)
+        return _in_sorted(present, queries)
 
     def longest_prefix(self, txn: Any, queries: np.ndarray) -> int:
         """How many leading hashes are stored in ``txn``'s snapshot."""

@@ -188,21 +188,20 @@ def get_buffers(h: Handle, hashes: Iterable[int]) -> list[memoryview]:
     return out
 
 
-def has(h: Handle, hashes: Iterable[int], tier: bool) -> list[bool]:
-    """``Store.has``: whether each hash is stored (with ``tier``: or held by the tier)."""
+def has(h: Handle, hashes: Iterable[int], tier: bool) -> np.ndarray:
+    """``Store.has_mask``: whether each hash is stored (with ``tier``: or held by the
+    tier), as a bool array."""
     queries = hash_array(hashes)
     if not queries.size:
-        return []
+        return np.zeros(0, dtype=bool)
     txn = h.begin_read(True)
     try:
         present = h.keys.has(txn, queries)
     finally:
         h.end_read(txn)
-    if tier and h.tier is not None and not all(present):
-        missing = [i for i, here in enumerate(present) if not here]
-        remote = h.tier.present(queries[missing].tolist())
-        for i, there in zip(missing, remote):
-            present[i] = there
+    if tier and h.tier is not None and not present.all():
+        missing = np.flatnonzero(~present)
+        present[missing] = h.tier.present(queries[missing].tolist())
     return present
 
 

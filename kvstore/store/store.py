@@ -35,6 +35,8 @@ from collections.abc import Iterable
 from types import TracebackType
 from typing import Any, cast
 
+import numpy as np
+
 from ..codec.geometry import Geometry
 from ..protocol import DEFAULT_MODEL, MAX_MODELS
 from ..tier import Tier
@@ -319,6 +321,11 @@ class Store:
         Raises:
             ValueError: a hash is not an integer in 0..2^64-1.
         """
+        return _reads.has(self._h, hashes, tier).tolist()  # type: ignore[no-any-return]
+
+    def has_mask(self, hashes: Iterable[int], *, tier: bool = False) -> np.ndarray:
+        """``has`` as a numpy bool array (no Python object per hash: the service's answer
+        to a query of millions of hashes is built from it)."""
         return _reads.has(self._h, hashes, tier)
 
     def longest_prefix(self, hashes: Iterable[int], *, tier: bool = False) -> int:
