@@ -379,6 +379,25 @@ def _mib(pid: int, key: str) -> int:
     raise AssertionError(key)
 
 
+def _sixteen_at_once(tmp_path: Path, send: Any, *args: Any) -> tuple[int, list[int]]:
+    """16 threads each running ``send(port, *args, statuses)`` at once against a one-worker
+    server on an ``RSS_GEOMETRY`` store: the worker's peak RSS (MiB) and the statuses."""
+    import threading
+
+    geometry = ",".join(map(str, RSS_GEOMETRY.as_tuple()))
+    with ServerProcess(tmp_path / "store", "--geometry", geometry) as srv:
+        assert srv.proc is not None
+        statuses: list[int] = []
+        threads = [
+            threading.Thread(target=send, args=(srv.port, *args, statuses)) for _ in range(16)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return _mib(srv.proc.pid, "VmHWM"), sorted(statuses)
+
+
 def _junk_upload(port: int, head: bytes, size: int, statuses: list[int]) -> None:
     request = _head(
         "PUT", "/v1/blocks", {"content-type": "application/vnd.tlkv", "content-length": str(size)}
@@ -403,26 +422,12 @@ def test_worker_rss_under_16_max_size_junk_uploads(tmp_path: Path, junk: str) ->
 
     ``bad-crc`` bodies have a valid header, so each is read whole; the budget bounds them.
     """
-    import threading
-
     max_body = 64 * 1024 * 1024
     n = max_body // RSS_GEOMETRY.record_bytes(1) - 1
     size = RSS_GEOMETRY.envelope_bytes(n)
     head = b"JUNK" + bytes(24) if junk == "bad-magic" else pack_header(1, RSS_GEOMETRY, n)
-    geometry = ",".join(map(str, RSS_GEOMETRY.as_tuple()))
-    with ServerProcess(tmp_path / "store", "--geometry", geometry) as srv:
-        assert srv.proc is not None
-        statuses: list[int] = []
-        threads = [
-            threading.Thread(target=_junk_upload, args=(srv.port, head, size, statuses))
-            for _ in range(16)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        peak = _mib(srv.proc.pid, "VmHWM")
-        assert statuses == [422] * 16
+    peak, statuses = _sixteen_at_once(tmp_path, _junk_upload, head, size)
+    assert statuses == [422] * 16
     assert peak <= 2 * max_body // 2**20 + 150, peak
 
 
@@ -460,24 +465,10 @@ def _query(port: int, route: str, body: bytes, statuses: list[int]) -> None:
 def test_worker_rss_under_16_max_size_json_queries(tmp_path: Path, route: str, form: str) -> None:
     """Issue target: 16 concurrent 64 MiB JSON queries keep the worker within
     2 x max-body + 150 MiB (json.loads alone took it past 500 MiB with one)."""
-    import threading
-
     max_body = 64 * 1024 * 1024
     body = _json_query(form, max_body - 64)
     assert max_body - 2**20 < len(body) <= max_body
-    geometry = ",".join(map(str, RSS_GEOMETRY.as_tuple()))
-    with ServerProcess(tmp_path / "store", "--geometry", geometry) as srv:
-        assert srv.proc is not None
-        statuses: list[int] = []
-        threads = [
-            threading.Thread(target=_query, args=(srv.port, route, body, statuses))
-            for _ in range(16)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        peak = _mib(srv.proc.pid, "VmHWM")
+    peak, statuses = _sixteen_at_once(tmp_path, _query, route, body)
     print(f"{route} {form}: peak worker RSS {peak} MiB, statuses {sorted(statuses)}")
     assert len(statuses) == 16 and set(statuses) <= {200, 503, 0}, statuses
     assert 200 in statuses
