@@ -310,11 +310,12 @@ class _HttpTarget(Target):
 
     @contextlib.contextmanager
     def views(self, hashes: Sequence[int]) -> Iterator[list[BlockView]]:
+        data, buf = self._fetch(hashes, 0)  # a buffer of any size: new bytes if too small
         try:
-            data = self.client.prefix(hashes=np.asarray(hashes, dtype=np.uint64))
-        except NotFoundError:
-            data = b""
-        yield list(decode(data)) if data else []  # decode checks the CRC and every rule
+            yield list(decode(data)) if len(data) else []  # the CRC and every rule checked
+        finally:
+            del data
+            self._buffers.give(buf)
 
     def load(
         self, hashes: Sequence[int], paged: PagedCache, block_ids: Sequence[int]
