@@ -40,8 +40,16 @@ def _request(
         conn.close()
 
 
-def _metric(port: int, name: str) -> float:
-    status, body = _request(port, "GET", "/metrics")
+def _metric(port: int, name: str, wait: float = 30.0) -> float:
+    """A series' value from ``/metrics``; a 503 ``busy`` (the worker's store is remapping
+    while bodies are held, the service's documented answer) is asked again, for up to
+    ``wait`` seconds."""
+    deadline = time.monotonic() + wait
+    while True:
+        status, body = _request(port, "GET", "/metrics")
+        if status != 503 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     if status != 200:
         raise RuntimeError(f"/metrics answered {status}")
     for line in body.decode().splitlines():
