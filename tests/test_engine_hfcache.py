@@ -89,12 +89,19 @@ def test_a_prefix_inside_every_window_round_trips_exactly(tmp_path: Path, family
         assert torch.equal(got.values, orig.values[..., :48, :])
     want = _logits(model, ids[:, 48:], _prefill(model, ids[:, :48]))
     assert torch.equal(_logits(model, ids[:, 48:], loaded), want)
-    with Store(tmp_path / "s") as store:  # generating past the window from a loaded cache
+    # Generating past the window from a loaded cache gives the tokens that the model's own
+    # cache of the same 48 positions gives. That cache, prefilled by hand without tlkv, is
+    # the reference: a cold generate prefills all 60 positions in one pass, whose f16 sums
+    # run in another order, and on random weights (near-tied logits) a newer transformers
+    # or another CPU's kernels may turn one greedy token (seen with Gemma2 on 5.25).
+    with Store(tmp_path / "s") as store:
         _, fresh = load_prefix(store, ids, config=model)
     with torch.no_grad():
-        cold = model.generate(ids, max_new_tokens=12, do_sample=False)
+        by_hand = _prefill(model, ids[:, :48])
+        want_tokens = model.generate(ids, cache=by_hand, max_new_tokens=12, do_sample=False)
         warm = model.generate(ids, cache=fresh, max_new_tokens=12, do_sample=False)
-    assert torch.equal(warm, cold)
+    assert warm.shape[1] == 60 + 12 > WINDOW  # the sliding layers drop positions meanwhile
+    assert torch.equal(warm, want_tokens)
 
 
 @pytest.mark.parametrize("family", ["mistral", "gemma2", "qwen2"])
