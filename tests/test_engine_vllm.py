@@ -272,9 +272,19 @@ def test_transformers_bridge_saves_vllm_loads(cold: Any, models: Any, tmp_path: 
     assert max(abs(a - b) for a, b in zip(got["logprobs"], ref["logprobs"])) <= 0.02
 
 
+# vLLM 0.32.0's CPU attention refuses an fp8 KV cache on a CPU without AVX-512 or AMX
+# (cpu_attn.py, _get_attn_isa); CI machines of this kind come with either kind of CPU.
+FP8_NEEDS_AVX512 = "FP8 KV cache on CPU requires x86 with AVX-512 or AMX"
+
+
 def test_quantized_cache_refused_connector_stays_off(models: Any, tmp_path: Path) -> None:
     data = tmp_path / "tlkv-data"
-    out = _run(models["f16"], tlkv_config(str(data)), PROMPT, llm={"kv_cache_dtype": "fp8"})
+    try:
+        out = _run(models["f16"], tlkv_config(str(data)), PROMPT, llm={"kv_cache_dtype": "fp8"})
+    except RuntimeError as exc:  # vLLM's own check, before any connector code runs
+        if FP8_NEEDS_AVX512 not in str(exc):
+            raise
+        pytest.skip(f"this CPU runs no fp8 KV cache in vLLM: {FP8_NEEDS_AVX512}")
     assert out["results"][0]["cached"] == 0
     assert "tlkv connector is off: UnsupportedLayoutError: kv_cache_dtype 'fp8'" in out["log"]
     assert not data.exists()  # nothing opened, nothing stored
