@@ -88,12 +88,13 @@ def make_backend(pool: Any, target: str, *, model_name: str | None = "tiny", **o
     return backend
 
 
-def make_file_backend(pool: Any, path: str) -> Any:
-    """SGLang's own ``HiCacheFile`` (``--hicache-storage-backend file``) on ``path``."""
+def make_file_backend(pool: Any, path: str, **extra: Any) -> Any:
+    """SGLang's own ``HiCacheFile`` (``--hicache-storage-backend file``) on ``path``;
+    ``extra``: more of its extra config (``enable_metadata_cache``...)."""
     from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
     backend = StorageBackendFactory.create_backend(
-        "file", storage_config(pool, "tiny", {"file_storage_path": path}), pool
+        "file", storage_config(pool, "tiny", {"file_storage_path": path, **extra}), pool
     )
     backend.register_mem_pool_host(pool)
     return backend

@@ -10,24 +10,35 @@ MHA model uses keep the pool as one tensor ``kv_buffer``:
 - ``page_first``: ``[2][size][L][Hkv][D]``; a page is ``kv_buffer[:, t:t+B]``, its flat
   copy ``[2][B][L][Hkv][D]``.
 
-A block is a transposed numpy view of either (no copy); ``encode`` reads f16 views
-straight into the envelope (one pass that copies and checksums), and a checked block is
-written into its page with one strided copy. Every fact relied on is checked against the
+A block is a transposed numpy view of either (no copy); a save copies f16 pages straight
+into an envelope buffer used again, and a checked block is written into its page with
+one strided copy. Every fact relied on is checked against the
 registered pool (class, layout, dtype, the buffer's shape, where ``get_data_page`` points)
 or refused with ``CacheLayoutError``. torch is imported only when a pool is registered.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
+from ..codec.assembly import pack_header
+from ..codec.checksum import crc32c
 from ..codec.envelope import Block, BlockView, encode
 from ..codec.geometry import Geometry
-from ..codec.layout import VERSION_V1
+from ..codec.layout import (
+    F16_DTYPE,
+    HEADER_SIZE,
+    RECORD,
+    RECORD_SIZE,
+    TRAILER,
+    TRAILER_SIZE,
+    VERSION_V1,
+)
 from ..errors import CacheLayoutError
 
 __all__ = ["KNOWN_LAYOUTS", "KNOWN_POOLS", "HostPages"]
@@ -40,22 +51,7 @@ _DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloa
 # block axes [L][2][Hkv][B][D] from a page's axes, per layout: layer_first pages are
 # [2][L][B][Hkv][D], page_first pages [2][B][L][Hkv][D]
 _TO_BLOCK = {"layer_first": (1, 0, 3, 2, 4), "page_first": (2, 0, 3, 1, 4)}
-
-
-class _F16Page:
-    """A page's f16 view as a block's ``kv`` whose v1 payload is the view itself: the
-    envelope's join reads it in C order, the only copy (``Block``'s lazy window)."""
-
-    __slots__ = ("view",)
-
-    def __init__(self, view: np.ndarray) -> None:
-        self.view = view
-
-    def payload_parts(self, version: int) -> list[Any] | None:
-        return [self.view] if version == VERSION_V1 else None
-
-    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
-        return np.asarray(self.view, dtype=dtype)
+_CHUNK_BYTES = 64 << 20  # one envelope (one put, one commit) of a save holds at most this
 
 
 class HostPages:
@@ -99,6 +95,7 @@ class HostPages:
         self.dtype = _DTYPES[dtype]
         self.geometry = g
         self._buffer = self._numpy(pool.kv_buffer, "kv_buffer", self._buffer_shape(pool))
+        self._local = threading.local()
         self._check_data_page()
 
     # --- what the pool is --------------------------------------------------------------
@@ -196,23 +193,44 @@ class HostPages:
 
     # --- copies ------------------------------------------------------------------------
 
-    def encode(self, names: Sequence[int], pages: Sequence[np.ndarray], version: int) -> bytes:
-        """One envelope of ``pages`` (block views) named ``names``: f16 pages in v1 are
-        read once, straight into it.
+    def envelopes(
+        self, names: Sequence[int], pages: Sequence[np.ndarray], version: int
+    ) -> Iterator[Any]:
+        """Envelopes of ``pages`` (block views) named ``names``, at most ``_CHUNK_BYTES``
+        each (one page at least): each is valid until the next is asked for.
 
-        Raises:
-            ValueError: a value is not finite or overflows f16.
+        f16 pages in v1 are copied straight into a buffer of this thread that is used
+        again (memory the process has touched already: a new 128 MiB ``bytes`` costs
+        32,768 page faults), then checksummed; other dtypes and v2 are encoded by the
+        codec (converted, quantized). Values are checked where the envelope is put.
         """
         g = self.geometry
-        f16 = self.dtype == np.float16 and version == VERSION_V1
-        return encode(
-            g,
-            [
-                Block(int(h), g.block_tokens, _F16Page(p) if f16 else p)
-                for h, p in zip(names, pages)
-            ],
-            version,
-        )
+        per = max(1, (_CHUNK_BYTES - g.envelope_bytes(0)) // g.record_bytes(version))
+        for first in range(0, len(names), per):
+            chunk = range(first, min(first + per, len(names)))
+            if self.dtype != np.float16 or version != VERSION_V1:
+                blocks = [Block(int(names[i]), g.block_tokens, pages[i]) for i in chunk]
+                yield encode(g, blocks, version)
+                continue
+            size = g.envelope_bytes(len(chunk))
+            buf = self._scratch(size)
+            out = memoryview(buf)[:size]
+            out[:HEADER_SIZE] = pack_header(VERSION_V1, g, len(chunk))
+            record = g.record_bytes(VERSION_V1)
+            for j, i in enumerate(chunk):
+                at = HEADER_SIZE + j * record
+                RECORD.pack_into(buf, at, int(names[i]), g.block_tokens)
+                payload = np.frombuffer(buf, F16_DTYPE, g.elements, at + RECORD_SIZE)
+                np.copyto(payload.reshape(g.kv_shape), pages[i])
+            TRAILER.pack_into(buf, size - TRAILER_SIZE, crc32c(out[: size - TRAILER_SIZE]))
+            yield out
+
+    def _scratch(self, size: int) -> bytearray:
+        """This thread's envelope buffer, at least ``size`` bytes (grown, never shrunk)."""
+        buf: bytearray | None = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < size:
+            buf = self._local.buf = bytearray(size)
+        return buf
 
     def fill(self, dst: np.ndarray, bv: BlockView) -> None:
         """Copy a checked block into the page view ``dst`` (converted to the pool's dtype;

@@ -60,8 +60,11 @@ Choices:
 from __future__ import annotations
 
 import re
+import struct
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from ..errors import PageKeyError
 
@@ -77,7 +80,9 @@ __all__ = [
 ]
 
 TESTED_SGLANG = "0.5.23"
-_KEY = re.compile(r"[0-9a-f]{64}")
+_KEY_DIGITS = 64
+_KEY = re.compile(f"[0-9a-f]{{{_KEY_DIGITS}}}")
+_HEX_DIGITS = b"0123456789abcdef"
 _NAME_DIGITS = 16  # the u64's hex digits; a 0 becomes 1 (FORMAT.md section 1: 0 names no block)
 
 
@@ -96,12 +101,22 @@ def block_name(key: str) -> int:
 
 
 def block_names(keys: Sequence[str]) -> list[int]:
-    """``block_name`` of each key, in order.
+    """``block_name`` of each key, in order (all keys checked and converted at once).
 
     Raises:
         PageKeyError: naming the first key that is not an SGLang page hash.
     """
-    return [block_name(k) for k in keys]
+    n = len(keys)
+    try:
+        raw = "".join(keys).encode("ascii")
+    except (TypeError, UnicodeEncodeError):
+        raw = b"?"
+    if len(raw) != _KEY_DIGITS * n or raw.translate(None, _HEX_DIGITS):
+        for k in keys:
+            block_name(k)  # raises for the first key that is not a page hash
+    firsts = np.frombuffer(raw, np.uint8).reshape(n, _KEY_DIGITS)[:, :_NAME_DIGITS]
+    names = struct.unpack(f">{n}Q", bytes.fromhex(firsts.tobytes().decode()))
+    return [h or 1 for h in names]
 
 
 def namespace_for(
