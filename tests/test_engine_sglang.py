@@ -415,3 +415,31 @@ def test_hicache_file_reads_the_same_pages(tmp_path: Path) -> None:
     peer = make_file_backend(pool, str(tmp_path / "file"))
     written, read = _round_trip(peer, pool, page_keys(4), v1=False)
     assert _same(written, read)
+
+
+def test_the_docs_snippet_shows_what_an_engine_stored(tmp_path: Path) -> None:
+    """docs/sglang.md's python block, as written, on pages a bf16 engine of the model it
+    names saved into ./tlkv-data (run in a process of its own: LMDB's one Store per path)."""
+    from readme import blocks
+
+    docs = REPO / "docs" / "sglang.md"
+    (block,) = [
+        b for b in blocks(docs) if b.marker == "snippet: run by tests/test_engine_sglang.py"
+    ]
+    pool = make_pool(dtype="bfloat16")
+    backend = make_backend(
+        pool, str(tmp_path / "tlkv-data"), model_name="meta-llama/Llama-3.1-8B", interface_v1=1
+    )
+    assert backend.batch_set_v1(page_keys(5), fill_pages(pool, 5)) == [True] * 5
+    backend.close()
+    out = subprocess.run(
+        [sys.executable, "-c", block.text],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (
+        out.stdout.strip() == "Geometry(block_tokens=16, n_layers=4, n_kv_heads=2, head_dim=64) 5"
+    )
