@@ -68,39 +68,30 @@ def _row(name: str, nbytes: int, peer: list[float], mine: list[float]) -> Row:
 
 
 def run(args: argparse.Namespace) -> list[Row]:
-    from sglang_demo import (
-        controller,
-        controller_call,
-        fill_pages,
-        make_backend,
-        make_file_backend,
-        make_pool,
-        operation,
-        page_keys,
-    )
+    import sglang_demo as demo
 
     rounds = 3 if args.quick else 5
     n = 8 if args.quick else N_PAGES
-    pool = make_pool(
+    pool = demo.make_pool(
         "layer_first", page=PAGE, layers=LAYERS, heads=HEADS, head_dim=HEAD_DIM,
         tokens=PAGE * (4 * n + 16),
     )  # fmt: skip
     page_bytes = 2 * LAYERS * PAGE * HEADS * HEAD_DIM * 2
     nbytes = n * page_bytes
-    src = fill_pages(pool, n, seed=1)
+    src = demo.fill_pages(pool, n, seed=1)
     dest = pool.alloc(n * PAGE)
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="tlkv-bench-sglang-") as tmp:
-        peer = make_file_backend(pool, str(Path(tmp) / "file"), enable_metadata_cache=True)
-        mine = make_backend(pool, str(Path(tmp) / "kv"), interface_v1=1)
-        p_state, m_state = controller(peer, pool), controller(mine, pool)
-        op = operation()
+        peer = demo.make_file_backend(pool, str(Path(tmp) / "file"), enable_metadata_cache=True)
+        mine = demo.make_backend(pool, str(Path(tmp) / "kv"), interface_v1=1)
+        p_state, m_state = demo.controller(peer, pool), demo.controller(mine, pool)
+        op = demo.operation()
 
         def keys(kind: str, r: int) -> list[str]:
-            return page_keys(n, seed=hash((kind, r)) & 0xFFFF)
+            return demo.page_keys(n, seed=hash((kind, r)) & 0xFFFF)
 
         def file_set(kind: str) -> Callable[[int], object]:
-            return lambda r: controller_call("_generic_page_set", p_state, keys(kind, r), src)
+            return lambda r: demo.controller_call("_generic_page_set", p_state, keys(kind, r), src)
 
         def check(got: Any) -> None:
             if got is not True and got != n:
@@ -111,24 +102,24 @@ def run(args: argparse.Namespace) -> list[Row]:
                             ("generic", "_generic_page_set")):  # fmt: skip
 
             def tlkv_set(r: int, name: str = name, label: str = label) -> None:
-                check(controller_call(name, m_state, keys(label, r), src))
+                check(demo.controller_call(name, m_state, keys(label, r), src))
 
             peer_t, mine_t = _paired([(file_set(label), tlkv_set)], rounds)
             rows.append(_row(f"sglang set {n} pages, tlkv {label} (durable)", nbytes,
                              peer_t, mine_t))  # fmt: skip
         # reads and lookups of pages both hold
-        held = page_keys(n, seed=4242)
-        check(controller_call("_generic_page_set", p_state, held, src))
-        check(controller_call("_page_set_zero_copy", m_state, held, src))
+        held = demo.page_keys(n, seed=4242)
+        check(demo.controller_call("_generic_page_set", p_state, held, src))
+        check(demo.controller_call("_page_set_zero_copy", m_state, held, src))
 
         def file_get(r: int) -> None:
-            check(controller_call("_generic_page_get", p_state, op, held, dest))
+            check(demo.controller_call("_generic_page_get", p_state, op, held, dest))
 
         for label, name in (("interface_v1", "_page_get_zero_copy"),
                             ("generic", "_generic_page_get")):  # fmt: skip
 
             def tlkv_get(r: int, name: str = name) -> None:
-                check(controller_call(name, m_state, op, held, dest))
+                check(demo.controller_call(name, m_state, op, held, dest))
 
             peer_t, mine_t = _paired([(file_get, tlkv_get)], rounds)
             rows.append(_row(f"sglang get {n} pages, tlkv {label}", nbytes, peer_t, mine_t))
@@ -146,7 +137,7 @@ def run(args: argparse.Namespace) -> list[Row]:
             rounds,
         )  # fmt: skip
         rows.append(_row(f"sglang batch_exists {n} held pages (200 calls)", 0, peer_t, mine_t))
-        missing = page_keys(n, seed=999)
+        missing = demo.page_keys(n, seed=999)
         peer_t, mine_t = _paired(
             [(timed_many(lambda: peer.batch_exists(missing)),
               timed_many(lambda: mine.batch_exists(missing)))],
