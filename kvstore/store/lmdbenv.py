@@ -67,7 +67,7 @@ _SPACE_SLACK = 16 << 20  # a failed write with less free disk than need + this: 
 
 
 # How long a remap waits for zero-copy bodies held by transports to be released: longer
-# than the service's watch (which aborts a body unread 30 s after its first byte), so a
+# than the service's watch (which aborts a body whose client read nothing for 30 s), so a
 # put needing a remap outlasts a client that stopped reading.
 HOLD_DRAIN_SECONDS = 35.0
 
