@@ -132,6 +132,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         tokens=settings.tokens,
         max_body=settings.max_body,
         budget=InflightBudget(settings.inflight_bytes),
+        min_body_rate=settings.min_body_rate,
+        body_timeout=settings.body_timeout,
     )
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     return app

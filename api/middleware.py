@@ -1,6 +1,7 @@
 """Pure-ASGI guard in front of every route: bearer-token auth (the token's model access is
-left in the scope for ``api.models``), the request body limit, the in-flight body budget,
-and closing connections whose body was refused unread.
+left in the scope for ``api.models``), the request body limit, the in-flight body budget
+and the minimum body rate (``api.bodies``), and closing connections whose body was refused
+unread.
 
 Pure ASGI (no ``BaseHTTPMiddleware``) so the hot paths pay one function call, not a task
 and a stream copy. A ``Content-Length`` over the limit is refused with 413 before any of
@@ -8,7 +9,7 @@ the body is read; a chunked body is counted as it streams in and refused as soon
 count passes the limit, so an over-limit body is never buffered. Each request gets a
 :class:`~api.bodies.BodyTicket` on the worker's in-flight budget, given back when the
 request ends. Any answer sent before the request's body was read to its end (a 401, a 413,
-an envelope refused by its header, a 503) carries ``Connection: close``, so the server
+an envelope refused by its header, a 408, a 503) carries ``Connection: close``, so the server
 closes the connection instead of draining the rest of the body for keep-alive.
 """
 
@@ -58,8 +59,12 @@ class GuardMiddleware:
         max_body: int,
         budget: InflightBudget | None = None,
         tokens: TokenTable | None = None,
+        min_body_rate: int = 0,
+        body_timeout: float = 0.0,
     ) -> None:
         self.app = app
+        self.min_body_rate = min_body_rate
+        self.body_timeout = body_timeout
         self.tokens = tokens if tokens is not None or token is None else TokenTable.single(token)
         self.max_body = max_body
         self.budget = budget
@@ -99,7 +104,7 @@ class GuardMiddleware:
                 return
         else:
             receive = self._limited(receive)
-        ticket = BodyTicket(self.budget)
+        ticket = BodyTicket(self.budget, self.min_body_rate, self.body_timeout)
         scope[SCOPE_KEY] = ticket
         try:
             await self.app(scope, receive, send)

@@ -54,6 +54,8 @@ _ERRORS = {
     403: "forbidden: the token may read this model but not write it",
     404: "not_found: no such block, sequence, model or route (a model the token may not "
     "read is answered as one that does not exist)",
+    408: "timeout: the body came slower than --min-body-rate in a --body-timeout window "
+    "(the connection is closed)",
     409: "pinned: a sequence references the block (DELETE); unconvertible: a block stored "
     "with --allow-nonfinite cannot be transcoded to the asked format (?format=)",
     413: "too_large: the body exceeds --max-body (the connection is closed)",
@@ -67,7 +69,7 @@ _ERRORS = {
     "model_limit: the write would create a model beyond --max-models",
 }
 
-# Statuses beyond the generic ones (401; 413, 422, 503 with a body; 422 with parameters).
+# Statuses beyond the generic ones (401; 408, 413, 422, 503 with a body; 422 with parameters).
 _EXTRA: dict[tuple[str, str], tuple[int, ...]] = {
     ("put", "/v1/blocks"): (415, 507),
     ("get", "/v1/blocks/{hash}"): (404, 409),
@@ -179,7 +181,7 @@ def complete(schema: dict[str, Any], *, token: bool) -> dict[str, Any]:
                 statuses.add(401)
             body = op.get("requestBody")
             if body is not None:
-                statuses.update((413, 422, 503))
+                statuses.update((408, 413, 422, 503))
                 if ENVELOPE_MEDIA_TYPE in body.get("content", {}):
                     body["description"] = ENVELOPE_BODY_DESCRIPTION
             if op.get("parameters"):

@@ -20,6 +20,7 @@ from kvstore.cli.common import EXIT_OK, geometry_arg, positive_int, rate_arg
 from kvstore.protocol import MAX_MODELS, MAX_MODELS_LIMIT
 
 from . import settings as s
+from .bodies import DEFAULT_BODY_TIMEOUT, DEFAULT_MIN_BODY_RATE
 from .settings import parse_size
 from .uvicorn_check import http_protocol
 
@@ -86,6 +87,8 @@ def _serve(args: argparse.Namespace, metrics_dir: str | None) -> int:
     }
     if args.max_inflight is not None:
         env[s.ENV_MAX_INFLIGHT] = str(args.max_inflight)
+    env[s.ENV_MIN_BODY_RATE] = str(args.min_body_rate)
+    env[s.ENV_BODY_TIMEOUT] = str(args.body_timeout)
     if args.allow_nonfinite:
         env[s.ENV_ALLOW_NONFINITE] = "1"
     if args.geometry is not None:
@@ -175,6 +178,21 @@ def register(sub: Any) -> None:
         type=_size_arg,
         default=None,
         help="request-body bytes one worker holds at once; more wait, then 503 (2 x max-body)",
+    )
+    p.add_argument(
+        "--min-body-rate",
+        type=rate_arg,
+        default=DEFAULT_MIN_BODY_RATE,
+        metavar="RATE",
+        help="a request body slower than this in any --body-timeout window is refused with "
+        "408 and its budget freed (1MiB/s; 0: no minimum)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=_seconds_arg,
+        default=DEFAULT_BODY_TIMEOUT,
+        metavar="SECONDS",
+        help="the window --min-body-rate is measured over; a body stalled this long is refused (5)",
     )
     p.add_argument(
         "--allow-nonfinite",

@@ -12,12 +12,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvstore.cli.common import parse_size
+from kvstore.cli.common import parse_rate, parse_size
 from kvstore.codec.geometry import Geometry
 from kvstore.codec.layout import SUPPORTED_VERSIONS
 from kvstore.protocol import MAX_MODELS, is_model_id, parse_versions, read_token_file
 
 from .access import TokenTable, read_tokens
+from .bodies import DEFAULT_BODY_TIMEOUT, DEFAULT_MIN_BODY_RATE
 
 ENV_DATA = "TLKV_DATA"
 ENV_GEOMETRY = "TLKV_GEOMETRY"
@@ -37,6 +38,8 @@ ENV_SCRUB_RATE = "TLKV_SCRUB_RATE"  # background scrub, bytes per second; 0 or a
 ENV_SCRUB_PERIOD = "TLKV_SCRUB_PERIOD"  # seconds from one scrub pass's start to the next
 ENV_MAX_MODELS = "TLKV_MAX_MODELS"  # models besides default the store admits
 ENV_METRICS_TOKEN_FILE = "TLKV_METRICS_TOKEN_FILE"  # a token that may read all of /metrics
+ENV_MIN_BODY_RATE = "TLKV_MIN_BODY_RATE"  # bytes/s a request body keeps up; 0: no minimum
+ENV_BODY_TIMEOUT = "TLKV_BODY_TIMEOUT"  # seconds: the window the minimum rate is measured over
 
 DEFAULT_DATA = "./tlkv-data"
 DEFAULT_MAX_BODY = 64 * 1024 * 1024
@@ -83,6 +86,10 @@ class Settings:
     scrub_rate: int = 0
     scrub_period: float = 24 * 3600.0
     max_models: int = MAX_MODELS  # models besides default a write may create
+    # A request body must bring min_body_rate bytes/s in every body_timeout-second window
+    # (api.bodies.BodyPace; 0: no minimum).
+    min_body_rate: int = DEFAULT_MIN_BODY_RATE
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
 
     def __post_init__(self) -> None:
         if self.tokens is None and self.token is not None:
@@ -93,6 +100,11 @@ class Settings:
             raise ValueError(
                 f"--max-inflight ({self.max_inflight} bytes) must be at least --max-body "
                 f"({self.max_body} bytes)"
+            )
+        if self.min_body_rate < 0 or not self.body_timeout > 0:
+            raise ValueError(
+                f"--min-body-rate must be >= 0 and --body-timeout > 0, found "
+                f"{self.min_body_rate} and {self.body_timeout}"
             )
 
     @property
@@ -124,6 +136,8 @@ class Settings:
         max_stream = env.get(ENV_GRPC_MAX_STREAM)
         formats = env.get(ENV_FORMATS)
         max_inflight = env.get(ENV_MAX_INFLIGHT)
+        min_body_rate = env.get(ENV_MIN_BODY_RATE)
+        body_timeout = env.get(ENV_BODY_TIMEOUT)
         return cls(
             data=Path(env.get(ENV_DATA) or DEFAULT_DATA),
             geometry=Geometry.parse(geometry) if geometry else None,
@@ -142,4 +156,8 @@ class Settings:
             scrub_rate=int(env.get(ENV_SCRUB_RATE) or 0),
             scrub_period=float(env.get(ENV_SCRUB_PERIOD) or 24 * 3600.0),
             max_models=int(env.get(ENV_MAX_MODELS) or MAX_MODELS),
+            min_body_rate=DEFAULT_MIN_BODY_RATE
+            if min_body_rate is None
+            else parse_rate(min_body_rate),
+            body_timeout=float(body_timeout) if body_timeout else DEFAULT_BODY_TIMEOUT,
         )

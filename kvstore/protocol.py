@@ -167,6 +167,7 @@ ERROR_KINDS: dict[str, type[errors.TlkvError]] = {
         errors.InvalidRequestError,
         errors.MethodNotAllowedError,
         errors.BusyError,
+        errors.RequestTimeoutError,
         errors.ServiceError,
     )
 }

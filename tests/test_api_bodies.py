@@ -287,9 +287,11 @@ def test_budget_head_timing_out_lets_the_next_in() -> None:
 def test_busy_answer_is_503_with_retry_after(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Two envelopes of the whole budget: the second waits, then gets 503 busy."""
+    """Two envelopes of the whole budget: the second waits, then gets 503 busy. Each is
+    larger than ``EARN_BYTES``: the first reserves its whole size once that much arrived."""
     monkeypatch.setattr(bodies, "INFLIGHT_WAIT_SECONDS", 0.2)
-    data = make_envelope(SMALL, 8, seed=5)
+    data = make_envelope(SMALL, 1024, seed=5)
+    assert len(data) > bodies.EARN_BYTES + 100
     app = create_app(Settings(data=tmp_path / "store", max_body=len(data), max_inflight=len(data)))
     release = asyncio.Event()
     parked = asyncio.Event()
@@ -313,7 +315,8 @@ def test_busy_answer_is_503_with_retry_after(
         }
 
     async def request(slow: bool) -> tuple[int, dict[bytes, bytes]]:
-        parts = [data[:100], data[100:]]
+        earned = bodies.EARN_BYTES + 100
+        parts = [data[:100], data[100:earned], data[earned:]]
         sent: list[dict[str, Any]] = []
 
         async def receive() -> dict[str, Any]:
