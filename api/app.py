@@ -134,6 +134,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         budget=InflightBudget(settings.inflight_bytes),
         min_body_rate=settings.min_body_rate,
         body_timeout=settings.body_timeout,
+        hosts=settings.host_rule,
     )
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     return app

@@ -200,17 +200,28 @@ class TlkvHttpProtocol(HttpToolsProtocol):
             or parser.should_upgrade()
         ):
             return False
-        authorization = None
+        authorization = host = None
         for name, value in self.headers:
             if name in _NOT_PLAIN:
                 return False
             if name == b"authorization":
+                if authorization is not None:
+                    return False  # sent twice: the app refuses it
                 authorization = value
+            elif name == b"host":
+                if host is not None:
+                    return False
+                host = value
         store = self._store
         if (
             store is None
             or store.tier is not None
             or not may_read_default(settings.tokens, authorization)
+            or (
+                settings.tokens is None
+                and settings.host_rule is not None
+                and not settings.host_rule.allows(host)
+            )
         ):
             return False
         try:

@@ -3,6 +3,8 @@ left in the scope for ``api.models``), the request body limit, the in-flight bod
 and the minimum body rate (``api.bodies``), and closing connections whose body was refused
 unread.
 
+``Authorization`` and ``Host`` sent twice are refused (422 ``invalid_request``); a server
+without a token answers only a ``Host`` that names it (``api.hosts``; 403 ``forbidden``).
 Pure ASGI (no ``BaseHTTPMiddleware``) so the hot paths pay one function call, not a task
 and a stream copy. A ``Content-Length`` over the limit is refused with 413 before any of
 the body is read; a chunked body is counted as it streams in and refused as soon as the
@@ -17,17 +19,38 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvstore.errors import TooLargeError, UnauthorizedError
+from kvstore.errors import ForbiddenError, InvalidRequestError, TooLargeError, UnauthorizedError
 
 from .access import EVERYTHING, Access, TokenTable
 from .access import SCOPE_KEY as ACCESS_KEY
 from .bodies import SCOPE_KEY, BodyTicket, InflightBudget
 from .errors import send_error
+from .hosts import HostRule
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
 
 OPEN_PATHS = frozenset({"/healthz", "/"})  # "/": the static status page (no data)
+# Fields a request sends at most once (RFC 9110 5.3): two cannot be told from a forged one.
+SINGLETONS = (b"authorization", b"host")
+ANY_HOST_PATHS = frozenset({"/healthz"})  # liveness probes name the server as they like
+
+
+def singletons(scope: Scope) -> tuple[bytes | None, ...]:
+    """The values of ``SINGLETONS`` in the request (None where absent), in that order.
+
+    Raises:
+        InvalidRequestError: one of them is sent more than once.
+    """
+    found: list[bytes | None] = [None] * len(SINGLETONS)
+    for key, value in scope["headers"]:
+        if key in SINGLETONS:
+            i = SINGLETONS.index(key)
+            if found[i] is not None:
+                name = key.decode().capitalize()
+                raise InvalidRequestError(f"rule '{name} is sent at most once' failed: found two")
+            found[i] = bytes(value)
+    return tuple(found)
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:
@@ -61,8 +84,10 @@ class GuardMiddleware:
         tokens: TokenTable | None = None,
         min_body_rate: int = 0,
         body_timeout: float = 0.0,
+        hosts: HostRule | None = None,
     ) -> None:
         self.app = app
+        self.hosts = hosts
         self.min_body_rate = min_body_rate
         self.body_timeout = body_timeout
         self.tokens = tokens if tokens is not None or token is None else TokenTable.single(token)
@@ -70,10 +95,22 @@ class GuardMiddleware:
         self.budget = budget
 
     def _access(self, scope: Scope) -> Access | None:
-        """The access of the request's bearer token (None: missing or wrong)."""
+        """The access of the request's bearer token (None: missing or wrong).
+
+        Raises:
+            InvalidRequestError: ``Authorization`` or ``Host`` is sent twice.
+            ForbiddenError: without tokens, a ``Host`` the server does not answer.
+        """
+        authorization, host = singletons(scope)
         if self.tokens is None:
+            hosts = self.hosts
+            if hosts is not None and scope["path"] not in ANY_HOST_PATHS and not hosts.allows(host):
+                assert host is not None
+                raise ForbiddenError(hosts.describe(host))
             return EVERYTHING
-        return bearer_access(self.tokens, _header(scope, b"authorization"))
+        if scope["path"] in OPEN_PATHS:
+            return EVERYTHING
+        return bearer_access(self.tokens, authorization)
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -86,7 +123,11 @@ class GuardMiddleware:
             unread = _header(scope, b"transfer-encoding") is not None
         if unread:
             receive, send = _close_unless_read(receive, send)
-        access = self._access(scope) if scope["path"] not in OPEN_PATHS else EVERYTHING
+        try:
+            access = self._access(scope)
+        except (InvalidRequestError, ForbiddenError) as exc:
+            await send_error(send, exc)
+            return
         if access is None:
             await send_error(send, UnauthorizedError("missing or wrong bearer token"))
             return

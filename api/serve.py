@@ -84,6 +84,8 @@ def _serve(args: argparse.Namespace, metrics_dir: str | None) -> int:
     env = {
         s.ENV_DATA: str(Path(args.data).resolve()),
         s.ENV_MAX_BODY: str(args.max_body),
+        s.ENV_HOST: args.host,
+        s.ENV_ALLOWED_HOSTS: ",".join(args.allowed_hosts),
     }
     if args.max_inflight is not None:
         env[s.ENV_MAX_INFLIGHT] = str(args.max_inflight)
@@ -163,6 +165,15 @@ def register(sub: Any) -> None:
     p.add_argument("--capacity", type=_size_arg, default=None, help="capacity, e.g. 2GiB")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--allowed-hosts",
+        type=lambda text: [h.strip() for h in text.split(",") if h.strip()],
+        action="extend",
+        default=[],
+        metavar="NAME[,NAME]",
+        help="Host names a server without a token answers besides its address, loopback "
+        "names and IP addresses ('*': any); repeatable",
+    )
     p.add_argument("--workers", type=positive_int, default=1, help="worker processes")
     p.add_argument("--token-file", default=None, help="bearer token file (else $TLKV_TOKEN)")
     p.add_argument(

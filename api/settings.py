@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvstore.cli.common import parse_rate, parse_size
@@ -19,6 +19,7 @@ from kvstore.protocol import MAX_MODELS, is_model_id, parse_versions, read_token
 
 from .access import TokenTable, read_tokens
 from .bodies import DEFAULT_BODY_TIMEOUT, DEFAULT_MIN_BODY_RATE
+from .hosts import HostRule
 
 ENV_DATA = "TLKV_DATA"
 ENV_GEOMETRY = "TLKV_GEOMETRY"
@@ -38,6 +39,8 @@ ENV_SCRUB_RATE = "TLKV_SCRUB_RATE"  # background scrub, bytes per second; 0 or a
 ENV_SCRUB_PERIOD = "TLKV_SCRUB_PERIOD"  # seconds from one scrub pass's start to the next
 ENV_MAX_MODELS = "TLKV_MAX_MODELS"  # models besides default the store admits
 ENV_METRICS_TOKEN_FILE = "TLKV_METRICS_TOKEN_FILE"  # a token that may read all of /metrics
+ENV_HOST = "TLKV_HOST"  # the address the server is bound to (the Host rule's own name)
+ENV_ALLOWED_HOSTS = "TLKV_ALLOWED_HOSTS"  # more Host names a server without a token answers
 ENV_MIN_BODY_RATE = "TLKV_MIN_BODY_RATE"  # bytes/s a request body keeps up; 0: no minimum
 ENV_BODY_TIMEOUT = "TLKV_BODY_TIMEOUT"  # seconds: the window the minimum rate is measured over
 
@@ -90,6 +93,11 @@ class Settings:
     # (api.bodies.BodyPace; 0: no minimum).
     min_body_rate: int = DEFAULT_MIN_BODY_RATE
     body_timeout: float = DEFAULT_BODY_TIMEOUT
+    # Without a token, answer only a Host naming the server (api.hosts): on when the bound
+    # address is known (`tlkv serve` gives it) or names are allowed; None and (): no check.
+    bind_host: str | None = None
+    allowed_hosts: tuple[str, ...] = ()
+    host_rule: HostRule | None = field(default=None, init=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.tokens is None and self.token is not None:
@@ -101,6 +109,9 @@ class Settings:
                 f"--max-inflight ({self.max_inflight} bytes) must be at least --max-body "
                 f"({self.max_body} bytes)"
             )
+        if self.bind_host is not None or self.allowed_hosts:
+            rule = HostRule(self.bind_host or "", self.allowed_hosts)
+            object.__setattr__(self, "host_rule", rule)
         if self.min_body_rate < 0 or not self.body_timeout > 0:
             raise ValueError(
                 f"--min-body-rate must be >= 0 and --body-timeout > 0, found "
@@ -138,6 +149,7 @@ class Settings:
         max_inflight = env.get(ENV_MAX_INFLIGHT)
         min_body_rate = env.get(ENV_MIN_BODY_RATE)
         body_timeout = env.get(ENV_BODY_TIMEOUT)
+        allowed_hosts = env.get(ENV_ALLOWED_HOSTS, "")
         return cls(
             data=Path(env.get(ENV_DATA) or DEFAULT_DATA),
             geometry=Geometry.parse(geometry) if geometry else None,
@@ -160,4 +172,6 @@ class Settings:
             if min_body_rate is None
             else parse_rate(min_body_rate),
             body_timeout=float(body_timeout) if body_timeout else DEFAULT_BODY_TIMEOUT,
+            bind_host=env.get(ENV_HOST) or None,
+            allowed_hosts=tuple(h.strip() for h in allowed_hosts.split(",") if h.strip()),
         )
