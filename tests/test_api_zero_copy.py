@@ -331,8 +331,8 @@ def test_stalled_prefix_readers_of_a_real_server_are_cut_off_and_puts_go_on(
         prefix = encode(G2, [Block(0x100 + i, G2.block_tokens, kv[i]) for i in range(8)])
         assert c.put("/v1/blocks", content=prefix, headers=ENVELOPE).status_code == 200
         body = b'{"hashes": [%s]}' % b", ".join(b'"%016x"' % (0x100 + i) for i in range(8))
-        request = (
-            b"POST /v1/prefix HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        request = (  # a Host naming the server: it has no token (api.hosts)
+            b"POST /v1/prefix HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
         )
         socks = [_starved_client(srv.port) for _ in range(2)]

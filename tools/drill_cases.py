@@ -78,7 +78,7 @@ def stalled_readers(port: int, geometry: Geometry) -> dict[str, Any]:
         raise RuntimeError(f"the prefix's put answered {status}")
     body = json.dumps({"hashes": hashes}).encode()
     request = (
-        b"POST /v1/prefix HTTP/1.1\r\nHost: drill\r\nContent-Type: application/json\r\n"
+        b"POST /v1/prefix HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
     )
     stalled_before = _metric(port, "tlkv_http_stalled_bodies_total")
