@@ -8,7 +8,8 @@ refuses it instead of evicting blocks it cannot see.
 ==========  =====================================================================
 ``meta``    ``format`` u32; ``geometry`` 4 x u32 (B, L, Hkv, D); u64 counters
             ``bytes``, ``tick``, ``evictions``, ``corrupt``; the journals of
-            unfinished restores (``JOURNAL_PREFIX``, ``journal.py``).
+            unfinished restores (``JOURNAL_PREFIX``, ``journal.py``); what was
+            quarantined and not stored again (``QUARANTINE_PREFIX``).
 ``blocks``  u64 hash (big-endian, so key order is numeric) -> the verbatim
             single-block envelope (spec: "Export envelope", n_blocks = 1).
 ``index``   one key; every stored hash as a native u64 duplicate (DUPSORT, DUPFIXED,
@@ -125,6 +126,15 @@ JOURNAL_HASH_DTYPE = np.dtype("<u8")
 # Kind JOURNAL_MODEL, no suffix -> the model id (UTF-8) the restore wrote into; absent in a
 # journal written before models: the default model.
 JOURNAL_MODEL = b"M"
+# Quarantine records in meta (shared by every model): QUARANTINE_PREFIX + kind + the model's
+# number (MODEL_NUMBER) + the key of what was removed -> QUARANTINED_AT, u64 Unix
+# milliseconds. Kind QUARANTINE_BLOCK: a block that failed its CRC (key: BLOCK_KEY of its
+# hash); kind QUARANTINE_SEQUENCE: a sequence record that did (key: the sequence's name).
+# What the scrub reports and repairs until it is stored again (``quarantine.py``).
+QUARANTINE_PREFIX = b"quarantine:"
+QUARANTINE_BLOCK = b"B"
+QUARANTINE_SEQUENCE = b"S"
+QUARANTINED_AT = struct.Struct(">Q")
 # Counters a model > 0 keeps beside the totals (``model_counter_key``).
 MODEL_COUNTER_KEYS = (META_BYTES, META_EVICTIONS, META_CORRUPT)
 META_LAST_MODEL = b"last_model"  # u64: the highest model number given
@@ -169,6 +179,11 @@ def model_db_name(name: bytes, number: int) -> bytes:
 def model_counter_key(key: bytes, number: int) -> bytes:
     """The ``meta`` key of a per-model counter of model ``number`` > 0."""
     return key + b"@" + MODEL_NUMBER.pack(number)
+
+
+def quarantine_key(kind: bytes, number: int, key: bytes) -> bytes:
+    """The ``meta`` key of a quarantine record of model ``number``."""
+    return QUARANTINE_PREFIX + kind + MODEL_NUMBER.pack(number) + key
 
 
 def lru_value(number: int) -> bytes:

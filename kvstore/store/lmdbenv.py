@@ -93,6 +93,37 @@ class _HoldRefused(Exception):
 _KEPT_OPEN: list[LmdbEnv] = []
 
 
+def check_data_file(path: str) -> None:
+    """Refuse a store directory whose LMDB data file is missing, empty or shorter than its
+    own meta page says (a truncated copy) before anything opens it: LMDB would make an
+    empty file a new, empty store, and a process reading a page past the end of a
+    truncated one dies of SIGBUS. Only the file's size and its meta pages are read.
+
+    Raises:
+        StoreError: naming what is wrong (nothing is created or changed).
+    """
+    data = os.path.join(path, "data.mdb")
+    try:
+        size = os.path.getsize(data)
+    except OSError as exc:
+        raise StoreError(f"no store in {path}: {exc.strerror or exc} ({data})") from None
+    if size == 0:
+        raise StoreError(f"{data} is empty (0 bytes): not a store, and not re-created")
+    try:
+        env = lmdb.open(path, readonly=True, lock=False, subdir=True, max_dbs=0)
+    except lmdb.Error as exc:
+        raise StoreError(f"{data} ({size} bytes) is not a readable LMDB file: {exc}") from None
+    try:
+        need = (int(env.info()["last_pgno"]) + 1) * int(env.stat()["psize"])
+    finally:
+        env.close()
+    if size < need:
+        raise StoreError(
+            f"{data} is truncated: {size} bytes, and its meta page says it holds pages up to "
+            f"byte {need}; restore it from a copy or an archive"
+        )
+
+
 class LmdbEnv:
     """One LMDB environment in a directory, with guarded transactions and a managed map.
 
