@@ -414,7 +414,8 @@ async def start_server(
     tokens: TokenTable | None = None,
     quotas: tuple[tuple[str, int], ...] = (),
 ) -> TransferServer:
-    """Start a grpc.aio server on ``address`` (``host:port``) serving KvTransfer and health.
+    """Start a grpc.aio server on ``address`` (``host:port``) serving KvTransfer, tlkv's own
+    ``tlkv.v1.Models`` (``api.grpc_models``) and health.
 
     Also tunes this process's allocator for whole buffered streams (``_keep_freed_memory``).
 
@@ -440,6 +441,9 @@ async def start_server(
         quotas=quotas,
     )
     _add_service(service, server)
+    from .grpc_models import ModelsService, add_models_service  # it builds on this module
+
+    add_models_service(ModelsService(service), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     server.add_insecure_port(address)

@@ -51,7 +51,8 @@ ERROR_SCHEMA: dict[str, Any] = {
 
 _ERRORS = {
     401: "unauthorized: missing or wrong bearer token",
-    403: "forbidden: the token may read this model but not write it",
+    403: "forbidden: the token may read this model but not write it (or, on a server "
+    "without a token, the Host names another server)",
     404: "not_found: no such block, sequence, model or route (a model the token may not "
     "read is answered as one that does not exist)",
     408: "timeout: the body came slower than --min-body-rate in a --body-timeout window "
@@ -79,6 +80,7 @@ _EXTRA: dict[tuple[str, str], tuple[int, ...]] = {
     ("put", "/v1/sequences/{name}"): (415, 507),
     ("get", "/v1/sequences/{name}"): (404,),
     ("delete", "/v1/sequences/{name}"): (404,),
+    ("delete", "/v1/models/{model}"): (403, 404),
 }
 
 _OPEN = frozenset({"/healthz"})
@@ -100,7 +102,7 @@ def _add_model_paths(schema: dict[str, Any]) -> None:
     """The ``/v1/models/{model}/...`` twin of every ``/v1/...`` operation: 404 for a model
     that does not exist (or that the token may not read), 403 for a write it may not make."""
     for path, item in list(schema["paths"].items()):
-        if not path.startswith("/v1/") or path in ("/v1/models", "/v1/status"):
+        if not path.startswith("/v1/") or path.startswith("/v1/models") or path == "/v1/status":
             continue
         twin: dict[str, Any] = {}
         for method, op in item.items():

@@ -30,7 +30,7 @@ import lmdb
 import numpy as np
 
 from ..errors import StoreBusyError, StoreError, StoreFullError
-from ..protocol import MAX_MODELS
+from ..protocol import MAX_MODELS_LIMIT
 from .diskformat import (
     DB_ATIME,
     DB_BLOCKS,
@@ -132,9 +132,11 @@ class LmdbEnv:
         map_size: the initial map size; it grows on demand.
         sync: fsync every commit (data and meta) before it returns.
         grow_floor: the least a growth adds beyond what is used and needed.
-        max_models: the models besides the default one the store admits; the environment
-            has sub-database slots for them, or for every sub-database the store holds
-            already if that is more (a store registered under a higher limit).
+        The environment has sub-database slots for the most models any store admits
+        (``protocol.MAX_MODELS_LIMIT``), or for every sub-database the store holds already
+        if that is more: a process can open every model another process may create,
+        whatever limit the store is given later (LMDB fixes ``max_dbs`` at open; the slots
+        cost no measurable time per transaction).
 
     Raises:
         StoreError: the directory does not hold an LMDB environment.
@@ -147,7 +149,6 @@ class LmdbEnv:
         map_size: int,
         sync: bool,
         grow_floor: int,
-        max_models: int = MAX_MODELS,
     ) -> None:
         self.path = path
         self.nothing: Dbs | None = None  # set by open()
@@ -170,7 +171,7 @@ class LmdbEnv:
         except OSError as exc:  # a file in the way, no permission
             raise StoreError(f"cannot create the store directory {path}: {exc}") from exc
         try:
-            slots = max_dbs(max_models)
+            slots = max_dbs(MAX_MODELS_LIMIT)
             self.env = self._open_env(map_size, sync, slots)
             # The main database holds one key per sub-database: a store holding more than
             # this limit admits is reopened with room for all of them (and one more model).
