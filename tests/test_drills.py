@@ -243,6 +243,24 @@ def test_drill_tool_stalled_reader_and_model_cap_cases() -> None:
 
 
 @pytest.mark.slow
+def test_drill_tool_slow_upload_and_foreign_models_cases() -> None:
+    """``tools/drill.py --case slow-upload --case foreign-models``: eight tricklers are
+    refused with 408 while every ordinary put answers 200 within 3 s; 64 models added to a
+    ``--max-models 5`` server's store by other processes leave its listings at 200."""
+    cmd = [sys.executable, str(REPO / "tools" / "drill.py")]
+    cmd += ["--case", "slow-upload", "--case", "foreign-models", "--json"]
+    ran = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
+    summary = json.loads(ran.stdout.splitlines()[-1])
+    slow, foreign = summary["slow_upload"], summary["foreign_models"]
+    assert summary["ok"] and slow["ok"] and foreign["ok"], summary
+    assert slow["put_statuses"] == {"200": slow["ordinary_puts"]} and slow["ordinary_puts"] > 10
+    assert set(slow["trickler_answers"]) == {"408 timeout"}
+    assert foreign["answers"] == {"/v1/models": 200, "/metrics": 200, "/v1/status": 200}
+    assert foreign["models_listed"] == 1 + 2 + 64
+
+
+@pytest.mark.slow
 def test_drill_check_finds_a_lost_block(tmp_path: Path) -> None:
     """The drill's final check can fail: a block gone is reported."""
     sys.path.insert(0, str(REPO / "tools"))
