@@ -12,15 +12,15 @@ status of each error and the call's ``/metrics`` series are KvTransfer's
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 
+from kvstore import Store
 from kvstore.transfer import MODELS_SERVICE_NAME
 from kvstore.transfer._tlkv_models_v1 import models_pb2, models_pb2_grpc
 
-from .access import check_access, model_not_found
-from .grpc_service import KvTransferService, _code_of
+from .access import Access, check_access, model_not_found
+from .grpc_service import KvTransferService
 
 
 class ModelsService(models_pb2_grpc.ModelsServicer):
@@ -33,33 +33,23 @@ class ModelsService(models_pb2_grpc.ModelsServicer):
         self, request: models_pb2.DeleteModelRequest, context: grpc.aio.ServicerContext
     ) -> models_pb2.DeleteModelResponse:
         """Delete ``request.model``: what it held."""
-        transfer = self.transfer
-        started = time.perf_counter()
-        code = grpc.StatusCode.OK
-        try:
-            store = transfer.store
-            model = request.model
-            access = transfer._authorize(context)  # KvTransfer's tokens and rules
+        model = request.model
+
+        def select(access: Access) -> Store:
+            store = self.transfer.store
             check_access(access, model, True, lambda m: m in store.models())
+            return store
+
+        frame = self.transfer._call(  # KvTransfer's tokens, statuses and metrics
+            "DeleteModel", context, service=MODELS_SERVICE_NAME, select=select
+        )
+        async with frame as store:
             loop = asyncio.get_running_loop()
             held = await loop.run_in_executor(None, store.delete_model, model)
             if held is None:
                 raise model_not_found(model)
             return models_pb2.DeleteModelResponse(**held)
-        except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
-            raise
-        except Exception as exc:
-            if isinstance(exc, grpc.aio.AbortError):
-                raise
-            code = _code_of(exc)
-            await transfer._fail(context, exc)  # aborts the call with the error's status
-            raise  # not reached
-        finally:
-            if transfer.metrics is not None:
-                seconds = time.perf_counter() - started
-                name = f"/{MODELS_SERVICE_NAME}/DeleteModel"
-                transfer.metrics.observe_grpc(name, code.name, seconds)
+        raise AssertionError("unreachable: _call re-raises")  # for type checkers
 
 
 def add_models_service(service: ModelsService, server: grpc.aio.Server) -> None:

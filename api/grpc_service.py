@@ -134,10 +134,12 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
         check_access(access, model, write, self.store.has_model)
         return handle_of(self.store, model, self.quotas)
 
-    def _observe(self, method: str, code: grpc.StatusCode, started: float) -> None:
+    def _observe(
+        self, method: str, code: grpc.StatusCode, started: float, service: str = SERVICE_NAME
+    ) -> None:
         if self.metrics is not None:
             seconds = time.perf_counter() - started
-            self.metrics.observe_grpc(f"/{SERVICE_NAME}/{method}", code.name, seconds)
+            self.metrics.observe_grpc(f"/{service}/{method}", code.name, seconds)
             self.metrics.ops.observe_handles(self.store.open_handles())  # its reads, by model
 
     async def _fail(self, context: grpc.aio.ServicerContext, exc: Exception) -> grpc.StatusCode:
@@ -163,14 +165,23 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
 
     @contextlib.asynccontextmanager
     async def _call(
-        self, method: str, context: grpc.aio.ServicerContext, write: bool = False
+        self,
+        method: str,
+        context: grpc.aio.ServicerContext,
+        write: bool = False,
+        *,
+        service: str = SERVICE_NAME,
+        select: Callable[[Access], Store] | None = None,
     ) -> AsyncIterator[Store]:
-        """One RPC's frame: authorize, select the model, map a failure to its status
-        (aborting the call), and count the call with its code and duration in ``/metrics``."""
+        """One RPC's frame: authorize, select the model (the ``x-tlkv-model`` metadata's,
+        or what ``select`` makes of the caller's access), map a failure to its status
+        (aborting the call), and count the call with its code and duration in ``/metrics``
+        (under ``service``)."""
         code = grpc.StatusCode.OK
         started = time.perf_counter()
         try:
-            yield self._store_for(context, self._authorize(context), write)
+            access = self._authorize(context)
+            yield self._store_for(context, access, write) if select is None else select(access)
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
             raise
@@ -181,7 +192,7 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
             await self._fail(context, exc)
             raise  # not reached: _fail aborts
         finally:
-            self._observe(method, code, started)
+            self._observe(method, code, started, service)
 
     async def _unary(
         self,

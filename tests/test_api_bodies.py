@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import SMALL, make_envelope
-from http_server import ServerProcess, assert_error
+from http_server import ServerProcess, assert_error, read_response
 from waiting import async_wait_until
 
 import api.bodies as bodies
@@ -55,17 +55,9 @@ def _head(method: str, path: str, headers: dict[str, str]) -> bytes:
 
 def _response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
     """Status, headers and body of one response read from ``sock`` (Content-Length framed)."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        assert chunk, data
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = {k.lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:])}
-    while len(body) < int(headers.get("content-length", "0")):
-        body += sock.recv(65536)
-    return int(lines[0].split()[1]), headers, body
+    status, headers, body = read_response(sock)
+    assert status, body  # the server answered before it closed
+    return status, headers, body
 
 
 def _closed(sock: socket.socket, timeout: float = 5.0) -> bool:

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import SMALL, make_envelope
-from http_server import ServerProcess
+from http_server import ServerProcess, read_response
 
 from api.hosts import HostRule
 from kvstore import decode
@@ -28,19 +28,7 @@ def _raw(port: int, request: bytes) -> tuple[int, dict[str, str], bytes]:
     """One request sent as written; the answer's status, headers and body."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
         sock.sendall(request)
-        data = b""
-        while b"\r\n\r\n" not in data:
-            chunk = sock.recv(65536)
-            assert chunk, data
-            data += chunk
-        head, _, body = data.partition(b"\r\n\r\n")
-        lines = head.decode("latin-1").split("\r\n")
-        headers = {k.lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:])}
-        while len(body) < int(headers.get("content-length", "0")):
-            chunk = sock.recv(65536)
-            assert chunk
-            body += chunk
-    return int(lines[0].split()[1]), headers, body
+        return read_response(sock)
 
 
 def _get(path: str, *headers: str) -> bytes:

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from http_server import ServerProcess
+from http_server import ServerProcess, read_response
 
 from kvstore import Block, Geometry, encode
 from kvstore.codec.assembly import pack_header
@@ -38,29 +38,6 @@ def _put_head(size: int, path: str = "/v1/blocks") -> bytes:
         f"PUT {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/vnd.tlkv\r\n"
         f"Content-Length: {size}\r\n\r\n"
     ).encode()
-
-
-def _answer(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
-    """Status, headers and body of the response on ``sock`` (0 when the server closed the
-    connection without one)."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        try:
-            chunk = sock.recv(65536)
-        except ConnectionError:  # reset (a timeout goes to the caller)
-            chunk = b""
-        if not chunk:
-            return 0, {}, data
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = {k.lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:])}
-    while len(body) < int(headers.get("content-length", "0")):
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        body += chunk
-    return int(lines[0].split()[1]), headers, body
 
 
 def _is_closed(sock: socket.socket) -> bool:
@@ -93,7 +70,7 @@ class Trickler(threading.Thread):
                     sock.settimeout(self.every)
                     while not self.stop.is_set():
                         try:
-                            status, _, answer = _answer(sock)
+                            status, _, answer = read_response(sock)
                             break
                         except TimeoutError:
                             sock.sendall(b"\0")
@@ -171,7 +148,7 @@ def test_a_stalled_body_is_refused_and_its_budget_freed(tmp_path: Path) -> None:
                 r = http.put("/v1/blocks", content=big, headers=ENVELOPE)
                 waited = time.monotonic() - t0
             sock.settimeout(10)
-            status, headers, body = _answer(sock)
+            status, headers, body = read_response(sock)
             assert status == 408 and headers["connection"] == "close", (status, headers, body)
             error = json.loads(body)["error"]
             assert error["kind"] == "timeout" and "--min-body-rate" in error["message"]
@@ -208,13 +185,13 @@ def test_bodies_at_or_above_the_rate_pass_and_below_it_are_refused(tmp_path: Pat
         with socket.create_connection(("127.0.0.1", srv.port)) as sock:
             send(sock, _put_head(len(data)), data, 256 << 10, 0.125)
             sock.settimeout(10)
-            status, _, body = _answer(sock)
+            status, _, body = read_response(sock)
             assert status == 200, body
         with socket.create_connection(("127.0.0.1", srv.port)) as sock:
             t0 = time.monotonic()
             send(sock, _put_head(len(data)), data, 64 << 10, 0.25)
             sock.settimeout(10)
-            status, headers, body = _answer(sock)
+            status, headers, body = read_response(sock)
             assert status == 408 and json.loads(body)["error"]["kind"] == "timeout", body
             assert time.monotonic() - t0 < 3.0
         query = json.dumps({"hashes": [f"{i:016x}" for i in range(1000)]}).encode()
@@ -225,7 +202,7 @@ def test_bodies_at_or_above_the_rate_pass_and_below_it_are_refused(tmp_path: Pat
         with socket.create_connection(("127.0.0.1", srv.port)) as sock:
             sock.sendall(head + query[:100])
             sock.settimeout(10)
-            status, headers, body = _answer(sock)
+            status, headers, body = read_response(sock)
             assert status == 408 and headers["connection"] == "close", body
         chunked = (
             b"PUT /v1/blocks HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/vnd.tlkv"
@@ -242,7 +219,7 @@ def test_bodies_at_or_above_the_rate_pass_and_below_it_are_refused(tmp_path: Pat
                 except TimeoutError:
                     pass
             sock.settimeout(10)
-            status, _, body = _answer(sock)
+            status, _, body = read_response(sock)
             assert status == 408, body
         with httpx.Client(base_url=srv.url, timeout=30) as http:  # the worker is fine
             assert http.put("/v1/blocks", content=data, headers=ENVELOPE).status_code == 200

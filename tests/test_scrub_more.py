@@ -42,6 +42,22 @@ def _sequence_store(path: Path) -> tuple[bytes, list[int]]:
     return envelope, _hashes(envelope)
 
 
+def _uploaded(
+    tmp_path: Path, s3_server: S3Server, n: int, seed: int
+) -> tuple[Path, str, list[int], list[bytes]]:
+    """A closed store of ``n`` blocks, all uploaded to a fresh bucket: its directory, the
+    tier's URL, the blocks' hashes and their stored bytes."""
+    url = f"s3://{s3_server.new_bucket()}/t"
+    data = tmp_path / "s"
+    envelope = make_envelope(GEOMETRY, 16 * n, seed=seed)
+    hashes = _hashes(envelope)
+    with Store(data, tier=url, tier_endpoint=s3_server.endpoint) as s:
+        s.put(envelope)
+        assert s.wait_uploaded(20)
+        blocks = [b for b in s.get_many(hashes) if b is not None]
+    return data, url, hashes, blocks
+
+
 def test_a_flipped_byte_in_a_sequence_record_is_found(tmp_path: Path) -> None:
     """Before, the scrub walked blocks only: "0 corrupt", exit 0, and the next read
     deleted the sequence. Now the pass finds the record, quarantines it as that read
@@ -98,15 +114,8 @@ def test_a_later_repair_puts_back_what_an_earlier_scrub_quarantined(
     """Issue 34: ``tlkv scrub`` without a tier quarantines a corrupt block (exit 1); a later
     ``tlkv scrub --repair-from`` puts it back from the tier, byte for byte (exit 0; before,
     it no longer knew the block and did nothing); the pass after is clean."""
-    url = f"s3://{s3_server.new_bucket()}/later"
-    data = tmp_path / "s"
-    envelope = make_envelope(GEOMETRY, 16 * 6, seed=23)
-    hashes = _hashes(envelope)
-    with Store(data, tier=url, tier_endpoint=s3_server.endpoint) as s:
-        s.put(envelope)
-        assert s.wait_uploaded(20)
-        blocks = s.get_many(hashes)
-    _flip(data, blocks[4])  # type: ignore[arg-type]
+    data, url, hashes, blocks = _uploaded(tmp_path, s3_server, 6, seed=23)
+    _flip(data, blocks[4])
     first = _tlkv("scrub", "--data", str(data))
     assert first.returncode == 1 and f"block {hashes[4]:016x}" in first.stderr
     with Store(data) as s:  # the record of it: still reported by a pass without a tier
@@ -127,15 +136,8 @@ def test_a_block_quarantined_by_a_read_is_repaired_by_the_scrub(
     tmp_path: Path, s3_server: S3Server
 ) -> None:
     """Whoever quarantined it (here a read), the next scrub with the tier puts it back."""
-    url = f"s3://{s3_server.new_bucket()}/read"
-    data = tmp_path / "s"
-    envelope = make_envelope(GEOMETRY, 16 * 3, seed=24)
-    hashes = _hashes(envelope)
-    with Store(data, tier=url, tier_endpoint=s3_server.endpoint) as s:
-        s.put(envelope)
-        assert s.wait_uploaded(20)
-        blocks = s.get_many(hashes)
-    _flip(data, blocks[1])  # type: ignore[arg-type]
+    data, url, hashes, blocks = _uploaded(tmp_path, s3_server, 3, seed=24)
+    _flip(data, blocks[1])
     with Store(data) as s:
         assert s.get(hashes[1]) is None  # found by the read: quarantined
     with Store(data, tier=url, tier_endpoint=s3_server.endpoint) as s:

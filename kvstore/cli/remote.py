@@ -136,16 +136,27 @@ def _print_stats(stats: dict[str, Any], as_json: bool) -> int:
     return EXIT_OK
 
 
-def _cmd_stats(args: argparse.Namespace) -> int:
+def _target_refused(args: argparse.Namespace) -> int | None:
+    """The exit code of a command given neither or both of a server URL and ``--data``, or
+    a ``--data`` that is no directory (after one line on stderr); None: it may go on."""
     if (args.url is None) == (args.data is None):
-        print("tlkv stats: give a server URL or --data DIR (one of them)", file=sys.stderr)
+        print(
+            f"tlkv {args.command}: give a server URL or --data DIR (one of them)", file=sys.stderr
+        )
         return EXIT_USAGE
+    if args.data is not None and not Path(args.data).is_dir():
+        print(f"tlkv {args.command}: {args.data}: no store there", file=sys.stderr)
+        return EXIT_FAILURE
+    return None
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    refused = _target_refused(args)
+    if refused is not None:
+        return refused
     if args.data is not None:
         from ..store.store import Store
 
-        if not Path(args.data).is_dir():
-            print(f"tlkv stats: {args.data}: no store there", file=sys.stderr)
-            return EXIT_FAILURE
         with Store(args.data) as root:
             store = root if args.model is None else root.model(args.model)
             stats: dict[str, Any] = dict(store.stats())
@@ -165,15 +176,12 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
 
 def _cmd_delete_model(args: argparse.Namespace) -> int:
-    if (args.url is None) == (args.data is None):
-        print("tlkv delete-model: give a server URL or --data DIR (one of them)", file=sys.stderr)
-        return EXIT_USAGE
+    refused = _target_refused(args)
+    if refused is not None:
+        return refused
     if args.data is not None:
         from ..store.store import Store
 
-        if not Path(args.data).is_dir():
-            print(f"tlkv delete-model: {args.data}: no store there", file=sys.stderr)
-            return EXIT_FAILURE
         with Store(args.data) as store:
             held = store.delete_model(args.model_id)
         return _print_deleted(args.model_id, held)

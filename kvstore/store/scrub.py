@@ -45,6 +45,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..codec.assembly import crc_matches
 from . import quarantine
@@ -102,22 +103,24 @@ class _Pace:
                 self.stop.wait(self.next_ok - now)
 
 
-def _batch(handle: Handle, after: int) -> tuple[list[int], int, int, int]:
-    """Check the blocks after hash ``after`` in one read transaction: the corrupt hashes,
-    the blocks and bytes checked, and the last hash seen (-1: none left)."""
-    bad: list[int] = []
+def _scan(
+    handle: Handle, sub: str, after: bytes | None, visit: Callable[[Any, bytes, Any], None]
+) -> tuple[int, int, bytes | None]:
+    """Visit the entries of the model's sub-database ``sub`` (``blocks``, ``seqs``) after key
+    ``after`` (None: from the first), one batch in one read transaction (``BATCH_BLOCKS``
+    entries or ``BATCH_BYTES``): ``visit(txn, key, value)`` each; the entries and bytes
+    visited, and the last key (None: none left)."""
     n = size = 0
-    last = -1
+    last = None
     more = False
     txn = handle.begin_read(True)
     try:
-        cursor = txn.cursor(db=handle.dbs.blocks)
-        found = cursor.set_range(BLOCK_KEY.pack(after + 1)) if after >= 0 else cursor.first()
+        cursor = txn.cursor(db=getattr(handle.dbs, sub))
+        found = cursor.set_range(after + b"\0") if after is not None else cursor.first()
         while found:
-            last = BLOCK_KEY.unpack(cursor.key())[0]
+            last = bytes(cursor.key())
             value = cursor.value()
-            if not crc_matches(value):
-                bad.append(last)
+            visit(txn, last, value)
             n += 1
             size += len(value)
             if n >= BATCH_BLOCKS or size >= BATCH_BYTES:
@@ -126,47 +129,41 @@ def _batch(handle: Handle, after: int) -> tuple[list[int], int, int, int]:
             found = cursor.next()
     finally:
         handle.end_read(txn)
-    return bad, n, size, (last if more else -1)
+    return n, size, (last if more else None)
+
+
+def _batch(handle: Handle, after: bytes | None) -> tuple[list[int], int, int, bytes | None]:
+    """Check a batch of blocks after key ``after``: the corrupt hashes, the blocks and bytes
+    checked, and the last key seen (None: none left)."""
+    bad: list[int] = []
+
+    def visit(txn: Any, key: bytes, value: Any) -> None:
+        if not crc_matches(value):
+            bad.append(BLOCK_KEY.unpack(key)[0])
+
+    return (bad, *_scan(handle, "blocks", after, visit))
 
 
 def _sequence_batch(
     handle: Handle, after: bytes | None
 ) -> tuple[list[bytes], dict[bytes, list[int]], int, int, bytes | None]:
-    """Check the sequence records after key ``after`` in one read transaction: the keys
-    of records that fail, the sound ones' pinned blocks that are not stored, the records
-    and bytes checked, and the last key seen (None: none left)."""
+    """Check a batch of sequence records after key ``after``: the keys of records that
+    fail, the sound ones' pinned blocks that are not stored, the records and bytes checked,
+    and the last key seen (None: none left)."""
     bad: list[bytes] = []
     missing: dict[bytes, list[int]] = {}
-    n = size = 0
-    last = None
-    more = False
-    txn = handle.begin_read(True)
-    try:
-        geometry = handle.geometry_in(txn)
-        cursor = txn.cursor(db=handle.dbs.seqs)
-        found = cursor.set_range(after + b"\0") if after is not None else cursor.first()
-        while found:
-            last = bytes(cursor.key())
-            raw = cursor.value()
-            seq = parse_sequence(raw, geometry)
-            if seq is None:
-                bad.append(last)
-            else:
-                blocks = handle.dbs.blocks
-                gone = [
-                    h for h in seq.referenced() if txn.get(BLOCK_KEY.pack(h), None, blocks) is None
-                ]
-                if gone:
-                    missing[last] = list(dict.fromkeys(gone))
-            n += 1
-            size += len(raw)
-            if n >= BATCH_BLOCKS or size >= BATCH_BYTES:
-                more = cursor.next()
-                break
-            found = cursor.next()
-    finally:
-        handle.end_read(txn)
-    return bad, missing, n, size, (last if more else None)
+
+    def visit(txn: Any, key: bytes, raw: Any) -> None:
+        seq = parse_sequence(raw, handle.geometry_in(txn))
+        if seq is None:
+            bad.append(key)
+            return
+        blocks = handle.dbs.blocks
+        gone = [h for h in seq.referenced() if txn.get(BLOCK_KEY.pack(h), None, blocks) is None]
+        if gone:
+            missing[key] = list(dict.fromkeys(gone))
+
+    return (bad, missing, *_scan(handle, "seqs", after, visit))
 
 
 def _from_tier(handle: Handle, hashes: list[int]) -> list[int]:
@@ -203,7 +200,7 @@ def _scrub_model(
     if on_batch is not None and repaired:
         on_batch(0, 0, 0, len(repaired))
     report.lost += [(model, name) for name in records]
-    after = -1
+    after: bytes | None = None
     while not stop.is_set():
         bad, n, size, last = _batch(handle, after)
         repaired = _repair(handle, bad) if bad else []
@@ -215,7 +212,7 @@ def _scrub_model(
         if on_batch is not None:
             on_batch(n, size, len(bad), len(repaired))
         pace.add(size)
-        if last < 0:
+        if last is None:
             break
         after = last
     key: bytes | None = None
