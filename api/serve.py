@@ -236,7 +236,8 @@ def register(sub: Any) -> None:
         "--max-models",
         type=_max_models_arg,
         default=None,
-        help=f"models besides default a write may create (0..{MAX_MODELS_LIMIT}; {MAX_MODELS})",
+        help=f"models besides default the store admits, kept in it (0..{MAX_MODELS_LIMIT}; "
+        f"default: the store's own, {MAX_MODELS} for a new one)",
     )
     p.add_argument(
         "--tier",

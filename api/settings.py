@@ -15,7 +15,7 @@ from pathlib import Path
 from kvstore.cli.common import parse_rate, parse_size
 from kvstore.codec.geometry import Geometry
 from kvstore.codec.layout import SUPPORTED_VERSIONS
-from kvstore.protocol import MAX_MODELS, is_model_id, parse_versions, read_token_file
+from kvstore.protocol import is_model_id, parse_versions, read_token_file
 
 from .access import TokenTable, read_tokens
 from .bodies import DEFAULT_BODY_TIMEOUT, DEFAULT_MIN_BODY_RATE
@@ -37,7 +37,7 @@ ENV_FORMATS = "TLKV_FORMATS"  # envelope versions this server reads, e.g. "1" or
 ENV_QUOTAS = "TLKV_QUOTAS"  # per-model byte quotas: "model=SIZE,other/model=SIZE"
 ENV_SCRUB_RATE = "TLKV_SCRUB_RATE"  # background scrub, bytes per second; 0 or absent: off
 ENV_SCRUB_PERIOD = "TLKV_SCRUB_PERIOD"  # seconds from one scrub pass's start to the next
-ENV_MAX_MODELS = "TLKV_MAX_MODELS"  # models besides default the store admits
+ENV_MAX_MODELS = "TLKV_MAX_MODELS"  # models besides default the store admits (kept in it)
 ENV_METRICS_TOKEN_FILE = "TLKV_METRICS_TOKEN_FILE"  # a token that may read all of /metrics
 ENV_HOST = "TLKV_HOST"  # the address the server is bound to (the Host rule's own name)
 ENV_ALLOWED_HOSTS = "TLKV_ALLOWED_HOSTS"  # more Host names a server without a token answers
@@ -88,7 +88,8 @@ class Settings:
     # gives one by default, --scrub-rate).
     scrub_rate: int = 0
     scrub_period: float = 24 * 3600.0
-    max_models: int = MAX_MODELS  # models besides default a write may create
+    # Models besides default the store admits: written into the store; None keeps its own.
+    max_models: int | None = None
     # A request body must bring min_body_rate bytes/s in every body_timeout-second window
     # (api.bodies.BodyPace; 0: no minimum).
     min_body_rate: int = DEFAULT_MIN_BODY_RATE
@@ -167,7 +168,7 @@ class Settings:
             tier_endpoint=env.get(ENV_TIER_ENDPOINT) or None,
             scrub_rate=int(env.get(ENV_SCRUB_RATE) or 0),
             scrub_period=float(env.get(ENV_SCRUB_PERIOD) or 24 * 3600.0),
-            max_models=int(env.get(ENV_MAX_MODELS) or MAX_MODELS),
+            max_models=int(env[ENV_MAX_MODELS]) if env.get(ENV_MAX_MODELS) else None,
             min_body_rate=DEFAULT_MIN_BODY_RATE
             if min_body_rate is None
             else parse_rate(min_body_rate),

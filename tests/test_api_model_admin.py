@@ -257,3 +257,16 @@ def test_models_another_process_adds_never_break_the_listings(tmp_path: Path, ho
                 headers=ENVELOPE,
             )
             assert r.status_code == 200, r.text  # and it writes them
+
+
+def test_a_server_started_without_max_models_keeps_the_stores(tmp_path: Path) -> None:
+    """``--max-models 2`` is written into the store; a server started on it later without
+    the option holds to 2 as well (it does not put the default back)."""
+    env = make_envelope(SMALL, 8, seed=5)
+    with ServerProcess(tmp_path / "store", "--max-models", "2") as srv:
+        for name in ("a", "b"):
+            r = httpx.put(f"{srv.url}{_path(name)}/blocks", content=env, headers=ENVELOPE)
+            assert r.status_code == 200, r.text
+    with ServerProcess(tmp_path / "store") as srv:
+        r = httpx.put(f"{srv.url}{_path('c')}/blocks", content=env, headers=ENVELOPE)
+        assert "at most 2 models" in assert_error(r, 507, "model_limit")
