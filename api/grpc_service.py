@@ -69,6 +69,7 @@ from .access import EVERYTHING, Access, TokenTable, check_access
 from .formats import read_version
 from .grpc_push import PushCommit
 from .metrics import Metrics
+from .middleware import bearer_access
 from .modelscope import handle_of
 
 log = logging.getLogger("tlkv.grpc")
@@ -114,15 +115,17 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
     # --- plumbing -------------------------------------------------------------------
 
     def _authorize(self, context: grpc.aio.ServicerContext) -> Access:
+        """The access of the call's one ``authorization`` (sent twice: refused, as HTTP)."""
+        given = [v for k, v in context.invocation_metadata() or () if k == "authorization"]
+        if len(given) > 1:
+            raise InvalidRequestError("rule 'Authorization is sent at most once' failed")
         if self.tokens is None:
             return EVERYTHING
-        for key, value in context.invocation_metadata() or ():
-            if key == "authorization":
-                raw = value.encode() if isinstance(value, str) else bytes(value)
-                scheme, _, credentials = raw.strip().partition(b" ")
-                access = self.tokens.lookup(credentials.strip())
-                if scheme.lower() == b"bearer" and access is not None:
-                    return access
+        if given:
+            raw = given[0].encode() if isinstance(given[0], str) else bytes(given[0])
+            access = bearer_access(self.tokens, raw)
+            if access is not None:
+                return access
         raise UnauthorizedError("missing or wrong bearer token")
 
     def _store_for(self, context: grpc.aio.ServicerContext, access: Access, write: bool) -> Store:

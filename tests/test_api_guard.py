@@ -10,13 +10,15 @@ import json
 import socket
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 from conftest import SMALL, make_envelope
-from http_server import ServerProcess, read_response
+from http_server import ServerProcess, free_port, read_response
 
 from api.hosts import HostRule
 from kvstore import decode
+from kvstore.transfer._tlkv_v1 import kv_pb2, kv_pb2_grpc
 
 ENVELOPE = {"content-type": "application/vnd.tlkv"}
 GEOMETRY = ",".join(map(str, SMALL.as_tuple()))
@@ -53,10 +55,13 @@ def _tokens(tmp_path: Path) -> Path:
 def test_authorization_sent_twice_is_refused_by_both_doors(tmp_path: Path) -> None:
     """A valid and a wrong token, in either order: 422 ``invalid_request`` for the plain
     block read (answered in the protocol otherwise) and for a route of the app. Before,
-    the protocol took the last header and the app the first, so one order passed each."""
+    the protocol took the last header and the app the first, so one order passed each;
+    gRPC took whichever matched."""
     data = make_envelope(SMALL, 8, seed=1)
     block = f"{int(decode(data).hashes[0]):016x}"
+    grpc_port = free_port()
     args = ("--geometry", GEOMETRY, "--token-file", str(_tokens(tmp_path)))
+    args += ("--grpc-port", str(grpc_port))
     with ServerProcess(tmp_path / "store", *args, token=ADMIN) as srv:
         with srv.client() as http:
             assert http.put("/v1/blocks", content=data, headers=ENVELOPE).status_code == 200
@@ -70,6 +75,17 @@ def test_authorization_sent_twice_is_refused_by_both_doors(tmp_path: Path) -> No
                 assert b"Authorization is sent at most once" in body
         status, _, body = _raw(srv.port, _get("/v1/info", host, host, good))
         assert (status, _kind(body)) == (422, "invalid_request"), body
+        # tl.kv.v1 too: two authorization metadata entries are refused, in either order.
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            stub = kv_pb2_grpc.KvTransferStub(channel)
+            assert stub.HasBlocks(
+                kv_pb2.HasBlocksRequest(), metadata=(("authorization", f"Bearer {ADMIN}"),)
+            )
+            for pair in (("Bearer wrong", f"Bearer {ADMIN}"), (f"Bearer {ADMIN}", "Bearer wrong")):
+                metadata = tuple(("authorization", value) for value in pair)
+                with pytest.raises(grpc.RpcError) as info:
+                    stub.HasBlocks(kv_pb2.HasBlocksRequest(), metadata=metadata)
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
 
 
 def test_a_server_without_a_token_answers_only_a_host_naming_it(tmp_path: Path) -> None:
