@@ -49,7 +49,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 
 def _head(method: str, path: str, headers: dict[str, str]) -> bytes:
-    lines = [f"{method} {path} HTTP/1.1", "Host: t", *(f"{k}: {v}" for k, v in headers.items())]
+    lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1"]
+    lines += [f"{k}: {v}" for k, v in headers.items()]
     return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
 
