@@ -7,10 +7,11 @@ snapshot, and its pages, forever: a body whose transport makes no progress for
 ``BODY_HOLD_SECONDS`` has its connection aborted, which releases it.
 
 Progress is the transport's write buffer changing size (the socket took bytes, or the next
-part of the body was queued), looked at every quarter of ``BODY_HOLD_SECONDS``, so a
-connection is aborted after between 1 and 1.25 times that long without progress, and a
-client that keeps reading, however slowly, is never cut off (nginx's ``send_timeout``
-measures the same: the time between two successive writes, not the whole response).
+part of the body was queued), looked at every second (every quarter of
+``BODY_HOLD_SECONDS`` when that is shorter), so a connection is aborted at most a second
+after that long without progress, and a client that keeps reading, however slowly, is
+never cut off (nginx's ``send_timeout`` measures the same: the time between two
+successive writes, not the whole response).
 
 Both doors that send such bodies use :func:`watch_body`: ``api.http_protocol`` (in
 uvicorn's protocol) and the routes of ``api.routes.blocks`` (through ASGI,
@@ -81,9 +82,14 @@ class _Held:
             self.transport.abort()
 
 
+def _every() -> float:
+    """Seconds between two looks at the held bodies."""
+    return min(1.0, BODY_HOLD_SECONDS / 4)
+
+
 class _BodyWatch:
     """The bodies of one event loop still held by their transports; one timer of the loop
-    (not one per request) looks at them every quarter of the hold time while any is."""
+    (not one per request) looks at them every ``_every()`` seconds while any is."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -93,7 +99,7 @@ class _BodyWatch:
     def add(self, owners: list[weakref.ref[Any]], transport: Any, what: str, metrics: Any) -> None:
         self.held.append(_Held(owners, transport, what, metrics, self.loop.time()))
         if self.timer is None:
-            self.timer = self.loop.call_later(BODY_HOLD_SECONDS / 4, self.sweep)
+            self.timer = self.loop.call_later(_every(), self.sweep)
 
     def sweep(self) -> None:
         self.timer = None
@@ -108,7 +114,7 @@ class _BodyWatch:
             keep.append(held)
         self.held = keep
         if keep:
-            self.timer = self.loop.call_later(BODY_HOLD_SECONDS / 4, self.sweep)
+            self.timer = self.loop.call_later(_every(), self.sweep)
 
 
 def watch_body(state: Any, transport: Any, what: str, owners: list[weakref.ref[Any]]) -> None:

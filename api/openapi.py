@@ -186,6 +186,8 @@ def complete(schema: dict[str, Any], *, token: bool) -> dict[str, Any]:
                 statuses.update((408, 413, 422, 503))
                 if ENVELOPE_MEDIA_TYPE in body.get("content", {}):
                     body["description"] = ENVELOPE_BODY_DESCRIPTION
+            if path == "/v1/models/{model}":  # a model id, as in every /v1/models/{model}/...
+                op["parameters"] = [_MODEL_PARAMETER]
             if op.get("parameters"):
                 statuses.add(422)
             responses = op["responses"]
