@@ -18,6 +18,7 @@ from collections.abc import Iterable
 ANY = "*"
 _LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain"})
 _ANY_ADDRESS = frozenset({"", "0.0.0.0", "::"})
+_SEEN_MAX = 256  # Host values whose answer a rule keeps (a client may send any)
 
 
 def host_name(value: bytes | str) -> str:
@@ -54,13 +55,20 @@ class HostRule:
         if bound_name not in _ANY_ADDRESS:
             names.add(bound_name)
         self.names = frozenset(names | _LOOPBACK_NAMES)
+        self._seen: dict[bytes | str, bool] = {}  # Host values answered before
 
     def allows(self, host: bytes | str | None) -> bool:
         """Whether a request with this ``Host`` value (None: without one) is answered."""
         if host is None or self.any:
             return True
-        name = host_name(host)
-        return name in self.names or name.endswith(".localhost") or _is_address(name)
+        seen = self._seen.get(host)
+        if seen is None:
+            name = host_name(host)
+            seen = name in self.names or name.endswith(".localhost") or _is_address(name)
+            if len(self._seen) >= _SEEN_MAX:
+                self._seen.clear()
+            self._seen[host] = seen
+        return seen
 
     def describe(self, host: bytes | str) -> str:
         """The refusal's message for ``host``."""
