@@ -200,6 +200,7 @@ def test_delete_model_of_a_store_directory(tmp_path: Path) -> None:
         assert s.model("m").get(int(decode(env).hashes[0])) is not None
 
 
+@pytest.mark.slow  # other processes beside the server, an archive made and restored
 @pytest.mark.parametrize("how", ["library", "restore"])
 def test_models_another_process_adds_never_break_the_listings(tmp_path: Path, how: str) -> None:
     """The issue's run: a server started with ``--max-models 5``; another process adds 32
@@ -259,6 +260,7 @@ def test_models_another_process_adds_never_break_the_listings(tmp_path: Path, ho
             assert r.status_code == 200, r.text  # and it writes them
 
 
+@pytest.mark.slow  # a server restarted
 def test_a_server_started_without_max_models_keeps_the_stores(tmp_path: Path) -> None:
     """``--max-models 2`` is written into the store; a server started on it later without
     the option holds to 2 as well (it does not put the default back)."""
