@@ -22,6 +22,7 @@ from typing import Any
 from fastapi import FastAPI
 
 import kvstore
+from kvstore.protocol import DEFAULT_MODEL
 from kvstore.store.scrub import Scrubber
 from kvstore.store.store import Store
 
@@ -120,6 +121,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.metrics = Metrics()
     app.state.store = None
+    app.state.known_models = {DEFAULT_MODEL}  # api.modelscope's models seen to exist
     install_error_handlers(app)
     install_openapi(app, token=settings.tokens is not None)
     for module in (service, models, blocks, sequences, status):
@@ -132,6 +134,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         tokens=settings.tokens,
         max_body=settings.max_body,
         budget=InflightBudget(settings.inflight_bytes),
+        min_body_rate=settings.min_body_rate,
+        body_timeout=settings.body_timeout,
+        hosts=settings.host_rule,
     )
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     return app

@@ -1,14 +1,24 @@
-"""Request bodies: the worker's budget of body bytes in flight, and envelope bodies refused
-from their first 28 bytes.
+"""Request bodies: the worker's budget of body bytes in flight, the minimum rate a body must
+keep, and envelope bodies refused from their first 28 bytes.
 
 Every body a route reads is counted against one per-worker :class:`InflightBudget`
-(``--max-inflight``) before its bytes are held: a body of known size (its Content-Length,
-or for an envelope the size its header implies) reserves all of it up front, first come
-first served, so several large uploads queue instead of growing the worker together; a
-chunked body of unknown size reserves chunk by chunk. A request that cannot get its bytes
-within :data:`INFLIGHT_WAIT_SECONDS` is answered 503 ``busy`` with Retry-After. The guard
-middleware (``api.middleware``) opens each request's :class:`BodyTicket` and gives its
-bytes back when the request ends.
+(``--max-inflight``) before its bytes are held. A body of known size (its Content-Length,
+or for an envelope the size its header implies) first reads its first ``EARN_BYTES``
+(64 KiB, or all of it when smaller) chunk by chunk, each chunk counted as it arrives; then
+it reserves the rest up front, first come first served, so several large uploads queue
+instead of growing the worker together, and a sender that trickles a few bytes never holds
+more than it sent. A chunked body of unknown size reserves chunk by chunk. A request that
+cannot get its bytes within :data:`INFLIGHT_WAIT_SECONDS` is answered 503 ``busy`` with
+Retry-After. The guard middleware (``api.middleware``) opens each request's
+:class:`BodyTicket` and gives its bytes back when the request ends.
+
+Every body is read under a :class:`BodyPace` (``--min-body-rate``, default 1 MiB/s, over
+windows of ``--body-timeout`` seconds, default 5): a body that delivers less than the rate
+times the window in a window (a stalled one included) is refused with 408 ``timeout``
+(``RequestTimeoutError``, with ``Connection: close``), and the bytes it held go back to the
+budget at once. The clock runs while the body is read and stops while the request waits
+for budget (that wait is the server's, not the sender's). So a slow upload that declares a
+large body cannot hold the budget of other writers for longer than one window.
 
 An envelope body (``PUT /v1/blocks``, ``PUT /v1/sequences/{name}``) is checked from its
 header alone (``kvstore.codec.envelope.check_header``: magic, version, dtype, geometry
@@ -19,7 +29,10 @@ is read or buffered; the CRC and the fills are the store's ``decode`` once it is
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
+from collections.abc import AsyncIterator
+from types import TracebackType
 from typing import Any, NoReturn
 
 from fastapi import Request
@@ -27,11 +40,18 @@ from fastapi import Request
 from kvstore.codec.envelope import check_header
 from kvstore.codec.geometry import Geometry
 from kvstore.codec.layout import HEADER_SIZE, SUPPORTED_VERSIONS
-from kvstore.errors import BusyError, InvalidRequestError, TooLargeError
+from kvstore.errors import BusyError, InvalidRequestError, RequestTimeoutError, TooLargeError
+
+log = logging.getLogger("tlkv.api")
 
 # How long a body waits for its bytes of the budget before the request is answered 503.
 INFLIGHT_WAIT_SECONDS = 10.0
 SCOPE_KEY = "tlkv.body_ticket"
+# A body of known size reads this much (or all of it when smaller), counted chunk by chunk,
+# before it reserves the rest of its size.
+EARN_BYTES = 64 * 1024
+DEFAULT_MIN_BODY_RATE = 1024 * 1024  # bytes per second (--min-body-rate)
+DEFAULT_BODY_TIMEOUT = 5.0  # seconds: the window the rate is measured over (--body-timeout)
 
 
 class InflightBudget:
@@ -48,6 +68,13 @@ class InflightBudget:
         self.used = 0
         self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
 
+    def try_acquire(self, n: int) -> bool:
+        """Reserve ``n`` bytes if they are free now and nobody waits ahead; False otherwise."""
+        if not self._waiters and self.used + n <= self.limit:
+            self.used += n
+            return True
+        return False
+
     async def acquire(self, n: int) -> None:
         """Reserve ``n`` bytes, waiting behind earlier requests for at most ``wait`` seconds.
 
@@ -59,8 +86,7 @@ class InflightBudget:
             raise TooLargeError(
                 f"a body of {n} bytes exceeds the in-flight budget of {self.limit} bytes"
             )
-        if not self._waiters and self.used + n <= self.limit:
-            self.used += n
+        if self.try_acquire(n):
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append((n, fut))
@@ -97,19 +123,97 @@ class InflightBudget:
             fut.set_result(None)
 
 
+class BodyPace:
+    """The minimum rate of one request body: at least ``rate`` bytes per second over each
+    window of ``window`` seconds while the body is read (``rate`` 0: no minimum).
+
+    Readers add what arrives to ``received``. When a window ends with less than
+    ``rate * window`` bytes received in it, the reading task is cancelled and the read
+    ends in :class:`~kvstore.errors.RequestTimeoutError` (``__exit__``). One timer of the
+    loop per body, re-armed once per window: nothing runs per chunk but an addition.
+    """
+
+    __slots__ = ("expired", "mark", "rate", "received", "task", "timer", "window")
+
+    def __init__(self, rate: int, window: float) -> None:
+        self.rate = rate
+        self.window = window
+        self.received = 0
+        self.mark = 0  # ``received`` when the current window began
+        self.expired = False
+        self.task: asyncio.Task[Any] | None = None
+        self.timer: asyncio.TimerHandle | None = None
+
+    def __enter__(self) -> BodyPace:
+        if self.rate > 0:
+            self.task = asyncio.current_task()
+            self.resume()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.pause()
+        self.task = None
+        if self.expired and exc_type is not None and issubclass(exc_type, asyncio.CancelledError):
+            task = asyncio.current_task()
+            if task is not None and hasattr(task, "uncancel"):  # Python >= 3.11
+                task.uncancel()
+            raise RequestTimeoutError(
+                f"rule 'a request body arrives at --min-body-rate {self.rate} bytes/s or more "
+                f"in every {self.window:g} s window (--body-timeout)' failed: "
+                f"{self.received - self.mark} bytes came in the last window, "
+                f"{self.received} in all; the request is refused"
+            ) from None
+
+    def pause(self) -> None:
+        """Stop the clock (the request waits for the server, not for its sender)."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def resume(self) -> None:
+        """Start a new window from now."""
+        if self.task is not None and self.timer is None:
+            self.mark = self.received
+            self.timer = asyncio.get_running_loop().call_later(self.window, self._check)
+
+    def _check(self) -> None:
+        self.timer = None
+        if self.received - self.mark >= self.rate * self.window:
+            self.resume()
+            return
+        self.expired = True
+        if self.task is not None:
+            self.task.cancel()
+
+
 class BodyTicket:
-    """The bytes one request holds of its worker's budget, given back when it ends."""
+    """The bytes one request holds of its worker's budget, given back when it ends, and the
+    pace its body must keep."""
 
-    __slots__ = ("budget", "held")
+    __slots__ = ("budget", "held", "pace")
 
-    def __init__(self, budget: InflightBudget | None) -> None:
+    def __init__(
+        self, budget: InflightBudget | None, min_rate: int = 0, window: float = 0.0
+    ) -> None:
         self.budget = budget
         self.held = 0
+        self.pace = BodyPace(min_rate, window)
 
     async def take(self, n: int) -> None:
-        """Hold ``n`` more bytes (waits; see :meth:`InflightBudget.acquire`)."""
+        """Hold ``n`` more bytes (waits, the pace's clock stopped; see
+        :meth:`InflightBudget.acquire`)."""
         if self.budget is not None and n > 0:
-            await self.budget.acquire(n)
+            if not self.budget.try_acquire(n):
+                self.pace.pause()
+                try:
+                    await self.budget.acquire(n)
+                finally:
+                    self.pace.resume()
             self.held += n
 
     def close(self) -> None:
@@ -139,41 +243,78 @@ def _refuse_length(
     raise InvalidRequestError(f"the body's {found} bytes are not what its header announces")
 
 
-async def _fill(buf: bytearray, pos: int, chunks: Any) -> int:
+async def _gather(
+    ticket: BodyTicket, chunks: AsyncIterator[bytes], got: list[bytes], size: int, want: int
+) -> int:
+    """Read chunks into ``got``, each counted in the budget as it comes, until ``size``
+    (the bytes in ``got``) reaches ``want`` or the body ends; the new size."""
+    pace = ticket.pace
+    while size < want:
+        try:
+            chunk = await chunks.__anext__()
+        except StopAsyncIteration:
+            break
+        if chunk:
+            await ticket.take(len(chunk))
+            got.append(chunk)
+            size += len(chunk)
+            pace.received = size
+    return size
+
+
+def _joined(got: list[bytes], size: int, capacity: int) -> bytearray:
+    """One buffer of ``capacity`` bytes starting with the ``size`` bytes of ``got``."""
+    buf = bytearray(capacity)
+    pos = 0
+    for chunk in got:
+        end = min(pos + len(chunk), capacity)
+        buf[pos:end] = chunk[: end - pos]
+        pos = end
+    return buf
+
+
+async def _fill(buf: bytearray, pos: int, chunks: AsyncIterator[bytes], pace: BodyPace) -> int:
+    """Read the rest of the body into ``buf`` from ``pos``; the body's whole size (more than
+    ``len(buf)`` when it is longer, as soon as that shows)."""
     view = memoryview(buf)
     async for chunk in chunks:
         end = pos + len(chunk)
         if end > len(buf):
             return end
         view[pos:end] = chunk
-        pos = end
+        pos = pace.received = end
     return pos
 
 
 async def read_body(request: Request, weight: int = 1) -> bytes | bytearray:
     """The whole request body, ``weight`` times its bytes held against the worker's
     in-flight budget (at most the whole budget; ``weight`` > 1 for a body whose parsing
-    takes memory of its own, reserved in the same single wait).
+    takes memory of its own, reserved in the same single wait), at the minimum rate.
 
     The guard middleware bounds it by ``--max-body``. With a Content-Length it is read into
-    one preallocated buffer (no join copy).
+    one preallocated buffer (no join copy) once its first ``EARN_BYTES`` arrived.
 
     Raises:
         BusyError: the budget had no room in time.
+        RequestTimeoutError: the body came slower than ``--min-body-rate``.
         InvalidRequestError: the body ended early.
     """
     ticket = ticket_of(request)
     length = _content_length(request)
-    if length is None:
-        buf = bytearray()
-        async for chunk in request.stream():
-            await ticket.take(len(chunk) * weight)
-            buf += chunk
-        return buf
-    limit = ticket.budget.limit if ticket.budget is not None else length
-    await ticket.take(max(length, min(length * weight, limit)))
-    buf = bytearray(length)
-    pos = await _fill(buf, 0, request.stream())
+    chunks = request.stream().__aiter__()
+    got: list[bytes] = []
+    with ticket.pace:
+        if length is None:
+            size = await _gather(ticket, chunks, got, 0, 1 << 62)
+            return b"".join(got)
+        size = await _gather(ticket, chunks, got, 0, min(length, EARN_BYTES))
+        limit = ticket.budget.limit if ticket.budget is not None else length
+        await ticket.take(max(length, min(length * weight, limit)) - size)
+        buf = _joined(got, size, length)
+        del got
+        pos = size
+        if pos < length:
+            pos = await _fill(buf, pos, chunks, ticket.pace)
     if pos > length:  # cannot happen: the server frames the body by Content-Length
         raise InvalidRequestError("request body longer than its Content-Length")
     if pos != length:
@@ -190,40 +331,43 @@ async def read_envelope(
     """An envelope body, refused by its header before the rest is read.
 
     The first 28 bytes pass :func:`~kvstore.codec.envelope.check_header` (``geometry``:
-    the store's, None while it has none), the exact length included, before the size
-    the header implies is reserved and read into one buffer. A body shorter than a header
-    is returned as it is (the store's ``decode`` refuses it).
+    the store's, None while it has none), the exact length included; then the body's first
+    ``EARN_BYTES`` are read before the rest of the size the header implies is reserved
+    and read into one buffer, at the minimum rate. A body shorter than a header is
+    returned as it is (the store's ``decode`` refuses it).
 
     Raises:
         EnvelopeError: a header rule failed (the format's own error and message).
         TooLargeError: a chunked body's header implies more than ``max_body``.
         BusyError: the budget had no room in time.
+        RequestTimeoutError: the body came slower than ``--min-body-rate``.
         InvalidRequestError: the body ended early.
     """
     ticket = ticket_of(request)
     length = _content_length(request)
     chunks = request.stream().__aiter__()
-    head = bytearray()
-    async for chunk in chunks:
-        await ticket.take(len(chunk))
-        head += chunk
-        if len(head) >= HEADER_SIZE:
-            break
-    if len(head) < HEADER_SIZE:
-        return head
-    expected = check_header(memoryview(head)[:HEADER_SIZE], length, geometry, versions)
-    if expected > max_body:
-        raise TooLargeError(
-            f"the envelope's header announces {expected} bytes, over the limit of {max_body} bytes"
-        )
-    if len(head) > expected:
-        _refuse_length(memoryview(head)[:HEADER_SIZE], len(head), geometry, versions)
-    await ticket.take(expected - len(head))
-    buf = bytearray(expected)
-    buf[: len(head)] = head
-    first = len(head)
-    del head
-    pos = await _fill(buf, first, chunks)
+    got: list[bytes] = []
+    with ticket.pace:
+        size = await _gather(ticket, chunks, got, 0, HEADER_SIZE)
+        if size < HEADER_SIZE:
+            return b"".join(got)
+        head = memoryview(got[0] if len(got[0]) >= HEADER_SIZE else b"".join(got))[:HEADER_SIZE]
+        expected = check_header(head, length, geometry, versions)
+        if expected > max_body:
+            raise TooLargeError(
+                f"the envelope's header announces {expected} bytes, over the limit of "
+                f"{max_body} bytes"
+            )
+        if size <= expected:
+            size = await _gather(ticket, chunks, got, size, min(expected, EARN_BYTES))
+        if size > expected:
+            _refuse_length(head, size, geometry, versions)
+        await ticket.take(expected - size)
+        buf = _joined(got, size, expected)
+        del got
+        pos = size if size == expected and length is not None else None
+        if pos is None:
+            pos = await _fill(buf, size, chunks, ticket.pace)
     if pos > expected or (pos < expected and length is None):
         _refuse_length(memoryview(buf)[:HEADER_SIZE], pos, geometry, versions)
     if pos != expected:  # shorter than its Content-Length: the client went away

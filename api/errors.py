@@ -3,7 +3,8 @@
 Kinds and statuses come from ``kvstore.errors`` (``kind``/``http_status`` of each class):
 ``format`` 422, ``shape`` 422, ``version`` 415, ``not_found`` 404, ``pinned`` 409,
 ``unconvertible`` 409, ``too_large`` 413, ``unauthorized`` 401, ``store_full`` 507,
-``model_limit`` 507, ``invalid_request`` 422, ``busy`` 503 (with Retry-After), plus
+``model_limit`` 507, ``invalid_request`` 422, ``busy`` 503 (with Retry-After), ``timeout``
+408 (a body slower than ``--min-body-rate``; with ``Connection: close``), plus
 ``method_not_allowed`` 405 and ``internal`` 500 (a bug, logged; never the answer to bad
 input). FastAPI's validation errors, unknown routes and methods, malformed bodies and a
 client that disconnects mid-body are all mapped here, so no other shape ever leaves. A
@@ -30,6 +31,7 @@ from kvstore.errors import (
     InvalidRequestError,
     MethodNotAllowedError,
     NotFoundError,
+    RequestTimeoutError,
     ServiceError,
     StoreFullError,
     TlkvError,
@@ -58,7 +60,7 @@ def error_body(kind: str, message: str) -> bytes:
 def _extra_headers(error: type[TlkvError]) -> dict[str, str]:
     if issubclass(error, UnauthorizedError):
         return {"www-authenticate": 'Bearer realm="tlkv"'}
-    if issubclass(error, TooLargeError):
+    if issubclass(error, TooLargeError | RequestTimeoutError):
         # The rest of the body is never read: close rather than drain it for keep-alive.
         return {"connection": "close"}
     if issubclass(error, BusyError):
@@ -106,6 +108,8 @@ async def _on_tlkv_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, TlkvError)
     if exc.http_status >= 500 and not isinstance(exc, StoreFullError | BusyError):
         log.error("%s %s failed: %r", request.method, request.url.path, exc)
+    elif isinstance(exc, RequestTimeoutError):  # a slow or stalled sender, for the operator
+        log.warning("%s %s: %s", request.method, request.url.path, exc)
     return error_response(exc)
 
 

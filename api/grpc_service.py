@@ -69,6 +69,7 @@ from .access import EVERYTHING, Access, TokenTable, check_access
 from .formats import read_version
 from .grpc_push import PushCommit
 from .metrics import Metrics
+from .middleware import bearer_access
 from .modelscope import handle_of
 
 log = logging.getLogger("tlkv.grpc")
@@ -114,15 +115,17 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
     # --- plumbing -------------------------------------------------------------------
 
     def _authorize(self, context: grpc.aio.ServicerContext) -> Access:
+        """The access of the call's one ``authorization`` (sent twice: refused, as HTTP)."""
+        given = [v for k, v in context.invocation_metadata() or () if k == "authorization"]
+        if len(given) > 1:
+            raise InvalidRequestError("rule 'Authorization is sent at most once' failed")
         if self.tokens is None:
             return EVERYTHING
-        for key, value in context.invocation_metadata() or ():
-            if key == "authorization":
-                raw = value.encode() if isinstance(value, str) else bytes(value)
-                scheme, _, credentials = raw.strip().partition(b" ")
-                access = self.tokens.lookup(credentials.strip())
-                if scheme.lower() == b"bearer" and access is not None:
-                    return access
+        if given:
+            raw = given[0].encode() if isinstance(given[0], str) else bytes(given[0])
+            access = bearer_access(self.tokens, raw)
+            if access is not None:
+                return access
         raise UnauthorizedError("missing or wrong bearer token")
 
     def _store_for(self, context: grpc.aio.ServicerContext, access: Access, write: bool) -> Store:
@@ -134,10 +137,12 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
         check_access(access, model, write, self.store.has_model)
         return handle_of(self.store, model, self.quotas)
 
-    def _observe(self, method: str, code: grpc.StatusCode, started: float) -> None:
+    def _observe(
+        self, method: str, code: grpc.StatusCode, started: float, service: str = SERVICE_NAME
+    ) -> None:
         if self.metrics is not None:
             seconds = time.perf_counter() - started
-            self.metrics.observe_grpc(f"/{SERVICE_NAME}/{method}", code.name, seconds)
+            self.metrics.observe_grpc(f"/{service}/{method}", code.name, seconds)
             self.metrics.ops.observe_handles(self.store.open_handles())  # its reads, by model
 
     async def _fail(self, context: grpc.aio.ServicerContext, exc: Exception) -> grpc.StatusCode:
@@ -163,14 +168,23 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
 
     @contextlib.asynccontextmanager
     async def _call(
-        self, method: str, context: grpc.aio.ServicerContext, write: bool = False
+        self,
+        method: str,
+        context: grpc.aio.ServicerContext,
+        write: bool = False,
+        *,
+        service: str = SERVICE_NAME,
+        select: Callable[[Access], Store] | None = None,
     ) -> AsyncIterator[Store]:
-        """One RPC's frame: authorize, select the model, map a failure to its status
-        (aborting the call), and count the call with its code and duration in ``/metrics``."""
+        """One RPC's frame: authorize, select the model (the ``x-tlkv-model`` metadata's,
+        or what ``select`` makes of the caller's access), map a failure to its status
+        (aborting the call), and count the call with its code and duration in ``/metrics``
+        (under ``service``)."""
         code = grpc.StatusCode.OK
         started = time.perf_counter()
         try:
-            yield self._store_for(context, self._authorize(context), write)
+            access = self._authorize(context)
+            yield self._store_for(context, access, write) if select is None else select(access)
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
             raise
@@ -181,7 +195,7 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
             await self._fail(context, exc)
             raise  # not reached: _fail aborts
         finally:
-            self._observe(method, code, started)
+            self._observe(method, code, started, service)
 
     async def _unary(
         self,
@@ -414,7 +428,8 @@ async def start_server(
     tokens: TokenTable | None = None,
     quotas: tuple[tuple[str, int], ...] = (),
 ) -> TransferServer:
-    """Start a grpc.aio server on ``address`` (``host:port``) serving KvTransfer and health.
+    """Start a grpc.aio server on ``address`` (``host:port``) serving KvTransfer, tlkv's own
+    ``tlkv.v1.Models`` (``api.grpc_models``) and health.
 
     Also tunes this process's allocator for whole buffered streams (``_keep_freed_memory``).
 
@@ -440,6 +455,9 @@ async def start_server(
         quotas=quotas,
     )
     _add_service(service, server)
+    from .grpc_models import ModelsService, add_models_service  # it builds on this module
+
+    add_models_service(ModelsService(service), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     server.add_insecure_port(address)

@@ -12,8 +12,8 @@ formats, the access rule) and what it answers, here as in the app's two doors, s
 this module only adds the transport's own declines and writes the answer:
 
 - the stored envelope from LMDB's map, its CRC-32C checked first (``Store.get_buffers``);
-  the read snapshot ends when the transport releases the body, and a body left unread
-  ``BODY_HOLD_SECONDS`` aborts its connection (``watch_body``);
+  the read snapshot ends when the transport releases the body, and a body whose transport
+  makes no progress for ``BODY_HOLD_SECONDS`` aborts its connection (``api.bodywatch``);
 - the same headers (uvicorn's ``date`` and ``server`` included), the same 404 body
   and uvicorn's access-log line when that log is on;
 - the same metrics, written out within ``BATCH_SECONDS`` (``Metrics.observe_request_soon``),
@@ -54,7 +54,7 @@ from uvicorn.protocols.utils import get_client_addr
 from kvstore.store.protocols import BufferSource
 
 from .blockread import ROUTE, block_answer, may_read_default, plain_block_read
-from .routes.blocks import watch_body
+from .bodywatch import watch_body
 
 _GET = frozenset({"GET"})  # a HEAD goes to the app
 # Request headers that take a read off the plain case.
@@ -200,17 +200,28 @@ class TlkvHttpProtocol(HttpToolsProtocol):
             or parser.should_upgrade()
         ):
             return False
-        authorization = None
+        authorization = host = None
         for name, value in self.headers:
             if name in _NOT_PLAIN:
                 return False
             if name == b"authorization":
+                if authorization is not None:
+                    return False  # sent twice: the app refuses it
                 authorization = value
+            elif name == b"host":
+                if host is not None:
+                    return False
+                host = value
         store = self._store
         if (
             store is None
             or store.tier is not None
             or not may_read_default(settings.tokens, authorization)
+            or (
+                settings.tokens is None
+                and settings.host_rule is not None
+                and not settings.host_rule.allows(host)
+            )
         ):
             return False
         try:

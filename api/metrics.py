@@ -32,7 +32,7 @@ Every scrape reports:
   open for zero-copy response bodies the transports have not yet released, as of each
   worker's last scrape or request (requests refresh them at most every 0.1 s);
   ``tlkv_http_stalled_bodies_total``: connections aborted because the client left such
-  a body unread too long (see ``api.routes.blocks.BODY_HOLD_SECONDS``).
+  a body unread too long (see ``api.bodywatch.BODY_HOLD_SECONDS``).
 - ``tlkv_worker_start_time_seconds``: one series per live worker, labelled ``pid`` in
   multiprocess mode (a worker drops its series when it shuts down; one that died
   without shutting down loses it when the next worker starts).
@@ -452,7 +452,7 @@ class MetricsMiddleware:
         status = 500
         # The server's transport, from uvicorn's request cycle (whose ``receive`` reaches
         # here unwrapped; Starlette wraps ``send``): a stalled zero-copy body is released
-        # by aborting it (api.routes.blocks.watch_body).
+        # by aborting it (api.bodywatch.watch_body).
         scope[TRANSPORT_KEY] = getattr(getattr(receive, "__self__", None), "transport", None)
 
         async def send_status(message: dict[str, Any]) -> None:

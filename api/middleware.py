@@ -1,14 +1,17 @@
 """Pure-ASGI guard in front of every route: bearer-token auth (the token's model access is
-left in the scope for ``api.models``), the request body limit, the in-flight body budget,
-and closing connections whose body was refused unread.
+left in the scope for ``api.models``), the request body limit, the in-flight body budget
+and the minimum body rate (``api.bodies``), and closing connections whose body was refused
+unread.
 
+``Authorization`` and ``Host`` sent twice are refused (422 ``invalid_request``); a server
+without a token answers only a ``Host`` that names it (``api.hosts``; 403 ``forbidden``).
 Pure ASGI (no ``BaseHTTPMiddleware``) so the hot paths pay one function call, not a task
 and a stream copy. A ``Content-Length`` over the limit is refused with 413 before any of
 the body is read; a chunked body is counted as it streams in and refused as soon as the
 count passes the limit, so an over-limit body is never buffered. Each request gets a
 :class:`~api.bodies.BodyTicket` on the worker's in-flight budget, given back when the
 request ends. Any answer sent before the request's body was read to its end (a 401, a 413,
-an envelope refused by its header, a 503) carries ``Connection: close``, so the server
+an envelope refused by its header, a 408, a 503) carries ``Connection: close``, so the server
 closes the connection instead of draining the rest of the body for keep-alive.
 """
 
@@ -16,17 +19,38 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvstore.errors import TooLargeError, UnauthorizedError
+from kvstore.errors import ForbiddenError, InvalidRequestError, TooLargeError, UnauthorizedError
 
 from .access import EVERYTHING, Access, TokenTable
 from .access import SCOPE_KEY as ACCESS_KEY
 from .bodies import SCOPE_KEY, BodyTicket, InflightBudget
 from .errors import send_error
+from .hosts import HostRule
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
 
 OPEN_PATHS = frozenset({"/healthz", "/"})  # "/": the static status page (no data)
+# Fields a request sends at most once (RFC 9110 5.3): two cannot be told from a forged one.
+SINGLETONS = (b"authorization", b"host")
+ANY_HOST_PATHS = frozenset({"/healthz"})  # liveness probes name the server as they like
+
+
+def singletons(scope: Scope) -> tuple[bytes | None, ...]:
+    """The values of ``SINGLETONS`` in the request (None where absent), in that order.
+
+    Raises:
+        InvalidRequestError: one of them is sent more than once.
+    """
+    found: list[bytes | None] = [None] * len(SINGLETONS)
+    for key, value in scope["headers"]:
+        if key in SINGLETONS:
+            i = SINGLETONS.index(key)
+            if found[i] is not None:
+                name = key.decode().capitalize()
+                raise InvalidRequestError(f"rule '{name} is sent at most once' failed: found two")
+            found[i] = bytes(value)
+    return tuple(found)
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:
@@ -58,17 +82,35 @@ class GuardMiddleware:
         max_body: int,
         budget: InflightBudget | None = None,
         tokens: TokenTable | None = None,
+        min_body_rate: int = 0,
+        body_timeout: float = 0.0,
+        hosts: HostRule | None = None,
     ) -> None:
         self.app = app
+        self.hosts = hosts
+        self.min_body_rate = min_body_rate
+        self.body_timeout = body_timeout
         self.tokens = tokens if tokens is not None or token is None else TokenTable.single(token)
         self.max_body = max_body
         self.budget = budget
 
     def _access(self, scope: Scope) -> Access | None:
-        """The access of the request's bearer token (None: missing or wrong)."""
+        """The access of the request's bearer token (None: missing or wrong).
+
+        Raises:
+            InvalidRequestError: ``Authorization`` or ``Host`` is sent twice.
+            ForbiddenError: without tokens, a ``Host`` the server does not answer.
+        """
+        authorization, host = singletons(scope)
         if self.tokens is None:
+            hosts = self.hosts
+            if hosts is not None and scope["path"] not in ANY_HOST_PATHS and not hosts.allows(host):
+                assert host is not None
+                raise ForbiddenError(hosts.describe(host))
             return EVERYTHING
-        return bearer_access(self.tokens, _header(scope, b"authorization"))
+        if scope["path"] in OPEN_PATHS:
+            return EVERYTHING
+        return bearer_access(self.tokens, authorization)
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -81,7 +123,11 @@ class GuardMiddleware:
             unread = _header(scope, b"transfer-encoding") is not None
         if unread:
             receive, send = _close_unless_read(receive, send)
-        access = self._access(scope) if scope["path"] not in OPEN_PATHS else EVERYTHING
+        try:
+            access = self._access(scope)
+        except (InvalidRequestError, ForbiddenError) as exc:
+            await send_error(send, exc)
+            return
         if access is None:
             await send_error(send, UnauthorizedError("missing or wrong bearer token"))
             return
@@ -99,7 +145,7 @@ class GuardMiddleware:
                 return
         else:
             receive = self._limited(receive)
-        ticket = BodyTicket(self.budget)
+        ticket = BodyTicket(self.budget, self.min_body_rate, self.body_timeout)
         scope[SCOPE_KEY] = ticket
         try:
             await self.app(scope, receive, send)

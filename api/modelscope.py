@@ -18,7 +18,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from kvstore.errors import InvalidRequestError, TlkvError
-from kvstore.protocol import DEFAULT_MODEL, is_model_id
+from kvstore.protocol import DEFAULT_MODEL, check_model_id
 from kvstore.store import Store
 
 from .access import EVERYTHING, check_access
@@ -55,15 +55,18 @@ class ModelScope:
 
     def __init__(self, app: Any) -> None:
         self.app = app
-        self._known: set[str] = {DEFAULT_MODEL}  # models exist until the store is deleted
 
     def _exists(self, scope: dict[str, Any], model: str) -> bool:
-        if model in self._known:
+        state = scope["app"].state
+        # Models seen to exist, until this worker deletes one (another worker's delete
+        # shows here as an empty model: its reads find nothing, a write creates it).
+        known: set[str] = state.known_models
+        if model in known:
             return True
-        store = getattr(scope["app"].state, "store", None)
+        store = getattr(state, "store", None)
         if store is None or not store.has_model(model):
             return False
-        self._known.add(model)
+        known.add(model)
         return True
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -79,13 +82,10 @@ class ModelScope:
                 await self.app(scope, receive, send)  # the router answers 404
                 return
             model = unquote(parts[3].decode("latin-1"))
-            if not is_model_id(model):
-                await send_error(
-                    send,
-                    InvalidRequestError(
-                        f"a model id is 1-200 characters of [A-Za-z0-9._:@/+-], found {model!r}"
-                    ),
-                )
+            try:
+                check_model_id(model)
+            except ValueError as exc:
+                await send_error(send, InvalidRequestError(str(exc)))
                 return
             rest = b"/v1/" + parts[4]
             # In place: the outer middlewares read what the routes leave in the scope.

@@ -51,9 +51,12 @@ ERROR_SCHEMA: dict[str, Any] = {
 
 _ERRORS = {
     401: "unauthorized: missing or wrong bearer token",
-    403: "forbidden: the token may read this model but not write it",
+    403: "forbidden: the token may read this model but not write it (or, on a server "
+    "without a token, the Host names another server)",
     404: "not_found: no such block, sequence, model or route (a model the token may not "
     "read is answered as one that does not exist)",
+    408: "timeout: the body came slower than --min-body-rate in a --body-timeout window "
+    "(the connection is closed)",
     409: "pinned: a sequence references the block (DELETE); unconvertible: a block stored "
     "with --allow-nonfinite cannot be transcoded to the asked format (?format=)",
     413: "too_large: the body exceeds --max-body (the connection is closed)",
@@ -67,7 +70,7 @@ _ERRORS = {
     "model_limit: the write would create a model beyond --max-models",
 }
 
-# Statuses beyond the generic ones (401; 413, 422, 503 with a body; 422 with parameters).
+# Statuses beyond the generic ones (401; 408, 413, 422, 503 with a body; 422 with parameters).
 _EXTRA: dict[tuple[str, str], tuple[int, ...]] = {
     ("put", "/v1/blocks"): (415, 507),
     ("get", "/v1/blocks/{hash}"): (404, 409),
@@ -77,6 +80,7 @@ _EXTRA: dict[tuple[str, str], tuple[int, ...]] = {
     ("put", "/v1/sequences/{name}"): (415, 507),
     ("get", "/v1/sequences/{name}"): (404,),
     ("delete", "/v1/sequences/{name}"): (404,),
+    ("delete", "/v1/models/{model}"): (403, 404),
 }
 
 _OPEN = frozenset({"/healthz"})
@@ -98,7 +102,7 @@ def _add_model_paths(schema: dict[str, Any]) -> None:
     """The ``/v1/models/{model}/...`` twin of every ``/v1/...`` operation: 404 for a model
     that does not exist (or that the token may not read), 403 for a write it may not make."""
     for path, item in list(schema["paths"].items()):
-        if not path.startswith("/v1/") or path in ("/v1/models", "/v1/status"):
+        if not path.startswith("/v1/") or path.startswith("/v1/models") or path == "/v1/status":
             continue
         twin: dict[str, Any] = {}
         for method, op in item.items():
@@ -179,9 +183,11 @@ def complete(schema: dict[str, Any], *, token: bool) -> dict[str, Any]:
                 statuses.add(401)
             body = op.get("requestBody")
             if body is not None:
-                statuses.update((413, 422, 503))
+                statuses.update((408, 413, 422, 503))
                 if ENVELOPE_MEDIA_TYPE in body.get("content", {}):
                     body["description"] = ENVELOPE_BODY_DESCRIPTION
+            if path == "/v1/models/{model}":  # a model id, as in every /v1/models/{model}/...
+                op["parameters"] = [_MODEL_PARAMETER]
             if op.get("parameters"):
                 statuses.add(422)
             responses = op["responses"]

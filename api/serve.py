@@ -20,6 +20,7 @@ from kvstore.cli.common import EXIT_OK, geometry_arg, positive_int, rate_arg
 from kvstore.protocol import MAX_MODELS, MAX_MODELS_LIMIT
 
 from . import settings as s
+from .bodies import DEFAULT_BODY_TIMEOUT, DEFAULT_MIN_BODY_RATE
 from .settings import parse_size
 from .uvicorn_check import http_protocol
 
@@ -83,9 +84,13 @@ def _serve(args: argparse.Namespace, metrics_dir: str | None) -> int:
     env = {
         s.ENV_DATA: str(Path(args.data).resolve()),
         s.ENV_MAX_BODY: str(args.max_body),
+        s.ENV_HOST: args.host,
+        s.ENV_ALLOWED_HOSTS: ",".join(args.allowed_hosts),
     }
     if args.max_inflight is not None:
         env[s.ENV_MAX_INFLIGHT] = str(args.max_inflight)
+    env[s.ENV_MIN_BODY_RATE] = str(args.min_body_rate)
+    env[s.ENV_BODY_TIMEOUT] = str(args.body_timeout)
     if args.allow_nonfinite:
         env[s.ENV_ALLOW_NONFINITE] = "1"
     if args.geometry is not None:
@@ -160,6 +165,15 @@ def register(sub: Any) -> None:
     p.add_argument("--capacity", type=_size_arg, default=None, help="capacity, e.g. 2GiB")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--allowed-hosts",
+        type=lambda text: [h.strip() for h in text.split(",") if h.strip()],
+        action="extend",
+        default=[],
+        metavar="NAME[,NAME]",
+        help="Host names a server without a token answers besides its address, loopback "
+        "names and IP addresses ('*': any); repeatable",
+    )
     p.add_argument("--workers", type=positive_int, default=1, help="worker processes")
     p.add_argument("--token-file", default=None, help="bearer token file (else $TLKV_TOKEN)")
     p.add_argument(
@@ -175,6 +189,21 @@ def register(sub: Any) -> None:
         type=_size_arg,
         default=None,
         help="request-body bytes one worker holds at once; more wait, then 503 (2 x max-body)",
+    )
+    p.add_argument(
+        "--min-body-rate",
+        type=rate_arg,
+        default=DEFAULT_MIN_BODY_RATE,
+        metavar="RATE",
+        help="a request body slower than this in any --body-timeout window is refused with "
+        "408 and its budget freed (1MiB/s; 0: no minimum)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=_seconds_arg,
+        default=DEFAULT_BODY_TIMEOUT,
+        metavar="SECONDS",
+        help="the window --min-body-rate is measured over; a body stalled this long is refused (5)",
     )
     p.add_argument(
         "--allow-nonfinite",
@@ -207,7 +236,8 @@ def register(sub: Any) -> None:
         "--max-models",
         type=_max_models_arg,
         default=None,
-        help=f"models besides default a write may create (0..{MAX_MODELS_LIMIT}; {MAX_MODELS})",
+        help=f"models besides default the store admits, kept in it (0..{MAX_MODELS_LIMIT}; "
+        f"default: the store's own, {MAX_MODELS} for a new one)",
     )
     p.add_argument(
         "--tier",

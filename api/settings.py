@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvstore.cli.common import parse_size
+from kvstore.cli.common import parse_rate, parse_size
 from kvstore.codec.geometry import Geometry
 from kvstore.codec.layout import SUPPORTED_VERSIONS
-from kvstore.protocol import MAX_MODELS, is_model_id, parse_versions, read_token_file
+from kvstore.protocol import is_model_id, parse_versions, read_token_file
 
 from .access import TokenTable, read_tokens
+from .bodies import DEFAULT_BODY_TIMEOUT, DEFAULT_MIN_BODY_RATE
+from .hosts import HostRule
 
 ENV_DATA = "TLKV_DATA"
 ENV_GEOMETRY = "TLKV_GEOMETRY"
@@ -35,8 +37,12 @@ ENV_FORMATS = "TLKV_FORMATS"  # envelope versions this server reads, e.g. "1" or
 ENV_QUOTAS = "TLKV_QUOTAS"  # per-model byte quotas: "model=SIZE,other/model=SIZE"
 ENV_SCRUB_RATE = "TLKV_SCRUB_RATE"  # background scrub, bytes per second; 0 or absent: off
 ENV_SCRUB_PERIOD = "TLKV_SCRUB_PERIOD"  # seconds from one scrub pass's start to the next
-ENV_MAX_MODELS = "TLKV_MAX_MODELS"  # models besides default the store admits
+ENV_MAX_MODELS = "TLKV_MAX_MODELS"  # models besides default the store admits (kept in it)
 ENV_METRICS_TOKEN_FILE = "TLKV_METRICS_TOKEN_FILE"  # a token that may read all of /metrics
+ENV_HOST = "TLKV_HOST"  # the address the server is bound to (the Host rule's own name)
+ENV_ALLOWED_HOSTS = "TLKV_ALLOWED_HOSTS"  # more Host names a server without a token answers
+ENV_MIN_BODY_RATE = "TLKV_MIN_BODY_RATE"  # bytes/s a request body keeps up; 0: no minimum
+ENV_BODY_TIMEOUT = "TLKV_BODY_TIMEOUT"  # seconds: the window the minimum rate is measured over
 
 DEFAULT_DATA = "./tlkv-data"
 DEFAULT_MAX_BODY = 64 * 1024 * 1024
@@ -82,7 +88,17 @@ class Settings:
     # gives one by default, --scrub-rate).
     scrub_rate: int = 0
     scrub_period: float = 24 * 3600.0
-    max_models: int = MAX_MODELS  # models besides default a write may create
+    # Models besides default the store admits: written into the store; None keeps its own.
+    max_models: int | None = None
+    # A request body must bring min_body_rate bytes/s in every body_timeout-second window
+    # (api.bodies.BodyPace; 0: no minimum).
+    min_body_rate: int = DEFAULT_MIN_BODY_RATE
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
+    # Without a token, answer only a Host naming the server (api.hosts): on when the bound
+    # address is known (`tlkv serve` gives it) or names are allowed; None and (): no check.
+    bind_host: str | None = None
+    allowed_hosts: tuple[str, ...] = ()
+    host_rule: HostRule | None = field(default=None, init=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.tokens is None and self.token is not None:
@@ -93,6 +109,14 @@ class Settings:
             raise ValueError(
                 f"--max-inflight ({self.max_inflight} bytes) must be at least --max-body "
                 f"({self.max_body} bytes)"
+            )
+        if self.bind_host is not None or self.allowed_hosts:
+            rule = HostRule(self.bind_host or "", self.allowed_hosts)
+            object.__setattr__(self, "host_rule", rule)
+        if self.min_body_rate < 0 or not self.body_timeout > 0:
+            raise ValueError(
+                f"--min-body-rate must be >= 0 and --body-timeout > 0, found "
+                f"{self.min_body_rate} and {self.body_timeout}"
             )
 
     @property
@@ -124,6 +148,9 @@ class Settings:
         max_stream = env.get(ENV_GRPC_MAX_STREAM)
         formats = env.get(ENV_FORMATS)
         max_inflight = env.get(ENV_MAX_INFLIGHT)
+        min_body_rate = env.get(ENV_MIN_BODY_RATE)
+        body_timeout = env.get(ENV_BODY_TIMEOUT)
+        allowed_hosts = env.get(ENV_ALLOWED_HOSTS, "")
         return cls(
             data=Path(env.get(ENV_DATA) or DEFAULT_DATA),
             geometry=Geometry.parse(geometry) if geometry else None,
@@ -141,5 +168,11 @@ class Settings:
             tier_endpoint=env.get(ENV_TIER_ENDPOINT) or None,
             scrub_rate=int(env.get(ENV_SCRUB_RATE) or 0),
             scrub_period=float(env.get(ENV_SCRUB_PERIOD) or 24 * 3600.0),
-            max_models=int(env.get(ENV_MAX_MODELS) or MAX_MODELS),
+            max_models=int(env[ENV_MAX_MODELS]) if env.get(ENV_MAX_MODELS) else None,
+            min_body_rate=DEFAULT_MIN_BODY_RATE
+            if min_body_rate is None
+            else parse_rate(min_body_rate),
+            body_timeout=float(body_timeout) if body_timeout else DEFAULT_BODY_TIMEOUT,
+            bind_host=env.get(ENV_HOST) or None,
+            allowed_hosts=tuple(h.strip() for h in allowed_hosts.split(",") if h.strip()),
         )

@@ -355,6 +355,19 @@ class Client:
         "sequences"}`` each."""
         return list(self._ok("GET", _MODELS_PATH).json()["models"])
 
+    def delete_model(self, model: str) -> dict[str, int] | None:
+        """Delete ``model`` with every block and sequence of it (a token that may write
+        it): what it held (``blocks``, ``bytes``, ``sequences``), None when there is none."""
+        # Dots encoded too: httpx would take "." or ".." (old ids) as path steps.
+        path = f"{_MODELS_PATH}/{quote(model, safe='').replace('.', '%2E')}"
+        response = self._http.request("DELETE", path)
+        if response.status_code >= 400:
+            err = error_from_response(response)
+            if isinstance(err, NotFoundError):
+                return None
+            raise err
+        return {k: int(v) for k, v in response.json().items() if k != "model"}
+
     def info(self) -> dict[str, Any]:
         """``{"version", "geometry", "formats", "blocks", "bytes", "capacity_bytes"}``."""
         return dict(self._ok("GET", "/v1/info").json())

@@ -184,6 +184,15 @@ class MethodNotAllowedError(InvalidRequestError):
     http_status = 405
 
 
+class RequestTimeoutError(TlkvError):
+    """A request body stalled or arrived below the server's minimum rate
+    (``--min-body-rate`` over each ``--body-timeout`` window): refused, its budget freed."""
+
+    kind = "timeout"
+    http_status = 408
+    grpc_status = "DEADLINE_EXCEEDED"
+
+
 class BusyError(TlkvError):
     """The worker holds as many request-body bytes as it may (``--max-inflight``): retry."""
 

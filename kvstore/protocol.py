@@ -38,9 +38,10 @@ SEQUENCE_NAME_REGEX = "[A-Za-z0-9._-]{1,128}"
 SEQUENCE_NAME_PATTERN = f"^{SEQUENCE_NAME_REGEX}$"
 _SEQUENCE_NAME = re.compile(SEQUENCE_NAME_REGEX)
 
-# A model id names a namespace of the store (its own geometry, blocks and sequences).
+# A model id names a namespace of the store (its own geometry, blocks and sequences); not
+# "." or "..", which as a path segment (the tier's namespace, a URL) would name another.
 MODEL_ID_MAX = 200
-MODEL_ID_REGEX = "[A-Za-z0-9._:@/+-]{1,200}"
+MODEL_ID_REGEX = r"(?!\.\.?$)[A-Za-z0-9._:@/+-]{1,200}"
 MODEL_ID_PATTERN = f"^{MODEL_ID_REGEX}$"
 _MODEL_ID = re.compile(MODEL_ID_REGEX)
 DEFAULT_MODEL = "default"  # the namespace of every unscoped call (stores before namespaces)
@@ -128,11 +129,13 @@ def check_model_id(model: Any) -> str:
     """``model`` itself, once checked against the model-id rule.
 
     Raises:
-        ValueError: it is not 1-200 characters of ``[A-Za-z0-9._:@/+-]``.
+        ValueError: it is not 1-200 characters of ``[A-Za-z0-9._:@/+-]``, or is ``.`` or
+            ``..``.
     """
     if not is_model_id(model):
         raise ValueError(
-            f"a model id is 1-{MODEL_ID_MAX} characters of [A-Za-z0-9._:@/+-], found {model!r}"
+            f"a model id is 1-{MODEL_ID_MAX} characters of [A-Za-z0-9._:@/+-], not '.' or "
+            f"'..', found {model!r}"
         )
     return str(model)
 
@@ -167,6 +170,7 @@ ERROR_KINDS: dict[str, type[errors.TlkvError]] = {
         errors.InvalidRequestError,
         errors.MethodNotAllowedError,
         errors.BusyError,
+        errors.RequestTimeoutError,
         errors.ServiceError,
     )
 }

@@ -189,6 +189,30 @@ class ServerProcess:
         self.stop()
 
 
+def read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """Status, headers (lower-case names) and body of one response read from ``sock``
+    (framed by its Content-Length); status 0 when the server closed or reset the connection
+    before the head. A socket timeout goes to the caller."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionError:
+            chunk = b""
+        if not chunk:
+            return 0, {}, data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:])}
+    while len(body) < int(headers.get("content-length", "0")):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    return int(lines[0].split()[1]), headers, body
+
+
 def assert_error(response: httpx.Response, status: int, kind: str) -> str:
     """Assert the one error shape ``{"error": {"kind", "message"}}``; returns the message."""
     assert response.status_code == status, (response.status_code, response.text[:300])

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import SMALL, make_envelope
-from http_server import ServerProcess, assert_error
+from http_server import ServerProcess, assert_error, read_response
 from waiting import async_wait_until
 
 import api.bodies as bodies
@@ -49,23 +49,16 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 
 def _head(method: str, path: str, headers: dict[str, str]) -> bytes:
-    lines = [f"{method} {path} HTTP/1.1", "Host: t", *(f"{k}: {v}" for k, v in headers.items())]
+    lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1"]
+    lines += [f"{k}: {v}" for k, v in headers.items()]
     return ("\r\n".join(lines) + "\r\n\r\n").encode()
 
 
 def _response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
     """Status, headers and body of one response read from ``sock`` (Content-Length framed)."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        assert chunk, data
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = {k.lower(): v.strip() for k, _, v in (x.partition(":") for x in lines[1:])}
-    while len(body) < int(headers.get("content-length", "0")):
-        body += sock.recv(65536)
-    return int(lines[0].split()[1]), headers, body
+    status, headers, body = read_response(sock)
+    assert status, body  # the server answered before it closed
+    return status, headers, body
 
 
 def _closed(sock: socket.socket, timeout: float = 5.0) -> bool:
@@ -287,9 +280,11 @@ def test_budget_head_timing_out_lets_the_next_in() -> None:
 def test_busy_answer_is_503_with_retry_after(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Two envelopes of the whole budget: the second waits, then gets 503 busy."""
+    """Two envelopes of the whole budget: the second waits, then gets 503 busy. Each is
+    larger than ``EARN_BYTES``: the first reserves its whole size once that much arrived."""
     monkeypatch.setattr(bodies, "INFLIGHT_WAIT_SECONDS", 0.2)
-    data = make_envelope(SMALL, 8, seed=5)
+    data = make_envelope(SMALL, 1024, seed=5)
+    assert len(data) > bodies.EARN_BYTES + 100
     app = create_app(Settings(data=tmp_path / "store", max_body=len(data), max_inflight=len(data)))
     release = asyncio.Event()
     parked = asyncio.Event()
@@ -313,7 +308,8 @@ def test_busy_answer_is_503_with_retry_after(
         }
 
     async def request(slow: bool) -> tuple[int, dict[bytes, bytes]]:
-        parts = [data[:100], data[100:]]
+        earned = bodies.EARN_BYTES + 100
+        parts = [data[:100], data[100:earned], data[earned:]]
         sent: list[dict[str, Any]] = []
 
         async def receive() -> dict[str, Any]:

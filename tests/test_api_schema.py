@@ -44,12 +44,12 @@ def test_every_error_status_is_documented_in_the_error_shape() -> None:
     error = schema["components"]["schemas"]["Error"]
     assert set(error["properties"]["error"]["properties"]["kind"]["enum"]) == set(ERROR_KINDS)
     expected = {
-        ("put", "/v1/blocks"): {"200", "401", "413", "415", "422", "503", "507"},
+        ("put", "/v1/blocks"): {"200", "401", "408", "413", "415", "422", "503", "507"},
         ("get", "/v1/blocks/{hash}"): {"200", "304", "401", "404", "409", "422"},
         ("delete", "/v1/blocks/{hash}"): {"204", "401", "404", "409", "422"},
-        ("post", "/v1/has-blocks"): {"200", "401", "413", "422", "503"},
-        ("post", "/v1/prefix"): {"200", "401", "404", "409", "413", "422", "503"},
-        ("put", "/v1/sequences/{name}"): {"201", "401", "413", "415", "422", "503", "507"},
+        ("post", "/v1/has-blocks"): {"200", "401", "408", "413", "422", "503"},
+        ("post", "/v1/prefix"): {"200", "401", "404", "408", "409", "413", "422", "503"},
+        ("put", "/v1/sequences/{name}"): {"201", "401", "408", "413", "415", "422", "503", "507"},
         ("get", "/v1/sequences/{name}"): {"200", "401", "404", "422"},
         ("delete", "/v1/sequences/{name}"): {"204", "401", "404", "422"},
         ("get", "/v1/info"): {"200", "401"},

@@ -18,6 +18,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -223,23 +224,40 @@ def test_drill_tool_short_run() -> None:
     assert set(summary["operations"]) == {"put", "get", "has-blocks", "prefix"}
 
 
+def _drill(*args: str) -> dict[str, Any]:
+    """``tools/drill.py ARGS --json`` run to its end with exit 0: its summary."""
+    cmd = [sys.executable, str(REPO / "tools" / "drill.py"), *args, "--json"]
+    ran = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
+    return json.loads(ran.stdout.splitlines()[-1])  # type: ignore[no-any-return]
+
+
 @pytest.mark.slow
 def test_drill_tool_stalled_reader_and_model_cap_cases() -> None:
     """``tools/drill.py --case stalled-reader --case model-cap`` on a port it is given:
     two readers that never read are cut off within 33 s while puts growing the map never
     fail; 205 new models leave 200 created and 5 refused with 507 model_limit."""
-    port = free_port()
-    cmd = [sys.executable, str(REPO / "tools" / "drill.py"), "--port", str(port)]
-    cmd += ["--case", "stalled-reader", "--case", "model-cap", "--json"]
-    ran = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
-    summary = json.loads(ran.stdout.splitlines()[-1])
+    summary = _drill("--port", str(free_port()), "--case", "stalled-reader", "--case", "model-cap")
     stalled, cap = summary["stalled_reader"], summary["model_cap"]
     assert summary["ok"] and stalled["ok"] and cap["ok"], summary
     assert stalled["aborted"] >= 2 and stalled["aborted_after_seconds"] <= 33
     assert stalled["5xx"] == 0 and set(stalled["put_statuses"]) <= {"200", "503"}
     assert cap["created"] == 200 and cap["refused"] == {"model_limit": 5}
     assert "kill" not in summary["cases"] and "events" not in summary
+
+
+@pytest.mark.slow
+def test_drill_tool_slow_upload_and_foreign_models_cases() -> None:
+    """``tools/drill.py --case slow-upload --case foreign-models``: eight tricklers are
+    refused with 408 while every ordinary put answers 200 within 3 s; 64 models added to a
+    ``--max-models 5`` server's store by other processes leave its listings at 200."""
+    summary = _drill("--case", "slow-upload", "--case", "foreign-models")
+    slow, foreign = summary["slow_upload"], summary["foreign_models"]
+    assert summary["ok"] and slow["ok"] and foreign["ok"], summary
+    assert slow["put_statuses"] == {"200": slow["ordinary_puts"]} and slow["ordinary_puts"] > 10
+    assert set(slow["trickler_answers"]) == {"408 timeout"}
+    assert foreign["answers"] == {"/v1/models": 200, "/metrics": 200, "/v1/status": 200}
+    assert foreign["models_listed"] == 1 + 2 + 64
 
 
 @pytest.mark.slow

@@ -58,6 +58,7 @@ def browser(tmp_path: Path) -> Iterator[object]:
         f"--user-data-dir={tmp_path / 'chromium-profile'}",
     ):
         options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # CSP reports land there
     # An explicit driver path: selenium never looks for (or downloads) a browser itself.
     service = Service(executable_path=driver, log_output=str(tmp_path / "chromedriver.log"))
     b = webdriver.Chrome(options=options, service=service)
@@ -118,6 +119,11 @@ def test_page_without_a_token(browser: object, tmp_path: Path) -> None:
 
         text = browser.find_element(By.TAG_NAME, "body").text  # type: ignore[attr-defined]
         assert "capacity 1.0 MiB" in text and "scrub 64.0 MiB/s" in text
+        # The page runs and is styled under its own Content-Security-Policy: nothing refused.
+        logs = browser.get_log("browser")  # type: ignore[attr-defined]
+        assert not [e for e in logs if "Content Security Policy" in e["message"]], logs
+        color = browser.find_element(By.ID, "problem").value_of_css_property("color")  # type: ignore[attr-defined]
+        assert color == "rgba(176, 0, 32, 1)", color  # #b00020 from the page's <style>
         assert "no object-store tier" in text
         status = httpx.get(f"{srv.url}/v1/status").json()
         team = next(m for m in status["models"] if m["model"] == TEAM)

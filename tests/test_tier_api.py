@@ -132,7 +132,7 @@ def test_a_hung_tier_is_down_on_every_worker(tmp_path: Path) -> None:
     """An S3 endpoint that accepts connections and never answers: within 35 s of a put,
     ``/healthz`` on any connection (either of two workers, only one of which uploads)
     says the tier is unreachable, ``tlkv_store_tier_up`` is 0 and ``/v1/info`` names the
-    stalled request."""
+    stalled request; from then on, misses and tier HEADs answer "absent" at once."""
     hung = HungEndpoint()
     tier = ("--tier", "s3://hung-bucket/p", "--tier-endpoint", f"http://127.0.0.1:{hung.port}")
     try:
@@ -156,5 +156,15 @@ def test_a_hung_tier_is_down_on_every_worker(tmp_path: Path) -> None:
                     assert "tlkv_store_tier_up 0.0" in http.get("/metrics").text
                     info = http.get("/v1/info").json()["tier"]
                     assert info["state"] == "unreachable" and info["last_error"], info
+            # Unreachable: a miss and a tier HEAD answer "absent" at once on every worker,
+            # across backoffs (before, each miss sent another request and hung with it).
+            for i in range(6):
+                with httpx.Client(base_url=srv.url, timeout=5) as http:
+                    t0 = time.monotonic()
+                    assert http.get(f"/v1/blocks/{0xDEAD00 + i:016x}").status_code == 404
+                    r = http.post("/v1/has-blocks?tier=1", json={"hashes": _hex([0xBEEF00 + i])})
+                    assert r.json()["present"] == [False]
+                    assert time.monotonic() - t0 < 1.0
+                time.sleep(0.6)
     finally:
         hung.close()

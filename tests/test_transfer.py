@@ -168,10 +168,12 @@ def test_generated_modules_match_a_fresh_generation() -> None:
     finally:
         sys.path.remove(str(REPO / "tools"))
     fresh = gen_proto.generate()
-    for name, text in fresh.items():
-        assert (REPO / "kvstore" / "transfer" / "_tlkv_v1" / name).read_text(
-            encoding="utf-8"
-        ) == text, name
+    assert {p.rsplit("/", 1)[0] for p in fresh} == {
+        "kvstore/transfer/_tlkv_v1",
+        "kvstore/transfer/_tlkv_models_v1",
+    }
+    for path, text in fresh.items():
+        assert (REPO / path).read_text(encoding="utf-8") == text, path
 
 
 @pytest.mark.parametrize("version", [1, 2])

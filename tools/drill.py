@@ -1,7 +1,8 @@
 """A crash drill anyone can run: no acknowledged put is lost when the server is killed.
 
     python tools/drill.py [--seconds 30] [--clients 4] [--workers 2] [--port N]
-                          [--case kill|stalled-reader|model-cap ...] [--json]
+                          [--case kill|stalled-reader|model-cap|slow-upload|foreign-models ...]
+                          [--json]
 
 Starts ``tlkv serve`` with ``--workers`` workers on a temporary store, on ``--port`` (by
 default a free loopback port; nothing else is touched), and runs the cases asked for
@@ -17,10 +18,15 @@ server and compared byte for byte. Prints the table (operations, acknowledged, i
 5xx) and exits 1 on any lost or wrong block or any 5xx, else 0.
 
 Every envelope is a pure function of its seed, so the clients remember seeds, not bytes.
-The ``stalled-reader`` and ``model-cap`` cases (``tools/drill_cases.py``) then run on the
-same server: two clients that never read a 16 MiB prefix answer are cut off within 33 s
-while puts that grow the map wait (or answer 503) and never fail; and 205 new models
-leave exactly 200 (the default ``--max-models``) created and 5 refused with 507.
+The ``stalled-reader``, ``model-cap`` and ``slow-upload`` cases (``tools/drill_cases.py``)
+then run on the same server: two clients that never read a 16 MiB prefix answer are cut
+off within 33 s while puts that grow the map wait (or answer 503) and never fail; 205 new
+models leave exactly 200 (the default ``--max-models``) created and 5 refused with 507;
+eight connections that announce 64 MiB bodies and trickle a byte every 2 s are refused
+with 408 while every ordinary put answers 200 within 3 s. ``foreign-models`` starts a
+second server, ``--max-models 5`` on a store of its own, and has other processes add 64
+models to that store (a library ``Store`` and ``tlkv archive restore``): its listings
+keep answering 200 and name them all.
 """
 
 from __future__ import annotations
@@ -81,8 +87,11 @@ def block_hashes(env: bytes) -> list[str]:
 class Server:
     """``tlkv serve`` in its own process group, so one signal reaches all its processes."""
 
-    def __init__(self, data: Path, port: int, workers: int, log: Path) -> None:
+    def __init__(
+        self, data: Path, port: int, workers: int, log: Path, extra: tuple[str, ...] = ()
+    ) -> None:
         self.data, self.port, self.workers, self.log = data, port, workers, log
+        self.extra = extra  # more `tlkv serve` options
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> float:
@@ -91,7 +100,7 @@ class Server:
         geometry = ",".join(map(str, GEOMETRY.as_tuple()))
         cmd = [sys.executable, "-m", "kvstore", "serve", "--data", str(self.data)]
         cmd += ["--port", str(self.port), "--workers", str(self.workers)]
-        cmd += ["--geometry", geometry, "--log-level", "warning"]
+        cmd += ["--geometry", geometry, "--log-level", "warning", *self.extra]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 cmd, cwd=REPO, env=server_env(), stdout=log, stderr=log, start_new_session=True
@@ -275,7 +284,8 @@ def _wait(until: float, acks: Any, more_than: int, deadline: float) -> int:
     return int(acks.value)
 
 
-CASES = ("kill", "stalled-reader", "model-cap")
+CASES = ("kill", "stalled-reader", "model-cap", "slow-upload", "foreign-models")
+PARTS = ("stalled_reader", "model_cap", "slow_upload", "foreign_models")  # their summaries
 
 
 def drill(
@@ -297,12 +307,23 @@ def drill(
             summary["stalled_reader"] = drill_cases.stalled_readers(server.port, GEOMETRY)
         if "model-cap" in cases:
             summary["model_cap"] = drill_cases.model_cap(server.port, GEOMETRY)
+        if "slow-upload" in cases:
+            summary["slow_upload"] = drill_cases.slow_upload(server.port, GEOMETRY)
     finally:
         server.stop()
+    if "foreign-models" in cases:
+        other = Server(
+            data / "foreign", free_port(), workers, data / "foreign.log", ("--max-models", "5")
+        )
+        other.start()
+        try:
+            summary["foreign_models"] = drill_cases.foreign_models(
+                other.port, GEOMETRY, data / "foreign"
+            )
+        finally:
+            other.stop()
     summary["ok"] = all(
-        part["ok"]
-        for part in (summary, summary.get("stalled_reader"), summary.get("model_cap"))
-        if part is not None
+        part["ok"] for part in (summary, *(summary.get(p) for p in PARTS)) if part is not None
     )
     return summary
 
@@ -376,7 +397,7 @@ def print_report(s: dict[str, Any]) -> None:
     """The drill's tables."""
     if "kill" in s["cases"]:
         _print_kill_loop(s)
-    for case in ("stalled_reader", "model_cap"):
+    for case in PARTS:
         if case in s:
             part = dict(s[case])
             ok = part.pop("ok")

@@ -1,12 +1,14 @@
-"""Regenerate the checked-in tl.kv.v1 modules from ``api/proto/tl/kv/v1/kv.proto``.
+"""Regenerate the checked-in gRPC modules from the ``.proto`` files under ``api/proto/``:
+the spec's tl.kv.v1 (``tl/kv/v1/kv.proto`` -> ``kvstore/transfer/_tlkv_v1/``) and tlkv's
+own service (``tlkv/v1/models.proto`` -> ``kvstore/transfer/_tlkv_models_v1/``).
 
 Usage: python tools/gen_proto.py [--check]
 
 Runs grpcio-tools' protoc (``--python_out``, ``--pyi_out``, ``--grpc_python_out``) into a
-temporary directory, makes the service module import its messages relatively (the
-modules live in the package ``kvstore.transfer._tlkv_v1``, not in a top-level ``tl`` package), and
-writes them to ``kvstore/transfer/_tlkv_v1/``. ``--check`` compares instead of writing and exits 1
-when the checked-in modules differ from a fresh generation.
+temporary directory, makes each service module import its messages relatively (the
+modules live in packages of ``kvstore.transfer``, not in top-level ``tl`` or ``tlkv``
+packages), and writes them. ``--check`` compares instead of writing and exits 1 when the
+checked-in modules differ from a fresh generation.
 """
 
 from __future__ import annotations
@@ -15,26 +17,35 @@ import argparse
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any, NamedTuple
 
 REPO = Path(__file__).resolve().parent.parent
 PROTO_ROOT = REPO / "api" / "proto"
-PROTO = "tl/kv/v1/kv.proto"
-OUT = REPO / "kvstore" / "transfer" / "_tlkv_v1"
-MODULES = ("kv_pb2.py", "kv_pb2.pyi", "kv_pb2_grpc.py")
-_ABSOLUTE_IMPORT = "from tl.kv.v1 import kv_pb2 as"
-_RELATIVE_IMPORT = "from . import kv_pb2 as"
 
 
-def generate() -> dict[str, str]:
-    """The generated modules' text, by file name.
+class Proto(NamedTuple):
+    """One ``.proto`` file, relative to ``PROTO_ROOT``, and where its modules go."""
 
-    Raises:
-        RuntimeError: protoc failed.
-    """
-    from grpc_tools import protoc  # a test/dev extra only
+    path: str
+    out: str  # the package directory, relative to the repository
 
+    @property
+    def stem(self) -> str:
+        return Path(self.path).stem
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        return (f"{self.stem}_pb2.py", f"{self.stem}_pb2.pyi", f"{self.stem}_pb2_grpc.py")
+
+
+PROTOS = (
+    Proto("tl/kv/v1/kv.proto", "kvstore/transfer/_tlkv_v1"),
+    Proto("tlkv/v1/models.proto", "kvstore/transfer/_tlkv_models_v1"),
+)
+
+
+def _generate(proto: Proto, protoc: Any, include: str) -> dict[str, str]:
     with tempfile.TemporaryDirectory() as tmp:
-        include = str(Path(protoc.__file__).parent / "_proto")
         code = protoc.main(
             [
                 "grpc_tools.protoc",
@@ -43,17 +54,35 @@ def generate() -> dict[str, str]:
                 f"--python_out={tmp}",
                 f"--pyi_out={tmp}",
                 f"--grpc_python_out={tmp}",
-                PROTO,
+                proto.path,
             ]
         )
         if code != 0:
-            raise RuntimeError(f"protoc failed with exit code {code}")
-        out_dir = Path(tmp) / Path(PROTO).parent
-        texts = {name: (out_dir / name).read_text(encoding="utf-8") for name in MODULES}
-    grpc_module = texts["kv_pb2_grpc.py"]
-    if _ABSOLUTE_IMPORT not in grpc_module:
-        raise RuntimeError(f"kv_pb2_grpc.py no longer contains {_ABSOLUTE_IMPORT!r}")
-    texts["kv_pb2_grpc.py"] = grpc_module.replace(_ABSOLUTE_IMPORT, _RELATIVE_IMPORT)
+            raise RuntimeError(f"protoc failed on {proto.path} with exit code {code}")
+        out_dir = Path(tmp) / Path(proto.path).parent
+        texts = {name: (out_dir / name).read_text(encoding="utf-8") for name in proto.modules}
+    package = ".".join(Path(proto.path).parent.parts)
+    absolute = f"from {package} import {proto.stem}_pb2 as"
+    grpc_name = f"{proto.stem}_pb2_grpc.py"
+    if absolute not in texts[grpc_name]:
+        raise RuntimeError(f"{grpc_name} no longer contains {absolute!r}")
+    relative = f"from . import {proto.stem}_pb2 as"
+    texts[grpc_name] = texts[grpc_name].replace(absolute, relative)
+    return {f"{proto.out}/{name}": text for name, text in texts.items()}
+
+
+def generate() -> dict[str, str]:
+    """The generated modules' text, by path relative to the repository.
+
+    Raises:
+        RuntimeError: protoc failed.
+    """
+    from grpc_tools import protoc  # a test/dev extra only
+
+    include = str(Path(protoc.__file__).parent / "_proto")
+    texts: dict[str, str] = {}
+    for proto in PROTOS:
+        texts.update(_generate(proto, protoc, include))
     return texts
 
 
@@ -64,18 +93,16 @@ def main(argv: list[str] | None = None) -> int:
     texts = generate()
     if args.check:
         stale = [
-            name
-            for name, text in texts.items()
-            if not (OUT / name).exists() or (OUT / name).read_text(encoding="utf-8") != text
+            path
+            for path, text in texts.items()
+            if not (REPO / path).exists() or (REPO / path).read_text(encoding="utf-8") != text
         ]
-        for name in stale:
-            print(
-                f"kvstore/transfer/_tlkv_v1/{name} differs from a fresh generation", file=sys.stderr
-            )
+        for path in stale:
+            print(f"{path} differs from a fresh generation", file=sys.stderr)
         return 1 if stale else 0
-    OUT.mkdir(exist_ok=True)
-    for name, text in texts.items():
-        (OUT / name).write_text(text, encoding="utf-8")
+    for path, text in texts.items():
+        (REPO / path).parent.mkdir(exist_ok=True)
+        (REPO / path).write_text(text, encoding="utf-8")
     return 0
 
 

@@ -13,16 +13,13 @@ Zero copy: ``GET /v1/blocks/{hash}`` and a ``/v1/prefix`` answer up to
 block CRC-checked first). The transport may keep a body after ``send`` returns (uvloop
 queues what the socket did not take), so the read snapshot is not ended there: it ends
 when the transport releases the last buffer (the store watches the arrays exporting
-them). A client that stops reading would hold its snapshot open: a body still held
-``BODY_HOLD_SECONDS`` after it was sent has its connection aborted, which releases it.
+them). A client that stops reading would hold its snapshot open: ``api.bodywatch`` aborts
+the connection of a body whose transport makes no progress for ``BODY_HOLD_SECONDS``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
-import logging
-import weakref
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Annotated, Any
@@ -50,9 +47,9 @@ from ..blockread import (
     plain_block_read,
 )
 from ..bodies import read_envelope
+from ..bodywatch import watch_body_of
 from ..errors import send_error
 from ..formats import read_version, require_formats
-from ..metrics import TRANSPORT_KEY
 from ..modelscope import model_store
 from .common import (
     ENVELOPE_BODY,
@@ -68,14 +65,7 @@ from .common import (
     store_of,
 )
 
-log = logging.getLogger("tlkv.api")
-
 router = APIRouter(tags=["blocks"])
-
-# A zero-copy body its transport still holds this long after its first byte was offered
-# to it (a client that stopped reading) has its connection aborted: the read snapshot it
-# pins ends.
-BODY_HOLD_SECONDS = 30.0
 
 # A prefix answer up to this size is gathered first (and cut at a block that vanished);
 # a larger one streams block by block, so memory stays flat whatever the prefix length.
@@ -145,79 +135,6 @@ async def get_block(request: Request, hash: HashPath, format: FormatQuery = None
     data = await _read(store_of(request), h, version)
     # The body goes with a HEAD too: the server drops it, as for every route.
     return _Answer(block_answer(h, [] if data is None else [data], request.scope["headers"]))
-
-
-def _expire(transport: Any, what: str, metrics: Any) -> None:
-    log.warning(
-        "%s: the client has not read the body for %.0f s; its connection is aborted to end "
-        "the read snapshot the body pins",
-        what,
-        BODY_HOLD_SECONDS,
-    )
-    if metrics is not None:
-        metrics.observe_stalled_body()
-    if transport is not None:
-        transport.abort()
-
-
-def _alive(owners: list[weakref.ref[Any]]) -> bool:
-    return any(owner() is not None for owner in owners)
-
-
-class _BodyWatch:
-    """Zero-copy bodies offered to their transport, each with the deadline
-    ``BODY_HOLD_SECONDS`` after its first byte was; one timer of the loop (not one per
-    request) fires at the earliest deadline. Deadlines are added in time order."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.pending: list[tuple[float, list[weakref.ref[Any]], Any, str, Any]] = []
-        self.timer: asyncio.TimerHandle | None = None
-
-    def add(self, owners: list[weakref.ref[Any]], transport: Any, what: str, metrics: Any) -> None:
-        deadline = self.loop.time() + BODY_HOLD_SECONDS
-        self.pending.append((deadline, owners, transport, what, metrics))
-        if self.timer is None:
-            self.timer = self.loop.call_at(self.pending[0][0], self.sweep)
-
-    def sweep(self) -> None:
-        self.timer = None
-        now = self.loop.time()
-        keep = []
-        for entry in self.pending:
-            deadline, owners, transport, what, metrics = entry
-            if not _alive(owners):
-                continue  # written out: its snapshot has ended
-            if now >= deadline:
-                _expire(transport, what, metrics)
-                continue
-            keep.append(entry)
-        self.pending = keep
-        if keep:
-            self.timer = self.loop.call_at(keep[0][0], self.sweep)
-
-
-def watch_body(state: Any, transport: Any, what: str, owners: list[weakref.ref[Any]]) -> None:
-    """Abort ``transport`` if it still holds any of the buffers whose exporting arrays
-    ``owners`` refers to (``owner_refs``; the body's parts, one snapshot) by
-    ``BODY_HOLD_SECONDS`` from now. Call it when the body's first byte is offered to the
-    transport: a ``send`` of a later part may wait for the client without end (flow
-    control), so the watch must already run.
-
-    ``state``: the app's state (its metrics count the abort); ``what``: the request's
-    path, for the log.
-    """
-    if _alive(owners):
-        loop = asyncio.get_running_loop()
-        watch = getattr(state, "body_watch", None)
-        if watch is None or watch.loop is not loop:
-            watch = state.body_watch = _BodyWatch(loop)
-        watch.add(owners, transport, what, getattr(state, "metrics", None))
-
-
-def watch_body_of(scope: dict[str, Any], owners: list[weakref.ref[Any]]) -> None:
-    """``watch_body`` for an ASGI request (the transport the metrics middleware left)."""
-    watch_body(scope["app"].state, scope.get(TRANSPORT_KEY), scope.get("path", ""), owners)
 
 
 class _Parts(Response):

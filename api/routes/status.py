@@ -2,17 +2,23 @@
 /v1/status``, the JSON it reads (auth as every ``/v1`` route).
 
 The page (``api/static/status.html``) is plain HTML and JavaScript: no build step, nothing
-from a CDN. With tokens it asks for one (kept in the tab's ``sessionStorage``) and shows
-what ``/v1/status`` answers that token: only the models it may read. Reads and hits are
-the ``/metrics`` counters (every worker summed); the last errors are the warnings this
-worker logged, shown only to a token that may read every model (they name blocks and
-models).
+from a CDN; it is served with a Content-Security-Policy that runs only its own script and
+style and lets no other page frame it. With tokens it asks for one (kept in the tab's
+``sessionStorage``) and shows what ``/v1/status`` answers that token: only the models it
+may read, and the store-wide figures (total bytes, tier backlog, scrub) only when
+``/metrics`` would show that token its store-wide series. Reads and hits are the
+``/metrics`` counters (every worker summed); the last errors are the warnings this worker
+logged, shown only to a token that may read every model (they name blocks and models).
 """
 
 from __future__ import annotations
 
+import base64
 import collections
+import functools
+import hashlib
 import logging
+import re
 import time
 from importlib.resources import files
 from typing import Any
@@ -56,11 +62,40 @@ _recent = _Recent()
 logging.getLogger("tlkv").addHandler(_recent)  # once per process, at import
 
 
+def _sha256(text: str) -> str:
+    return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
+
+
+@functools.cache
+def _page() -> tuple[str, dict[str, str]]:
+    """The page and its headers: a Content-Security-Policy that lets run only its own
+    inline script and style (by hash), talk only to this server, and be framed by no
+    page (clickjacking), and the headers that go with it."""
+    html = files("api").joinpath("static/status.html").read_text(encoding="utf-8")
+    scripts = re.findall(r"<script>(.*?)</script>", html, re.S)
+    styles = re.findall(r"<style>(.*?)</style>", html, re.S)
+    policy = (
+        "default-src 'none'; "
+        f"script-src {' '.join(map(_sha256, scripts))}; "
+        f"style-src {' '.join(map(_sha256, styles))}; "
+        "connect-src 'self'; img-src 'self'; base-uri 'none'; form-action 'none'; "
+        "frame-ancestors 'none'"
+    )
+    headers = {
+        "cache-control": "no-cache",
+        "content-security-policy": policy,
+        "x-frame-options": "DENY",
+        "x-content-type-options": "nosniff",
+        "referrer-policy": "no-referrer",
+    }
+    return html, headers
+
+
 @router.get("/", include_in_schema=False)
 async def page() -> Response:
     """The status page (static; its script reads ``/v1/status``)."""
-    html = files("api").joinpath("static/status.html").read_text(encoding="utf-8")
-    return HTMLResponse(html, headers={"cache-control": "no-cache"})
+    html, headers = _page()
+    return HTMLResponse(html, headers=headers)
 
 
 def _counters(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
@@ -81,8 +116,10 @@ def _one(samples: dict[str, list[tuple[dict[str, str], float]]], name: str) -> f
 async def status(request: Request) -> Response:
     """What the status page shows: version, uptime, capacity; per model the token may read
     its geometry, blocks, bytes, sequences, evictions, corrupt blocks, lookups and hits
-    by tier (every worker summed); the tier's state and upload backlog; the scrub; the last
-    warnings of this worker (only for a token that may read every model)."""
+    by tier (every worker summed); the tier's state; the store's total bytes, the tier's
+    upload backlog and the scrub (only for a token that sees /metrics' store-wide series:
+    one that may read every model, or the metrics token); the last warnings of this worker
+    (only for a token that may read every model). Never cached (``no-store``)."""
     store = request.app.state.store
     if store is None:  # only if the lifespan did not run (a misconfigured server)
         raise ServiceError("the store is not open")
@@ -119,26 +156,37 @@ async def status(request: Request) -> Response:
         )
     starts = [v for _, v in samples.get("tlkv_worker_start_time_seconds", [])]
     tier = store.tier_info()
-    backlog = sum_backlogs(store.model(m).tier_info() for m in store.models())
-    everything = ALL in access.read
+    store_wide = access.sees_store_metrics()  # the rule of /metrics' store-wide series
     return json_response(
         {
             "version": kvstore.__version__,
             "uptime_seconds": time.time() - min(starts) if starts else None,
             "capacity_bytes": store.capacity_bytes,
-            "total_bytes": store.total_bytes() if everything else None,
+            "total_bytes": store.total_bytes() if store_wide else None,
             "models": models,
-            "tier": None
-            if tier is None or backlog is None
-            else {"state": tier["state"], **backlog},
-            "scrub": {
-                "rate_bytes_per_second": _one(samples, "tlkv_scrub_rate_bytes_per_second"),
-                "period_seconds": _one(samples, "tlkv_scrub_period_seconds"),
-                "last_pass_end": _one(samples, "tlkv_scrub_last_pass_end_timestamp_seconds"),
-                "checked_bytes": _one(samples, "tlkv_scrub_checked_bytes_total"),
-                "found": _one(samples, "tlkv_scrub_corrupt_blocks_total"),
-                "repaired": _one(samples, "tlkv_scrub_repaired_blocks_total"),
-            },
-            "errors": list(_recent.records) if everything else [],
-        }
+            "tier": None if tier is None else _tier(store, tier["state"], store_wide),
+            "scrub": _scrub(samples) if store_wide else None,
+            "errors": list(_recent.records) if ALL in access.read else [],
+        },
+        headers={"cache-control": "no-store"},
     )
+
+
+def _tier(store: Any, state: str, store_wide: bool) -> dict[str, Any] | None:
+    """The tier's state (what ``/healthz`` tells anyone), with the upload backlog of every
+    model for a token that sees store-wide figures."""
+    if not store_wide:
+        return {"state": state}
+    backlog = sum_backlogs(store.model(m).tier_info() for m in store.models())
+    return None if backlog is None else {"state": state, **backlog}
+
+
+def _scrub(samples: dict[str, list[tuple[dict[str, str], float]]]) -> dict[str, Any]:
+    return {
+        "rate_bytes_per_second": _one(samples, "tlkv_scrub_rate_bytes_per_second"),
+        "period_seconds": _one(samples, "tlkv_scrub_period_seconds"),
+        "last_pass_end": _one(samples, "tlkv_scrub_last_pass_end_timestamp_seconds"),
+        "checked_bytes": _one(samples, "tlkv_scrub_checked_bytes_total"),
+        "found": _one(samples, "tlkv_scrub_corrupt_blocks_total"),
+        "repaired": _one(samples, "tlkv_scrub_repaired_blocks_total"),
+    }

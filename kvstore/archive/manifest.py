@@ -30,9 +30,9 @@ from ..protocol import (
     DEFAULT_MODEL,
     HASH_HEX_REGEX,
     SEQUENCE_NAME_REGEX,
+    check_model_id,
     hash_hex,
     is_hash_hex,
-    is_model_id,
 )
 
 ARCHIVE_FORMAT = "tlkv-archive"
@@ -322,8 +322,10 @@ class Manifest:
 def _section(obj: dict[str, Any], what: str, model: Any, own: bool = False) -> Section:
     """The model, geometry and counts of a manifest (or of one of its ``models``);
     ``own``: with its ``own_blocks`` (version 4)."""
-    if not isinstance(model, str) or not is_model_id(model):
-        raise ArchiveError(f"{what}: model must be 1-200 characters of [A-Za-z0-9._:@/+-]")
+    try:
+        check_model_id(model)
+    except ValueError as exc:
+        raise ArchiveError(f"{what}: {exc}") from None
     for key in ("blocks", "sequences", *((OWN_KEY,) if own else ())):
         if not _is_int(obj[key], 0, U32_MAX):
             raise ArchiveError(f"{what}: {key} must be an integer in 0..{U32_MAX}")

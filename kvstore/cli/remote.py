@@ -1,6 +1,6 @@
 """The client commands of ``tlkv``: ``put``, ``get`` and ``has`` against a server, over HTTP
-(``http://``) or tl.kv.v1 gRPC (``grpc://``), and ``stats`` (of a server, or of a store
-directory).
+(``http://``) or tl.kv.v1 gRPC (``grpc://``), and ``stats`` and ``delete-model`` (of a
+server, or of a store directory).
 
 The HTTP client and the gRPC stubs are imported only inside the commands, so the codec
 commands run without them. The token comes from ``--token-file`` or ``TLKV_TOKEN``.
@@ -136,16 +136,27 @@ def _print_stats(stats: dict[str, Any], as_json: bool) -> int:
     return EXIT_OK
 
 
-def _cmd_stats(args: argparse.Namespace) -> int:
+def _target_refused(args: argparse.Namespace) -> int | None:
+    """The exit code of a command given neither or both of a server URL and ``--data``, or
+    a ``--data`` that is no directory (after one line on stderr); None: it may go on."""
     if (args.url is None) == (args.data is None):
-        print("tlkv stats: give a server URL or --data DIR (one of them)", file=sys.stderr)
+        print(
+            f"tlkv {args.command}: give a server URL or --data DIR (one of them)", file=sys.stderr
+        )
         return EXIT_USAGE
+    if args.data is not None and not Path(args.data).is_dir():
+        print(f"tlkv {args.command}: {args.data}: no store there", file=sys.stderr)
+        return EXIT_FAILURE
+    return None
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    refused = _target_refused(args)
+    if refused is not None:
+        return refused
     if args.data is not None:
         from ..store.store import Store
 
-        if not Path(args.data).is_dir():
-            print(f"tlkv stats: {args.data}: no store there", file=sys.stderr)
-            return EXIT_FAILURE
         with Store(args.data) as root:
             store = root if args.model is None else root.model(args.model)
             stats: dict[str, Any] = dict(store.stats())
@@ -164,6 +175,31 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     return _run_client(args, lambda client: _print_stats(client.info(), args.json))
 
 
+def _cmd_delete_model(args: argparse.Namespace) -> int:
+    refused = _target_refused(args)
+    if refused is not None:
+        return refused
+    if args.data is not None:
+        from ..store.store import Store
+
+        with Store(args.data) as store:
+            held = store.delete_model(args.model_id)
+        return _print_deleted(args.model_id, held)
+    args.model = None  # the call names its model itself
+    return _run_client(
+        args, lambda client: _print_deleted(args.model_id, client.delete_model(args.model_id))
+    )
+
+
+def _print_deleted(model: str, held: dict[str, int] | None) -> int:
+    if held is None:
+        print(f"tlkv delete-model: no model {model!r}", file=sys.stderr)
+        return EXIT_FAILURE
+    json.dump({"model": model, **held}, sys.stdout)
+    sys.stdout.write("\n")
+    return EXIT_OK
+
+
 def _add_token(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-file", help="file holding the bearer token (else $TLKV_TOKEN)")
     p.add_argument(
@@ -178,7 +214,8 @@ def _hash_arg(text: str) -> str:
 
 
 def register(sub: Any) -> None:
-    """Add ``stats``, ``put``, ``get`` and ``has`` to the ``tlkv`` subcommands."""
+    """Add ``stats``, ``delete-model``, ``put``, ``get`` and ``has`` to the ``tlkv``
+    subcommands."""
     p = sub.add_parser(
         "stats", help="a store's counts, quarantined (corrupt) blocks included: server or --data"
     )
@@ -187,6 +224,17 @@ def register(sub: Any) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     _add_token(p)
     p.set_defaults(func=_cmd_stats)
+
+    p = sub.add_parser(
+        "delete-model",
+        help="delete a model with its blocks and sequences: on a server (a token that may "
+        "write it) or --data DIR",
+    )
+    p.add_argument("url", nargs="?", default=None, help=DEFAULT_URL_HELP)
+    p.add_argument("model_id", metavar="MODEL", help="the model id ('default' is not deleted)")
+    p.add_argument("--data", default=None, help="a store directory instead of a server")
+    p.add_argument("--token-file", help="file holding the bearer token (else $TLKV_TOKEN)")
+    p.set_defaults(func=_cmd_delete_model)
 
     p = sub.add_parser("put", help="send an envelope's blocks to a server")
     p.add_argument("url", help=DEFAULT_URL_HELP)

@@ -33,7 +33,7 @@ def check_bound(what: str, value: Any) -> None:
 
 def check_open(geometry: Any, capacity_bytes: Any, map_bytes: Any, max_models: Any) -> None:
     """The arguments that open a ``Store`` (see its docstring)."""
-    if (
+    if max_models is not None and (
         isinstance(max_models, bool)
         or not isinstance(max_models, int)
         or not 0 <= max_models <= MAX_MODELS_LIMIT

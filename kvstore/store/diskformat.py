@@ -8,7 +8,8 @@ refuses it instead of evicting blocks it cannot see.
 ==========  =====================================================================
 ``meta``    ``format`` u32; ``geometry`` 4 x u32 (B, L, Hkv, D); u64 counters
             ``bytes``, ``tick``, ``evictions``, ``corrupt``; the journals of
-            unfinished restores (``JOURNAL_PREFIX``, ``journal.py``).
+            unfinished restores (``JOURNAL_PREFIX``, ``journal.py``); what was
+            quarantined and not stored again (``QUARANTINE_PREFIX``).
 ``blocks``  u64 hash (big-endian, so key order is numeric) -> the verbatim
             single-block envelope (spec: "Export envelope", n_blocks = 1).
 ``index``   one key; every stored hash as a native u64 duplicate (DUPSORT, DUPFIXED,
@@ -36,7 +37,8 @@ big-endian u32, ``model_counter_key``); the default model's are the totals minus
 others'. A model's number is the next one after ``last_model``; its sub-databases are
 created before the write that registers it (``models`` entry and ``last_model`` in that
 write's transaction), so a refused first write registers nothing and the next model
-reuses the empty sub-databases.
+reuses the empty sub-databases. A deleted model's sub-databases are emptied and its number
+freed (``FREE_MODEL_PREFIX``): the next new model takes the lowest free number first.
 
 No other module spells a format string for these values.
 """
@@ -78,10 +80,15 @@ SHARED_DBS = (*MODEL_DBS, DB_META, DB_LRU, DB_MODELS, DB_EMPTY, DB_EMPTY_INDEX)
 
 def max_dbs(models: int) -> int:
     """LMDB's ``max_dbs`` for an environment holding ``models`` models besides the default
-    one: the shared sub-databases and 6 per model, plus one model's more (the number a
-    writer reserves before the registry refuses it). LMDB fixes it when the environment
-    opens."""
+    one: the shared sub-databases and one set per model, plus one model's more (the
+    number a writer reserves before the registry refuses it). LMDB fixes it when the
+    environment opens."""
     return len(SHARED_DBS) + len(MODEL_DBS) * (models + 1)
+
+
+def free_model_key(number: int) -> bytes:
+    """The ``meta`` key that frees model number ``number`` for reuse."""
+    return FREE_MODEL_PREFIX + MODEL_NUMBER.pack(number)
 
 
 # blocks/refs/atime key: the u64 block hash, big-endian so LMDB's key order is numeric.
@@ -125,9 +132,26 @@ JOURNAL_HASH_DTYPE = np.dtype("<u8")
 # Kind JOURNAL_MODEL, no suffix -> the model id (UTF-8) the restore wrote into; absent in a
 # journal written before models: the default model.
 JOURNAL_MODEL = b"M"
+# Quarantine records in meta (shared by every model): QUARANTINE_PREFIX + kind + the model's
+# number (MODEL_NUMBER) + the key of what was removed -> QUARANTINED_AT, u64 Unix
+# milliseconds. Kind QUARANTINE_BLOCK: a block that failed its CRC (key: BLOCK_KEY of its
+# hash); kind QUARANTINE_SEQUENCE: a sequence record that did (key: the sequence's name).
+# What the scrub reports and repairs until it is stored again (``quarantine.py``).
+QUARANTINE_PREFIX = b"quarantine:"
+QUARANTINE_BLOCK = b"B"
+QUARANTINE_SEQUENCE = b"S"
+QUARANTINED_AT = struct.Struct(">Q")
 # Counters a model > 0 keeps beside the totals (``model_counter_key``).
 MODEL_COUNTER_KEYS = (META_BYTES, META_EVICTIONS, META_CORRUPT)
 META_LAST_MODEL = b"last_model"  # u64: the highest model number given
+# u32: the models besides default the store admits (its own setting, whoever opens it;
+# absent: protocol.MAX_MODELS).
+META_MAX_MODELS = b"max_models"
+META_MAX_MODELS_VALUE = struct.Struct("<I")
+# The number of a deleted model, free for the next new one: FREE_MODEL_PREFIX +
+# MODEL_NUMBER -> empty. Its sub-databases stay, emptied (other processes may hold their
+# handles), and are reused by the model that takes the number.
+FREE_MODEL_PREFIX = b"free_model:"
 # models value: u32 model number, then its geometry (B, L, Hkv, D; zeros until adopted).
 MODEL_VALUE = struct.Struct("<IIIII")
 # A model number inside keys and the lru value (big-endian: numeric order).
@@ -169,6 +193,11 @@ def model_db_name(name: bytes, number: int) -> bytes:
 def model_counter_key(key: bytes, number: int) -> bytes:
     """The ``meta`` key of a per-model counter of model ``number`` > 0."""
     return key + b"@" + MODEL_NUMBER.pack(number)
+
+
+def quarantine_key(kind: bytes, number: int, key: bytes) -> bytes:
+    """The ``meta`` key of a quarantine record of model ``number``."""
+    return QUARANTINE_PREFIX + kind + MODEL_NUMBER.pack(number) + key
 
 
 def lru_value(number: int) -> bytes:

@@ -81,11 +81,13 @@ class LruOrder:
         self._lru = lru_db
         self.tick = tick  # the newest tick given; saved by the caller with its counters
         self._model = model
-        self._tag = lru_value(model)
+        # A model not created yet (-1) holds no block: nothing of it is ever added.
+        self._tag = lru_value(model) if model >= 0 else None
         self._atime_of = atime_of
 
     def add(self, hk: bytes, h: int) -> None:
         """Give an unpinned block the newest tick."""
+        assert self._tag is not None, "a block added to a model not created yet"
         self.tick += 1
         self._txn.put(hk, COUNTER.pack(self.tick), db=self._atime)
         self._txn.put(LRU_KEY.pack(self.tick, h), self._tag, db=self._lru)

@@ -30,7 +30,7 @@ import lmdb
 import numpy as np
 
 from ..errors import StoreBusyError, StoreError, StoreFullError
-from ..protocol import MAX_MODELS
+from ..protocol import MAX_MODELS_LIMIT
 from .diskformat import (
     DB_ATIME,
     DB_BLOCKS,
@@ -67,7 +67,7 @@ _SPACE_SLACK = 16 << 20  # a failed write with less free disk than need + this: 
 
 
 # How long a remap waits for zero-copy bodies held by transports to be released: longer
-# than the service's watch (which aborts a body unread 30 s after its first byte), so a
+# than the service's watch (which aborts a body whose client read nothing for 30 s), so a
 # put needing a remap outlasts a client that stopped reading.
 HOLD_DRAIN_SECONDS = 35.0
 
@@ -93,6 +93,37 @@ class _HoldRefused(Exception):
 _KEPT_OPEN: list[LmdbEnv] = []
 
 
+def check_data_file(path: str) -> None:
+    """Refuse a store directory whose LMDB data file is missing, empty or shorter than its
+    own meta page says (a truncated copy) before anything opens it: LMDB would make an
+    empty file a new, empty store, and a process reading a page past the end of a
+    truncated one dies of SIGBUS. Only the file's size and its meta pages are read.
+
+    Raises:
+        StoreError: naming what is wrong (nothing is created or changed).
+    """
+    data = os.path.join(path, "data.mdb")
+    try:
+        size = os.path.getsize(data)
+    except OSError as exc:
+        raise StoreError(f"no store in {path}: {exc.strerror or exc} ({data})") from None
+    if size == 0:
+        raise StoreError(f"{data} is empty (0 bytes): not a store, and not re-created")
+    try:
+        env = lmdb.open(path, readonly=True, lock=False, subdir=True, max_dbs=0)
+    except lmdb.Error as exc:
+        raise StoreError(f"{data} ({size} bytes) is not a readable LMDB file: {exc}") from None
+    try:
+        need = (int(env.info()["last_pgno"]) + 1) * int(env.stat()["psize"])
+    finally:
+        env.close()
+    if size < need:
+        raise StoreError(
+            f"{data} is truncated: {size} bytes, and its meta page says it holds pages up to "
+            f"byte {need}; restore it from a copy or an archive"
+        )
+
+
 class LmdbEnv:
     """One LMDB environment in a directory, with guarded transactions and a managed map.
 
@@ -101,9 +132,11 @@ class LmdbEnv:
         map_size: the initial map size; it grows on demand.
         sync: fsync every commit (data and meta) before it returns.
         grow_floor: the least a growth adds beyond what is used and needed.
-        max_models: the models besides the default one the store admits; the environment
-            has sub-database slots for them, or for every sub-database the store holds
-            already if that is more (a store registered under a higher limit).
+        The environment has sub-database slots for the most models any store admits
+        (``protocol.MAX_MODELS_LIMIT``), or for every sub-database the store holds already
+        if that is more: a process can open every model another process may create,
+        whatever limit the store is given later (LMDB fixes ``max_dbs`` at open; the slots
+        cost no measurable time per transaction).
 
     Raises:
         StoreError: the directory does not hold an LMDB environment.
@@ -116,7 +149,6 @@ class LmdbEnv:
         map_size: int,
         sync: bool,
         grow_floor: int,
-        max_models: int = MAX_MODELS,
     ) -> None:
         self.path = path
         self.nothing: Dbs | None = None  # set by open()
@@ -139,7 +171,7 @@ class LmdbEnv:
         except OSError as exc:  # a file in the way, no permission
             raise StoreError(f"cannot create the store directory {path}: {exc}") from exc
         try:
-            slots = max_dbs(max_models)
+            slots = max_dbs(MAX_MODELS_LIMIT)
             self.env = self._open_env(map_size, sync, slots)
             # The main database holds one key per sub-database: a store holding more than
             # this limit admits is reopened with room for all of them (and one more model).

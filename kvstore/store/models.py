@@ -1,18 +1,34 @@
 """Models (namespaces) of a store: the handle per model and quota (kept by the
-environment), the list of models, and whether one exists.
+environment), the list of models, whether one exists, and deleting one.
 
 Functions over a ``state.Handle`` (``Store`` delegates to them); ``registry`` owns the
-models on disk (numbers, geometries, registration).
+models on disk (numbers, geometries, registration). A model registered before today's
+model-id rule (``.`` or ``..``, which no tier namespace can name) still opens, without
+the tier, and can be deleted.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..codec.geometry import Geometry
-from ..errors import ShapeError
-from ..protocol import DEFAULT_MODEL, check_model_id
+from ..errors import InvalidRequestError, ShapeError
+from ..protocol import DEFAULT_MODEL, check_model_id, is_model_id
 from ..tier import namespace_of
 from .checks import check_bound
-from .state import Environment, Handle
+from .diskformat import (
+    COUNTER,
+    LRU_KEY,
+    MODEL_COUNTER_KEYS,
+    MODEL_DBS,
+    QUARANTINE_BLOCK,
+    QUARANTINE_SEQUENCE,
+    counter,
+    model_counter_key,
+    quarantine_key,
+)
+from .state import Environment, Handle, log
+from .writetxn import WriteTxn
 
 
 def _cached(
@@ -40,7 +56,8 @@ def model_handle(
     root = env.root
     assert root is not None
     root.check_usable()
-    model_id = check_model_id(model_id)
+    if not is_model_id(model_id) and not _registered(h, model_id):
+        check_model_id(model_id)  # raises: only a model made before the rule may break it
     check_bound("quota_bytes", quota_bytes)
     if geometry is not None and not isinstance(geometry, Geometry):
         raise TypeError(f"geometry must be a Geometry, found {type(geometry).__name__}")
@@ -78,9 +95,36 @@ def models(h: Handle) -> list[str]:
         h.end_read(txn)
 
 
+# Ids the model-id rule admitted before it refused them: a store may still hold them.
+_OLD_IDS = frozenset({".", ".."})
+
+
+def _registered(h: Handle, model_id: Any) -> bool:
+    """Whether ``model_id`` is registered in ``h``'s store (checked for valid ids, and for
+    ``_OLD_IDS``: anything else is no model)."""
+    if not isinstance(model_id, str) or not (is_model_id(model_id) or model_id in _OLD_IDS):
+        return False
+    txn = h.begin_read(False)
+    try:
+        return h.env.registry.exists(txn, model_id)
+    finally:
+        h.end_read(txn)
+
+
+def max_models(h: Handle) -> int:
+    """``Store.max_models``: the store's limit on models besides default."""
+    txn = h.begin_read(False)
+    try:
+        return h.env.registry.max_models(txn)
+    finally:
+        h.end_read(txn)
+
+
 def has_model(h: Handle, model_id: str) -> bool:
     """``Store.has_model``: whether ``model_id`` exists, here or as a tier namespace."""
     if model_id == DEFAULT_MODEL:
+        return True
+    if not is_model_id(model_id) and _registered(h, model_id):
         return True
     check_model_id(model_id)
     txn = h.begin_read(False)
@@ -91,3 +135,79 @@ def has_model(h: Handle, model_id: str) -> bool:
         h.end_read(txn)
     link = h.tier
     return link is not None and link.tier.get_geometry(namespace_of(model_id)) is not None
+
+
+def delete_model(h: Handle, model_id: str) -> dict[str, int] | None:
+    """``Store.delete_model``: remove a model with its blocks, sequences, counters and
+    quarantine records, in one write transaction; what it held (``blocks``, ``bytes``,
+    ``sequences``), or None when there is no such model.
+
+    Its sub-databases are emptied, not dropped (another process may hold their handles),
+    and its number freed for the next new model; handles on it, here and in other
+    processes, read it from then on as a model not created yet (``Handle.begin_read``),
+    and a put through one creates it again. The tier's objects of its namespace stay.
+    """
+    if model_id == DEFAULT_MODEL:
+        raise InvalidRequestError(
+            "the model 'default' is the store itself and is not deleted: delete its blocks "
+            "and sequences instead"
+        )
+    if not isinstance(model_id, str) or not _registered(h, model_id):
+        if not is_model_id(model_id):
+            check_model_id(model_id)  # raises: names the rule
+        return None
+    env = h.env
+    handle = Handle(env, model_id, None)  # this store's view of the model, for its write
+    number = handle.dbs.number
+    if number <= 0:
+        return None  # deleted meanwhile
+    dbs = handle.dbs
+
+    def body(w: WriteTxn) -> dict[str, int] | None:
+        txn = w.txn
+        if not env.registry.holds(txn, model_id, number):
+            return None
+        held = {
+            "blocks": int(txn.stat(dbs.blocks)["entries"]),
+            "bytes": counter(
+                txn.get(model_counter_key(MODEL_COUNTER_KEYS[0], number), None, dbs.meta)
+            ),
+            "sequences": int(txn.stat(dbs.seqs)["entries"]),
+        }
+        ticks = [(bytes(k), bytes(v)) for k, v in txn.cursor(db=dbs.atime)]
+        for hk, tick in ticks:  # its blocks leave the store-wide LRU order
+            txn.delete(LRU_KEY.pack(COUNTER.unpack(tick)[0], int.from_bytes(hk, "big")), db=dbs.lru)
+        totals = [
+            counter(txn.get(model_counter_key(k, number), None, dbs.meta))
+            for k in MODEL_COUNTER_KEYS
+        ]
+        w.bytes -= totals[0]  # the totals keep only the other models' share
+        w.evictions -= totals[1]
+        w.corrupt -= totals[2]
+        for key in MODEL_COUNTER_KEYS:
+            txn.delete(model_counter_key(key, number), db=dbs.meta)
+        for kind in (QUARANTINE_BLOCK, QUARANTINE_SEQUENCE):
+            prefix = quarantine_key(kind, number, b"")
+            cursor = txn.cursor(db=dbs.meta)
+            found = cursor.set_range(prefix)
+            while found and bytes(cursor.key()).startswith(prefix):
+                found = cursor.delete()
+        for name in MODEL_DBS:
+            txn.drop(getattr(dbs, name.decode()), delete=False)
+        env.registry.release(txn, model_id, number)
+        return held
+
+    held = handle.write(body)
+    if held is not None:
+        with env.handles_lock:
+            for other in env.handles.values():
+                if other.model == model_id:
+                    other.forget_number()
+        log.info(
+            "%s: model %r deleted (%d blocks, %d bytes)",
+            env.path,
+            model_id,
+            held["blocks"],
+            held["bytes"],
+        )
+    return held

@@ -269,7 +269,7 @@ def get_sequence(h: Handle, name: str) -> bytes | None:
     if corrupt:
         h.quarantine(corrupt)
     if bad_record:
-        _quarantine_sequence(h, key)
+        quarantine_sequence(h, key)
     return out
 
 
@@ -283,7 +283,7 @@ def sequences(h: Handle) -> list[str]:
         h.end_read(txn)
 
 
-def _quarantine_sequence(h: Handle, key: bytes) -> None:
+def quarantine_sequence(h: Handle, key: bytes) -> None:
     """Remove a sequence record that fails its CRC and recount every pin."""
 
     def body(w: WriteTxn) -> None:

@@ -13,7 +13,13 @@ from ..codec.assembly import holds_record, same_bytes, single_block
 from ..codec.envelope import Envelope
 from ..codec.geometry import Geometry
 from ..codec.layout import NO_HASH
-from .diskformat import BLOCK_KEY, REFCOUNT, pack_sequence, parse_sequence
+from .diskformat import (
+    BLOCK_KEY,
+    QUARANTINE_SEQUENCE,
+    REFCOUNT,
+    pack_sequence,
+    parse_sequence,
+)
 from .writetxn import WriteTxn, log
 
 
@@ -93,6 +99,7 @@ def drop_sequence(w: WriteTxn, key: bytes, geometry: Geometry | None) -> bool:
 
 def drop_corrupt_sequence(w: WriteTxn, key: bytes, size: int) -> None:
     w.txn.delete(key, db=w.dbs.seqs)
+    w.note_quarantined(QUARANTINE_SEQUENCE, key)
     w.bytes -= size
     w.corrupt += 1
     w.count(w.dbs.number, 0, -size)

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 from ..codec.assembly import crc_matches
 from ..codec.geometry import Geometry
 from ..errors import ShapeError, StoreError
-from ..protocol import DEFAULT_MODEL
+from ..protocol import DEFAULT_MODEL, is_model_id
 from ..tier import Tier
 from .diskformat import (
     META_FORMAT,
@@ -38,7 +38,7 @@ from .eviction import RecencyBuffer
 from .keyset import KeySet
 from .lmdbenv import MAP_ALIGN, LmdbEnv
 from .reader import KvSpec
-from .registry import Reclaim, Registry, UnknownModel
+from .registry import Reclaim, Registry, Stale, UnknownModel
 from .tiered import TierLink
 from .writetxn import WriteTxn
 
@@ -77,7 +77,7 @@ class Environment:
         sync: bool,
         map_bytes: int | None,
         allow_nonfinite: bool,
-        max_models: int,
+        max_models: int | None,
     ) -> None:
         self.path = path
         self.capacity = capacity
@@ -94,17 +94,21 @@ class Environment:
         map_size = initial
         if capacity is not None:
             map_size = max(map_size, -(-(2 * capacity) // MAP_ALIGN) * MAP_ALIGN)
-        self.lmdb = LmdbEnv(
-            path, map_size=map_size, sync=sync, grow_floor=initial, max_models=max_models
-        )
+        self.lmdb = LmdbEnv(path, map_size=map_size, sync=sync, grow_floor=initial)
+
+        def check(txn: Any, dbs: Dbs) -> None:
+            self._check_meta(txn, dbs, geometry)
+            if max_models is not None:  # the opener sets the store's limit
+                Registry(self.lmdb, dbs, dbs, path).set_max_models(txn, max_models)
+
         try:
-            self.dbs = self.lmdb.open(lambda txn, dbs: self._check_meta(txn, dbs, geometry))
+            self.dbs = self.lmdb.open(check)
         except BaseException:
             self.lmdb.env.close()
             raise
         self.keys = KeySet(self.dbs)  # the default model's
         assert self.lmdb.nothing is not None
-        self.registry = Registry(self.lmdb, self.dbs, self.lmdb.nothing, path, max_models)
+        self.registry = Registry(self.lmdb, self.dbs, self.lmdb.nothing, path)
         # (model, quota) -> shared handle; (model, quota, geometry) -> a handle given the
         # geometry of a model that had none yet
         self.handles: dict[tuple[Any, ...], Handle] = {}
@@ -211,8 +215,17 @@ class Handle:
             self.resolve(create=False)
 
     def link_tier(self) -> None:
-        """Start this model's link to the environment's tier (its own namespace there)."""
+        """Start this model's link to the environment's tier (its own namespace there); a
+        model whose id breaks today's model-id rule (kept from before it) has none."""
         if self.env.tier is not None:
+            if not is_model_id(self.model):
+                log.warning(
+                    "%s: model %r breaks the model-id rule and has no tier namespace: it is "
+                    "served without the tier; delete it (tlkv delete-model) and write again",
+                    self.env.path,
+                    self.model,
+                )
+                return
             self.tier = TierLink(self, self.env.tier)
 
     @property
@@ -242,19 +255,33 @@ class Handle:
             )
 
     def begin_read(self, buffers: bool) -> Any:
-        """A read transaction holding the map guard; end it with ``end_read``."""
+        """A read transaction holding the map guard; end it with ``end_read``.
+
+        A model other than default is confirmed in it: one deleted since this handle
+        resolved it (perhaps made again, under another number) is looked up again, so a
+        handle never reads another model's sub-databases."""
         self.check_usable()
         if self.dbs.number < 0 or self.pending is not None:  # created elsewhere since?
             self.resolve(create=False)
-        return self.env.lmdb.begin_read(buffers)
+        lmdb = self.env.lmdb
+        txn = lmdb.begin_read(buffers)
+        number = self.dbs.number
+        if number > 0 and not self.env.registry.holds(txn, self.model, number):
+            lmdb.end_read(txn)
+            self.forget_number()
+            self.resolve(create=False)
+            txn = lmdb.begin_read(buffers)
+        return txn
 
     def end_read(self, txn: Any) -> None:
         self.env.lmdb.end_read(txn)
 
-    def write(self, body: Callable[[WriteTxn], T], need: int = 0) -> T:
+    def write(self, body: Callable[[WriteTxn], T], need: int = 0, create: bool = False) -> T:
         """Run ``body`` in one write transaction, after persisting pending read hits.
 
         ``need``: the bytes the body writes (the map grows ahead of large writes).
+        ``create``: the write creates the model if it does not exist (a put); otherwise a
+        model deleted meanwhile is written as one not created yet (nothing to change).
         """
         self.check_usable()
         env = self.env
@@ -272,6 +299,8 @@ class Handle:
             )
             if self.pending is not None:
                 env.registry.claim(txn, self.model, self.pending)
+            elif self.dbs.number > 0 and not env.registry.holds(txn, self.model, self.dbs.number):
+                raise Stale()
             if self.tier is not None:
                 w.pending = w.keep_pending = True
             for h in taken:
@@ -288,6 +317,9 @@ class Handle:
                 env.registry.dbs(exc.number)
             except Reclaim:
                 self.resolve(create=True)
+            except Stale:  # deleted since this handle resolved it
+                self.forget_number()
+                self.resolve(create=create)
             except BaseException:
                 self.recency.restore(taken)
                 raise
@@ -321,7 +353,7 @@ class Handle:
         self.check_usable()
         txn = self.env.lmdb.begin_read(False)
         try:
-            number, last = registry.lookup(txn, self.model)
+            number, new = registry.lookup(txn, self.model)
             if number is None and create:
                 registry.check_room(txn, self.model)
         finally:
@@ -329,16 +361,23 @@ class Handle:
         if number is not None:
             self.pending = None
         elif create:
-            number = self.pending = last + 1  # its sub-databases exist from now, empty
+            number = self.pending = new  # its sub-databases exist from now, empty
         else:
-            pending = self.pending
-            if pending is not None and pending <= last:  # another model took the number
-                nothing = registry.nothing
-                self.keys, self.dbs, self.pending = KeySet(nothing), nothing, None
+            if self.pending is not None and self.pending != new:  # another model took it
+                self.forget_number()
             return
         dbs = registry.dbs(number)
         self.keys = KeySet(dbs)  # before dbs: a concurrent read sees a consistent pair
         self.dbs = dbs
+
+    def forget_number(self) -> None:
+        """Make this handle one of a model not created yet (its model was deleted): its
+        geometry and key set go with its number."""
+        nothing = self.env.registry.nothing
+        self.keys, self.dbs, self.pending = KeySet(nothing), nothing, None
+        self.geometry = None
+        self.rconsts = None
+        self.recency.take()  # hits of blocks that went with it
 
     def created(self) -> bool:
         """Whether this handle's model exists (looked up again while it does not)."""
@@ -453,7 +492,7 @@ def open_root(
     sync: bool,
     map_bytes: int | None,
     allow_nonfinite: bool,
-    max_models: int,
+    max_models: int | None,
     tier: Tier | str | None,
     tier_endpoint: str | None,
 ) -> Handle:

@@ -38,7 +38,7 @@ from typing import Any, cast
 import numpy as np
 
 from ..codec.geometry import Geometry
-from ..protocol import DEFAULT_MODEL, MAX_MODELS
+from ..protocol import DEFAULT_MODEL
 from ..tier import Tier
 from . import models as _models
 from . import reads as _reads
@@ -86,10 +86,13 @@ class Store:
         tier_endpoint: the S3-compatible server of a ``tier`` URL (default: the
             ``AWS_ENDPOINT_URL`` environment variable, else AWS).
         max_models: the models besides ``default`` this store admits (0 to
-            ``protocol.MAX_MODELS_LIMIT``, default 200): a write that would create one
-            more raises ``ModelLimitError``. Checked in the write that registers a model,
-            so every process sharing the store holds to its own setting; a store holding
-            more already (registered under a higher setting) opens and serves them all.
+            ``protocol.MAX_MODELS_LIMIT``): a write that would create one more raises
+            ``ModelLimitError``. The limit belongs to the store: a value given here is
+            kept in it (the last opener to give one sets it), None keeps the store's
+            (200 for a store that never had one). Every process sharing the store checks
+            the same limit in the write that registers a model, and opens every model any
+            of them made; a store holding more already (registered under a higher limit)
+            opens and serves them all.
 
     Raises:
         ShapeError: the store exists with another geometry.
@@ -111,7 +114,7 @@ class Store:
         allow_nonfinite: bool = False,
         tier: str | Tier | None = None,
         tier_endpoint: str | None = None,
-        max_models: int = MAX_MODELS,
+        max_models: int | None = None,
     ) -> None:
         check_open(geometry, capacity_bytes, map_bytes, max_models)
         h = open_root(
@@ -233,7 +236,8 @@ class Store:
         nothing. The handle lives as long as the store (``close`` of the store closes it).
 
         Args:
-            model_id: 1-200 characters of ``[A-Za-z0-9._:@/+-]``; ``"default"`` is the
+            model_id: 1-200 characters of ``[A-Za-z0-9._:@/+-]``, not ``.`` or ``..``
+                (``protocol.check_model_id``); ``"default"`` is the
                 store's own model (the only one of stores made before models).
             geometry: the model's geometry (checked like ``Store``'s).
             quota_bytes: bound on this model's stored bytes, enforced by this handle: a
@@ -257,6 +261,24 @@ class Store:
     def models(self) -> list[str]:
         """Every model of the store, sorted (``"default"`` always among them)."""
         return _models.models(self._h)
+
+    @property
+    def max_models(self) -> int:
+        """The models besides ``default`` the store admits (its own limit)."""
+        return _models.max_models(self._h)
+
+    def delete_model(self, model_id: str) -> dict[str, int] | None:
+        """Delete a model with every block, sequence and counter of it, in one transaction;
+        what it held (``blocks``, ``bytes``, ``sequences``), or None when there is no such
+        model. Handles on it (here or in other processes) then find it not created yet; a
+        put through one creates it again. A model registered before today's model-id
+        rule (``.``, ``..``) is deleted by its id too. The tier's objects stay.
+
+        Raises:
+            InvalidRequestError: ``model_id`` is ``"default"`` (the store itself).
+            ValueError: a bad model id (not a model of the store).
+        """
+        return _models.delete_model(self._h, model_id)
 
     def has_model(self, model_id: str) -> bool:
         """Whether ``model_id`` exists (``"default"`` always does): here, or with a tier,

@@ -56,7 +56,7 @@ def _run(h: Handle, body: Callable[[WriteTxn], T], need: int) -> T:
     """Run a put-like transaction; a CRC mismatch found while writing raises the codec's
     ``ChecksumError``."""
     try:
-        result = h.write(body, need)
+        result = h.write(body, need, create=True)
     except CrcMismatch as exc:
         decode(exc.envelope.data)  # raises ChecksumError with the codec's message
         raise ChecksumError("rule 'the CRC matches' failed") from None

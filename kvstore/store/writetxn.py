@@ -40,10 +40,13 @@ from .diskformat import (
     META_BYTES,
     MODEL_COUNTER_KEYS,
     PENDING_SINCE,
+    QUARANTINE_BLOCK,
+    QUARANTINED_AT,
     REFCOUNT,
     Dbs,
     counter,
     model_counter_key,
+    quarantine_key,
 )
 from .eviction import LruOrder
 
@@ -288,6 +291,7 @@ class WriteTxn:
         self.remove_block(hk, h, len(value))
         self.corrupt += 1
         self.count(self.dbs.number, 2, 1)
+        self.note_quarantined(QUARANTINE_BLOCK, hk)
         log.warning(
             "%s: block %016x failed its CRC-32C; quarantined (removed from the block space, "
             "counted in stats()['corrupt'])",
@@ -295,6 +299,11 @@ class WriteTxn:
             h,
         )
         return True
+
+    def note_quarantined(self, kind: bytes, key: bytes) -> None:
+        """Record what was just quarantined, for the scrub to report and repair."""
+        at = QUARANTINED_AT.pack(int(time.time() * 1000))
+        self.txn.put(quarantine_key(kind, self.dbs.number, key), at, db=self.dbs.meta)
 
     # --- writing envelopes ----------------------------------------------------------------
 

@@ -223,6 +223,18 @@ class ObjectClient:
         except Exception as exc:
             raise _tier_error(f"put {key}", exc) from None
 
+    def submit_exists(self, key: str) -> concurrent.futures.Future[bool | TierError]:
+        """Whether ``key`` exists (a HEAD), started on the loop without waiting. The
+        future's result is the answer or the error."""
+
+        async def one() -> bool | TierError:
+            try:
+                return await self._exists(key)
+            except TierError as exc:
+                return exc
+
+        return asyncio.run_coroutine_threadsafe(one(), _Loop.get())
+
     def submit_put_new(self, key: str, data: Any) -> concurrent.futures.Future[bool | TierError]:
         """``put_new`` started on the loop without waiting; at most ``concurrency`` of
         these run at once (the rest queue). The future's result is the value or the error."""

@@ -3,11 +3,14 @@
 ``Tier`` turns batches of hashes into batched concurrent object requests (reads, HEADs,
 conditional creates) and keeps what the service shows: uploads done, tier errors,
 read-through hits and refusals, and the tier's state. After a failure it is held
-``unreachable`` for a backoff (0.5 s doubling to 30 s, reset by a success): reads and
-HEADs meanwhile answer "absent" at once, so an unreachable tier never slows what is local.
-Requests outstanding with none answered for ``REQUEST_STALL_SECONDS`` (an endpoint that
-accepts connections and never answers) make the tier ``unreachable`` too, for as long as
-they are outstanding.
+``unreachable`` for a backoff (0.5 s doubling to 30 s, reset by a success). Requests
+outstanding with none answered for ``REQUEST_STALL_SECONDS`` (an endpoint that accepts
+connections and never answers) make the tier ``unreachable`` too, for as long as they are
+outstanding. While the tier is ``unreachable`` (in this process's view or, through the
+shared state, another worker's), reads and HEADs answer "absent" at once, without a
+request, so an unreachable tier never slows what is local; after each backoff one probe
+(a HEAD of the namespace's geometry object) runs in the background, at most one at a
+time, and its answer makes the tier ``ok`` again (or doubles the backoff).
 
 Shared state (``share_state``): the workers of one store see one tier state. Each writes
 its latest observation (state, wall time, error) to a small file beside the store when it
@@ -79,6 +82,7 @@ class Tier:
         self._outstanding: dict[int, float] = {}  # request id -> monotonic start
         self._last_answer = 0.0  # monotonic time the latest request ended
         self._ids = itertools.count()
+        self._probing = False  # a probe of an unreachable tier is in flight
         self._shared_path: str | None = None
         self._shared: tuple[float, str, float, str] = (0.0, STATE_UNKNOWN, 0.0, "")
         self._watch_stop = threading.Event()
@@ -202,8 +206,31 @@ class Tier:
             self._last_answer = time.monotonic()
 
     def available(self) -> bool:
-        """False while the tier is backed off after a failure."""
-        return time.monotonic() >= self._down_until
+        """Whether a request may go to the tier now: not while it is backed off after a
+        failure, nor while it counts as unreachable (a stalled request, or another worker's
+        observation); then a probe starts in the background, unless one is in flight."""
+        if time.monotonic() < self._down_until:
+            return False
+        if self._view()[0] != STATE_UNREACHABLE:
+            return True
+        self._probe()
+        return False
+
+    def _probe(self) -> None:
+        """Ask the tier whether it answers again, without waiting (one probe at a time)."""
+        with self._lock:
+            if self._probing:
+                return
+            self._probing = True
+        request = self._begin()
+
+        def finished(future: concurrent.futures.Future[bool | TierError]) -> None:
+            self._end(request)
+            self._record([future.result()])
+            with self._lock:
+                self._probing = False
+
+        self.client.submit_exists(geometry_key(self.namespace)).add_done_callback(finished)
 
     def retry_in(self) -> float:
         """Seconds until the tier is tried again (0 when available)."""

@@ -29,6 +29,7 @@ from .limits import (
     MAX_CHUNK_PAYLOAD,
     MAX_MESSAGE_BYTES,
     MISSING_BLOCK_KEY,
+    MODELS_SERVICE_NAME,
     SERVICE_NAME,
 )
 from .pushstream import Checked, PushStream, plan_push
@@ -42,6 +43,7 @@ __all__ = [
     "MAX_CHUNK_PAYLOAD",
     "MAX_MESSAGE_BYTES",
     "MISSING_BLOCK_KEY",
+    "MODELS_SERVICE_NAME",
     "SERVICE_NAME",
     "Checked",
     "FetchChecks",

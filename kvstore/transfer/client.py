@@ -25,6 +25,7 @@ from ..codec.layout import HEADER_SIZE, NO_HASH, TRAILER, U64_MAX
 from ..errors import NotFoundError, TlkvError
 from ..protocol import MODEL_HEADER, check_model_id, parse_hash_hex
 from ..results import HasResult, PushReport
+from ._tlkv_models_v1 import models_pb2, models_pb2_grpc
 from ._tlkv_v1 import kv_pb2, kv_pb2_grpc
 from .chunks import envelope_crc_to_chunk_crc
 from .fetch import FetchChecks, fetch_capacity
@@ -129,6 +130,21 @@ class TransferClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def delete_model(self, model: str) -> dict[str, int] | None:
+        """Delete ``model`` with every block and sequence of it (tlkv's own ``Models``
+        service; a token that may write it): what it held (``blocks``, ``bytes``,
+        ``sequences``), or None when the server has no such model."""
+        stub = models_pb2_grpc.ModelsStub(self._channel)
+        request = models_pb2.DeleteModelRequest(model=model)
+        try:
+            reply = stub.DeleteModel(request, timeout=self._timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            err = error_from_status(exc)
+            if isinstance(err, NotFoundError):
+                return None
+            raise err from None
+        return {"blocks": reply.blocks, "bytes": reply.bytes, "sequences": reply.sequences}
 
     def has_blocks(self, hashes: Iterable[Any]) -> HasResult:
         """Which ``hashes`` (ints, numpy integers or 16-hex-digit strings) the server holds."""

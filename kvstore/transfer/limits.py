@@ -13,6 +13,7 @@ __all__ = [
     "MAX_CHUNK_PAYLOAD",
     "MAX_MESSAGE_BYTES",
     "MISSING_BLOCK_KEY",
+    "MODELS_SERVICE_NAME",
     "SERVICE_NAME",
 ]
 
@@ -23,6 +24,7 @@ MAX_CHUNK_PAYLOAD = 4 * 1024 * 1024
 MAX_MESSAGE_BYTES = 2 * MAX_CHUNK_PAYLOAD + 64 * 1024
 
 SERVICE_NAME = "tl.kv.v1.KvTransfer"  # the .proto's package and service
+MODELS_SERVICE_NAME = "tlkv.v1.Models"  # tlkv's own service (api/proto/tlkv/v1/models.proto)
 GRPC_SCHEME = "grpc://"  # a target spelled as a URL (the CLI, the engine bridges)
 # FetchKv's envelope is reserved up front for every block asked for, up to this much
 # (address space only: pages are taken as records arrive); a longer stream grows it.
