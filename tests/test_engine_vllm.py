@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO / "tools"))
 from vllm_demo import make_model, prompt, run_engine, tlkv_config  # noqa: E402
 
 from kvstore import Store  # noqa: E402
-from kvstore.engines._vllm_parts import namespace, salted  # noqa: E402
+from kvstore.engines._vllm_names import namespace, salted  # noqa: E402
 
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 PROMPT = prompt(300)  # 9 full blocks of 32 and a tail of 12

@@ -99,7 +99,7 @@ def _load_rows(repeat: int) -> list[Row]:
     from kvstore.codec.envelope import Block, encode
     from kvstore.codec.hashing import chain_hashes
     from kvstore.engines._vllm_paged import PagedCache
-    from kvstore.engines._vllm_parts import open_target
+    from kvstore.engines.targets import open_target
 
     g = Geometry(32, MODEL["layers"], MODEL["kv_heads"], MODEL["head_dim"])
     n, blocks_in_cache = 32, 256
@@ -114,7 +114,7 @@ def _load_rows(repeat: int) -> list[Row]:
     paged = PagedCache(caches, g, dict.fromkeys(caches, "CPU_ATTN"))
     ids = list(range(7, 7 + 3 * n, 3))
     with tempfile.TemporaryDirectory() as tmp:
-        target = open_target(tmp, "bench", None, 10.0)
+        target = open_target(tmp, model="bench", timeout=10.0)
         kv = rng.standard_normal((n, *g.kv_shape)).astype(np.float16)
         target.put(encode(g, [Block(h, 32, kv[i]) for i, h in enumerate(hashes)]))
 

@@ -8,7 +8,7 @@ disaggregation through a ``tlkv serve``::
       "kv_connector_extra_config": {"target": "./tlkv-data"}}'
 
 Extra config: ``target`` (a store directory, ``http://host:port`` or ``grpc://host:port``),
-``model`` (the namespace; default derived from the model config, ``_vllm_parts``),
+``model`` (the namespace; default derived from the model config, ``_vllm_names``),
 ``format`` (1, default, or 2), ``token`` (else ``TLKV_TOKEN``), ``timeout`` (seconds per
 call to a server, default 5).
 
@@ -60,8 +60,11 @@ from typing import Any
 
 from ..codec.hashing import chain_hashes
 from ..errors import ShapeError
-from ._vllm_parts import Saver, Target, UnsupportedLayoutError, namespace, open_target, salted
+from ._vllm_names import namespace, salted
+from ._vllm_paged import PagedCache, UnsupportedLayoutError, check_config
+from ._vllm_saver import Saver
 from ._vllm_stats import TlkvConnectorStats
+from .targets import Target, open_target
 
 try:
     import vllm
@@ -185,7 +188,7 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
             cfg.kv_load_failure_policy = "recompute"  # a failed load is recomputed
         self._off: str | None = None
         try:
-            self._geometry = _check_config(vllm_config, kv_cache_config)
+            self._geometry = check_config(vllm_config, kv_cache_config)
         except UnsupportedLayoutError as exc:
             self._refuse(exc)
         else:
@@ -208,7 +211,7 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         t = self._targets.get(model)
         if t is None:
             t = self._targets[model] = open_target(
-                self._target_spec, model, self._token, self._timeout
+                self._target_spec, model=model, token=self._token, timeout=self._timeout
             )
         return t
 
@@ -343,8 +346,6 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """Learn each layer's paged layout; refuse (and stay off) what is not understood."""
         if self._off:
             return
-        from ._vllm_paged import PagedCache
-
         ctx = self._vllm_config.compilation_config.static_forward_context
         backends = {}
         for name in kv_caches:
@@ -453,9 +454,3 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for t in self._targets.values():
             t.close()
         self._targets.clear()
-
-
-def _check_config(vllm_config: Any, kv_cache_config: Any) -> Any:
-    from ._vllm_paged import check_config
-
-    return check_config(vllm_config, kv_cache_config)

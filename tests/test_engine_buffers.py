@@ -1,9 +1,9 @@
-"""kvstore.engines._vllm_buffers without vLLM: a receive buffer is lent to one taker at a
+"""kvstore.engines._buffers: a receive buffer is lent to one taker at a
 time, used again once given back, and kept within its bounds."""
 
 from __future__ import annotations
 
-from kvstore.engines._vllm_buffers import ReceiveBuffers
+from kvstore.engines._buffers import ReceiveBuffers
 
 
 def test_receive_buffers_are_used_again_within_their_bounds() -> None:

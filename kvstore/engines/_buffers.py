@@ -1,4 +1,4 @@
-"""Receive buffers of the vLLM connector's server targets.
+"""Receive buffers of the HTTP target (``targets.HttpTarget``).
 
 A server's answer is read into a buffer used again, whose pages stay mapped: a 12 MiB
 answer (a 1,024-token prompt of a 12-layer model) read into new memory takes ~3,000 page
