@@ -24,6 +24,7 @@ from api.app import create_app
 from api.bodies import BodyTicket, InflightBudget
 from api.settings import Settings
 from kvstore.codec.assembly import pack_header
+from kvstore.codec.checksum import crc32c
 from kvstore.codec.envelope import check_header, decode
 from kvstore.codec.geometry import Geometry
 from kvstore.errors import (
@@ -102,8 +103,9 @@ HEADER_CASES = [
 @pytest.mark.parametrize(("mutate", "geometry", "error"), HEADER_CASES)
 def test_check_header_raises_what_decode_raises(mutate: Any, geometry: Any, error: type) -> None:
     data = mutate(make_envelope(SMALL, 8, seed=1))
+    data = data[:-4] + crc32c(data[:-4]).to_bytes(4, "little")  # the header's rule alone fails
     with pytest.raises(error) as whole:
-        decode(data, geometry, verify_crc=False)
+        decode(data, geometry)
     with pytest.raises(error) as early:
         check_header(data[:28], len(data), geometry)
     assert str(early.value) == str(whole.value)

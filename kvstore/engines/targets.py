@@ -43,11 +43,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from ..codec.assembly import pack_header
+from ..codec.decoding import plain_v1_blocks
 from ..codec.envelope import BlockView, decode
 from ..codec.geometry import Geometry
 from ..codec.hashing import chain_hashes
-from ..codec.layout import HEADER_SIZE, RECORD, TRAILER_SIZE, VERSION_V1
+from ..codec.layout import VERSION_V1
 from ..errors import InvalidRequestError, NotFoundError
 from ..fileio import populate_mapped_pages
 from ..results import HasResult
@@ -238,17 +238,18 @@ class StoreTarget(Target):
         self, hashes: Sequence[int], slots: BlockSlots, slot_ids: Sequence[int]
     ) -> tuple[int, int]:
         """The stored envelopes straight into the slots: every reader rule but the CRC
-        checked first (``_full_v1_blocks``), then one pass that copies each block and
-        checks its CRC (``BlockSlots.scatter_envelopes``). A block whose CRC fails ends the
-        loaded prefix (it and the blocks after it are reported not loaded) and is
-        quarantined. Envelopes that are not all full v1 blocks of the hashes asked for, or
+        checked first (the codec's ``plain_v1_blocks``), then one pass that copies each
+        block and checks its CRC (``BlockSlots.scatter_envelopes``). A block whose CRC
+        fails ends the loaded prefix (it and the blocks after it are reported not loaded)
+        and is quarantined. Envelopes that are not all full v1 blocks of the hashes asked for, or
         slots that take only views, go through ``views`` and ``scatter``."""
         self._read_through(hashes)
         with self.store.reader() as reader:
             held = _held_envelopes(reader, hashes)
             populate_mapped_pages(held)  # LMDB maps without readahead: one call, not a fault a page
             done: int | None = None
-            if _full_v1_blocks(held, slots.geometry, hashes):
+            g = slots.geometry
+            if all(plain_v1_blocks(e, g, hashes[i : i + 1]) for i, e in enumerate(held)):
                 done = slots.scatter_envelopes(held, slot_ids[: len(held)])
             if done is not None and done < len(held):  # checked alone: quarantined if corrupt
                 reader.view(hashes[done], verify=True)
@@ -268,44 +269,6 @@ def _held_envelopes(reader: Any, hashes: Sequence[int]) -> list[memoryview]:
             break
         held.append(buf)
     return held
-
-
-def _joined_v1_blocks(data: Any, g: Geometry, hashes: Sequence[int]) -> int | None:
-    """How many full v1 blocks of geometry ``g`` the joined envelope ``data`` holds, when
-    it is one by every reader rule but the CRC and its blocks are the leading ``hashes``,
-    in order: its header is the one such an envelope has, its length the one that header
-    implies, every record's ``n_tokens`` is ``B`` and its hash the one asked for (the
-    records are read as one strided array). None: anything else, for ``decode`` to judge.
-    """
-    stride = RECORD.size + g.payload_bytes(VERSION_V1)
-    n, extra = divmod(len(data) - HEADER_SIZE - TRAILER_SIZE, stride)
-    if (
-        extra
-        or not 0 < n <= len(hashes)
-        or bytes(data[:HEADER_SIZE]) != pack_header(VERSION_V1, g, n)
-    ):
-        return None
-    records = np.frombuffer(data, np.uint8, n * stride, HEADER_SIZE).reshape(n, stride)
-    got = records[:, :8].copy().view("<u8").reshape(n)
-    fill = records[:, 8:12].copy().view("<u4").reshape(n)
-    want = np.asarray(hashes[:n], dtype=np.uint64)
-    return n if (got == want).all() and (fill == g.block_tokens).all() else None
-
-
-def _full_v1_blocks(envelopes: Sequence[memoryview], g: Geometry, hashes: Sequence[int]) -> bool:
-    """Whether each envelope is one full v1 block of geometry ``g`` by every reader rule
-    but the CRC, under the hash asked for: its 28 header bytes are the ones such an
-    envelope has (magic, version, dtype, one block, ``g``), its length is the one they
-    imply, its ``n_tokens`` is ``B`` and its hash the one in ``hashes`` at its place.
-    Anything else is for ``decode`` to judge."""
-    head = pack_header(VERSION_V1, g, 1)
-    size = g.envelope_bytes(1, VERSION_V1)
-    return all(
-        len(e) == size
-        and e[:HEADER_SIZE] == head
-        and RECORD.unpack_from(e, HEADER_SIZE)[:2] == (h, g.block_tokens)
-        for e, h in zip(envelopes, hashes)
-    )
 
 
 class HttpTarget(Target):
@@ -363,7 +326,7 @@ class HttpTarget(Target):
         self, hashes: Sequence[int], slots: BlockSlots, slot_ids: Sequence[int]
     ) -> tuple[int, int]:
         """The prefix's one envelope straight into the slots: every reader rule but the
-        CRC and each block's hash checked first (``_joined_v1_blocks``), then one pass that
+        CRC and each block's hash checked first (``plain_v1_blocks``), then one pass that
         copies the blocks and checks the envelope's CRC (``BlockSlots.scatter_envelopes``);
         a CRC that fails loads none of them. Anything else (v2 blocks, slots that take
         only views) is decoded, checked and scattered."""
@@ -374,7 +337,7 @@ class HttpTarget(Target):
         try:
             if not len(data):
                 return 0, 0
-            n = _joined_v1_blocks(data, g, hashes)
+            n = plain_v1_blocks(data, g, hashes)
             done = None
             if n is not None:
                 done = slots.scatter_envelopes([data], slot_ids[:n], joined=True)
