@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import kvstore
 from kvstore import errors
 from kvstore.protocol import (
     ERROR_KINDS,
@@ -83,6 +84,36 @@ def test_error_kinds_name_their_classes() -> None:
         assert cls.kind == kind and issubclass(cls, errors.TlkvError)
         assert isinstance(error_for_kind(kind, "m"), cls)
     assert type(error_for_kind("no-such-kind", "m")) is errors.ServiceError
+
+
+def test_each_kind_is_declared_once_and_is_an_error_kind() -> None:
+    """No two error classes of tlkv (the library's and the service's modules, loaded
+    all) declare the same kind, and every declared kind is in ``ERROR_KINDS``: a class
+    of a module of its own that repeated a kind would make the kind name two classes."""
+    import importlib
+    import pkgutil
+
+    import api
+
+    for package in (kvstore, api):
+        for info in pkgutil.walk_packages(package.__path__, f"{package.__name__}."):
+            if info.name.endswith(".__main__"):  # runs the CLI
+                continue
+            try:
+                importlib.import_module(info.name)
+            except ImportError:  # an optional engine (vLLM) that is not installed
+                continue
+    declared: dict[str, list[str]] = {}
+    stack: list[type] = [errors.TlkvError]
+    while stack:
+        cls = stack.pop()
+        stack.extend(cls.__subclasses__())
+        if "kind" in cls.__dict__ and cls.__module__.startswith(("kvstore.", "api.")):
+            declared.setdefault(cls.__dict__["kind"], []).append(cls.__qualname__)
+    assert {k: v for k, v in declared.items() if len(v) > 1} == {}
+    assert set(declared) == set(ERROR_KINDS)
+    assert {"format", "shape", "version", "not_found", "cache_layout"} <= set(ERROR_KINDS)
+    assert ERROR_KINDS["format"] is errors.FormatError
 
 
 @pytest.mark.parametrize("spelling", ["0x12", "12", "A91AB0C1027B9366"])
