@@ -120,7 +120,8 @@ def test_each_kind_is_declared_once_and_is_an_error_kind() -> None:
 def test_every_command_refuses_the_same_spellings(
     spelling: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """``tlkv archive extract`` once took ``0x12`` while ``tlkv get`` refused it."""
+    """Every command that takes a block hash (``tlkv archive extract`` as ``tlkv get``)
+    refuses the same spellings: 16 lowercase hex digits only."""
     from kvstore.cli import main
 
     archive = tmp_path / "a.tlkvar"

@@ -1,9 +1,9 @@
 """Receive buffers of the HTTP target (``targets.HttpTarget``).
 
-A server's answer is read into a buffer used again, whose pages stay mapped: a 12 MiB
-answer (a 1,024-token prompt of a 12-layer model) read into new memory takes ~3,000 page
-faults, as many as the kernel's copy (8.5 ms of client CPU per answer against 1.9 ms into
-a buffer used again, on loopback, measured in one session).
+A server's answer is read into a buffer used again, whose pages stay mapped: an answer
+read into new memory takes a page fault per 4 KiB page (~3,000 for the 12 MiB of a
+1,024-token prompt of a 12-layer model), which costs more client CPU than the kernel's
+copy itself (BENCHMARKS.md, vllm).
 """
 
 from __future__ import annotations

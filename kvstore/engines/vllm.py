@@ -28,9 +28,9 @@ Choices:
   CRC-32C; a block that fails (and the ones after it) is reported as not loaded before
   the forward runs, and quarantined. Blocks from a server are checked the same way (the
   prefix's envelope: reader rules and each block's hash, then one pass that copies and
-  checks its CRC), fetched by the worker in ``start_load_kv``. (A fetch started on a
-  thread at the scheduler's lookup measured no faster on 2 cores, and 20-30 ms slower in
-  some engines: that thread, the server and vLLM's threads contend.)
+  checks its CRC), fetched by the worker in ``start_load_kv``, not ahead on a thread of
+  the scheduler's lookup: that thread, the server and vLLM's threads would contend for
+  the cores (BENCHMARKS.md, vllm).
 - Roles: ``kv_both`` loads and saves, ``kv_producer`` only saves, ``kv_consumer`` only loads.
 - Never cached: requests with a LoRA adapter, multimodal inputs or prompt embeddings. A
   ``cache_salt`` gives the request a namespace of its own.
