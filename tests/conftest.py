@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import numpy as np
 import pytest
 
-from kvstore import Block, Geometry, chain_hashes, encode
+from kvstore import Block, Geometry, Store, chain_hashes, encode
 
 SMALL = Geometry(block_tokens=4, n_layers=2, n_kv_heads=2, head_dim=8)
 
@@ -42,6 +45,13 @@ def make_envelope(
 def buffer_type(request: pytest.FixtureRequest) -> type:
     """Parametrizes a test over the three buffer types inputs may come as."""
     return request.param
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    """A new store under ``tmp_path`` (a test module may define its own)."""
+    with Store(tmp_path / "store") as s:
+        yield s
 
 
 @pytest.fixture(scope="session")

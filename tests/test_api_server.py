@@ -282,7 +282,7 @@ def test_quarantined_count_in_info_and_tlkv_stats(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from test_store import flip_on_disk, marked_block, marker_bytes
+    from store_helpers import flip_on_disk, marked_block, marker_bytes
 
     from kvstore import Store, encode
     from kvstore.client import Client
