@@ -29,7 +29,7 @@ def make_blocks(
     n_blocks = -(-n_tokens_total // b)
     for i in range(n_blocks):
         fill = min(b, n_tokens_total - i * b)
-        kv = (rng.standard_normal(geometry.kv_shape) * scale).astype(dtype)
+        kv: np.ndarray = (rng.standard_normal(geometry.kv_shape) * scale).astype(dtype)
         blocks.append(Block(hashes[i] if fill == b else 0, fill, kv))
     return blocks
 

@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -325,8 +325,8 @@ def test_busy_answer_is_503_with_retry_after(
             chunk = parts.pop(0)
             return {"type": "http.request", "body": chunk, "more_body": bool(parts)}
 
-        async def send(message: dict[str, Any]) -> None:
-            sent.append(message)
+        async def send(message: MutableMapping[str, Any]) -> None:
+            sent.append(dict(message))
 
         await app(scope(), receive, send)
         return sent[0]["status"], dict(sent[0]["headers"])

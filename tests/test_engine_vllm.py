@@ -49,7 +49,10 @@ def _run(
 
 # vLLM's stats logger on, logging after every step: the connector's counters reach its
 # "KV Transfer metrics" lines (``tlkv_blocks_loaded=9, ...``).
-STATS = {"llm": {"disable_log_stats": False}, "env": {"VLLM_LOG_STATS_INTERVAL": "0.001"}}
+STATS: dict[str, Any] = {
+    "llm": {"disable_log_stats": False},
+    "env": {"VLLM_LOG_STATS_INTERVAL": "0.001"},
+}
 
 
 def _transfer_metrics(log: str) -> dict[str, int]:

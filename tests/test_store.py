@@ -326,8 +326,10 @@ def test_chain_hashes_are_the_keys(store: Store) -> None:
     blocks = [Block(h, 4, np.zeros(SMALL.kv_shape, np.float32)) for h in hashes]
     store.put(encode(SMALL, blocks))
     assert store.longest_prefix(chain_hashes(tokens + [99] * 8, 4)) == 10
+    stored = store.get(hashes[3])
+    assert stored is not None
     assert (
-        store.get(hashes[3])[HEADER_SIZE:-TRAILER_SIZE]
+        stored[HEADER_SIZE:-TRAILER_SIZE]
         == split(encode(SMALL, blocks))[3][HEADER_SIZE:-TRAILER_SIZE]
     )
 

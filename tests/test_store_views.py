@@ -41,6 +41,7 @@ def test_view_is_a_zero_copy_read_only_blockview(store: Store) -> None:
     expected = decode(envelope)[1]
     with store.reader() as r:
         bv = r.view(h)
+        assert bv is not None
         assert isinstance(bv, BlockView)
         assert (bv.hash, bv.n_tokens, bv.version, bv.geometry) == (h, 4, 1, SMALL)
         assert np.array_equal(bv.kv, expected.kv) and bv.kv.dtype == np.float16
@@ -50,9 +51,12 @@ def test_view_is_a_zero_copy_read_only_blockview(store: Store) -> None:
         with pytest.raises(ValueError):
             bv.kv[0, 0, 0, 0, 0] = 1
         # No copy: the array's memory is inside the stored envelope's LMDB buffer.
-        raw = np.frombuffer(r.envelope(h), dtype=np.uint8)
+        stored = r.envelope(h)
+        assert stored is not None
+        raw = np.frombuffer(stored, dtype=np.uint8)
         assert bv.kv.__array_interface__["data"][0] == raw.__array_interface__["data"][0] + 40
         checked = r.view(h, verify=True)
+        assert checked is not None
         assert np.array_equal(checked.kv, bv.kv)
         assert r.view(999) is None and r.view(999, verify=True) is None
         assert r.envelope(999) is None
@@ -62,6 +66,7 @@ def test_view_is_a_zero_copy_read_only_blockview(store: Store) -> None:
             with pytest.raises(ValueError):
                 r.envelope(bad)
         envelope_view = r.envelope(h)
+        assert envelope_view is not None
         assert bytes(envelope_view) == split(envelope)[1] and envelope_view.readonly
     for use in (lambda: bv.kv, lambda: bv.k, lambda: bv.raw, lambda: bv.hash, lambda: checked.kv):
         with pytest.raises(ViewClosedError):
@@ -83,6 +88,7 @@ def test_a_view_kept_past_its_reader_pins_nothing(store: Store) -> None:
     with store.reader() as r:
         bv = r.view(h)
         checked = r.view(h, verify=True)
+        assert bv is not None and checked is not None
         assert bv.kv.sum() == checked.kv.sum() and len(bv.raw) and bv.scales is None
     assert store.lingering_snapshots() == 0  # the views themselves hold no stored memory
     with pytest.raises(ViewClosedError):
@@ -97,9 +103,12 @@ def test_arrays_kept_past_the_reader_never_see_reused_pages(store: Store) -> Non
     h = hashes_of(envelope)[0]
     with store.reader() as r:
         bv = r.view(h)
+        assert bv is not None
         kv, k = bv.kv, bv.k  # numpy views into LMDB's map
         raw = bv.raw[4:20]  # a slice of a memoryview
-        whole = np.frombuffer(r.envelope(h), np.uint8)
+        stored = r.envelope(h)
+        assert stored is not None
+        whole = np.frombuffer(stored, np.uint8)
         expected = (kv.copy(), k.copy(), bytes(raw), whole.tobytes())
     assert store.lingering_snapshots() == 1
     assert store.delete(h)
@@ -186,6 +195,7 @@ def test_v2_views_have_codes_and_scales(store: Store) -> None:
     (h,) = hashes_of(envelope)
     with store.reader() as r:
         bv = r.view(np.uint64(h))
+        assert bv is not None
         assert bv.kv.dtype == np.uint8 and bv.scales is not None
         assert np.array_equal(bv.to_float32(), decode(envelope)[0].to_float32())
 
@@ -202,10 +212,12 @@ def test_view_latency_does_not_grow_with_block_size(tmp_path: Path) -> None:
                 times = []
                 for _ in range(2000):
                     t0 = time.perf_counter()
-                    _ = r.view(7).kv
+                    view = r.view(7)
+                    _ = view.kv if view is not None else None
                     times.append(time.perf_counter() - t0)
                 latency[name] = statistics.median(times)
                 value = r.envelope(7)
+                assert value is not None
                 copies = []
                 for _ in range(50):
                     t0 = time.perf_counter()
