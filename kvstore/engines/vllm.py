@@ -5,6 +5,7 @@ disaggregation through a ``tlkv serve``::
 
     --kv-transfer-config '{"kv_connector": "TlkvConnector",
       "kv_connector_module_path": "kvstore.engines.vllm", "kv_role": "kv_both",
+      "kv_load_failure_policy": "recompute",
       "kv_connector_extra_config": {"target": "./tlkv-data"}}'
 
 Extra config: ``target`` (a store directory, ``http://host:port`` or ``grpc://host:port``),
@@ -34,13 +35,17 @@ Choices:
 - Roles: ``kv_both`` loads and saves, ``kv_producer`` only saves, ``kv_consumer`` only loads.
 - Never cached: requests with a LoRA adapter, multimodal inputs or prompt embeddings. A
   ``cache_salt`` gives the request a namespace of its own.
-- Failure never breaks a request: a lookup that fails is no match; a load that fails
-  or comes back short (a block evicted, corrupt and quarantined, a server down) reports
-  its blocks through ``get_block_ids_with_load_errors`` and vLLM recomputes them (the
-  connector sets ``kv_load_failure_policy`` to ``recompute``); a save that fails is
-  dropped. Each is counted in ``TlkvConnectorStats`` (handed to vLLM's stats loggers
-  through ``get_kv_connector_stats``: the "KV Transfer metrics" line of a server with
-  stats logging; no Prometheus series of its own) and logged once per kind.
+- Failures: a lookup that fails is no match (vLLM computes the prompt); a load that
+  fails or comes back short (a block evicted, corrupt and quarantined, a server down)
+  reports its blocks through ``get_block_ids_with_load_errors``, and vLLM does what its
+  ``kv_load_failure_policy`` says: ``recompute`` (the configuration above) recomputes
+  them, vLLM's default ``fail`` fails the request. The connector leaves the policy as
+  configured, so that what vLLM logs in its config line is what it does, and warns at
+  start-up when it is ``fail``. A save that fails is dropped (nothing is recomputed: the
+  blocks are computed already, they are only not stored). Each is counted in
+  ``TlkvConnectorStats`` (handed to vLLM's stats loggers through
+  ``get_kv_connector_stats``: the "KV Transfer metrics" line of a server with stats
+  logging; no Prometheus series of its own) and logged once per kind.
 - A layout the connector cannot show it reads exactly is refused at start-up by name
   (``UnsupportedLayoutError``, logged); the connector then does nothing. A target whose
   namespace holds another geometry stops the engine at start-up (``ShapeError`` naming
@@ -184,8 +189,7 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._warned: set[str] = set()
         self._load_errors: set[int] = set()
         self._paged: Any = None
-        if cfg.kv_load_failure_policy != "recompute":
-            cfg.kv_load_failure_policy = "recompute"  # a failed load is recomputed
+        self._recompute = cfg.kv_load_failure_policy == "recompute"
         self._off: str | None = None
         try:
             self._geometry = check_config(vllm_config, kv_cache_config)
@@ -194,12 +198,21 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         else:
             self._check_target_geometry()  # ShapeError: the engine does not start
         log.info(
-            "tlkv connector: role %s, namespace %s, target %s, %s",
+            "tlkv connector: role %s, namespace %s, target %s, kv_load_failure_policy %s, %s",
             cfg.kv_role,
             self._model,
             self._target_spec,
+            cfg.kv_load_failure_policy,
             "off: " + self._off if self._off else "on",
         )
+        if self._load_on and not self._recompute and self.role == KVConnectorRole.SCHEDULER:
+            log.warning(
+                "tlkv connector: kv_load_failure_policy is %r: a request whose blocks tlkv "
+                "cannot load (evicted, corrupt, a server down) fails; add "
+                '"kv_load_failure_policy": "recompute" to --kv-transfer-config to recompute '
+                "them instead",
+                cfg.kv_load_failure_policy,
+            )
 
     # --- shared ---------------------------------------------------------------------
 
@@ -216,12 +229,30 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return t
 
     def _failed(self, kind: str, exc: BaseException) -> None:
-        """Log the first failure of each kind at WARNING, the rest at DEBUG."""
+        """Log the first failure of each kind at WARNING, the rest at DEBUG, with what
+        follows from it."""
         level = logging.DEBUG if kind in self._warned else logging.WARNING
         self._warned.add(kind)
         log.log(
-            level, "tlkv %s failed (vLLM computes instead): %s: %s", kind, type(exc).__name__, exc
+            level,
+            "tlkv %s failed (%s): %s: %s",
+            kind,
+            self._consequence(kind),
+            type(exc).__name__,
+            exc,
         )
+
+    def _consequence(self, kind: str) -> str:
+        """What a failure of ``kind`` means for the engine."""
+        if kind == "load":
+            if self._recompute:
+                return "vLLM recomputes the blocks not loaded"
+            return "vLLM fails the request: kv_load_failure_policy is 'fail'"
+        if kind == "lookup":
+            return "nothing is loaded: vLLM computes the prompt"
+        if kind == "save":
+            return "the blocks are not stored; the request is unaffected"
+        return "lookups try the target again"  # the geometry check at start-up
 
     def _check_target_geometry(self) -> None:
         if self.role != KVConnectorRole.SCHEDULER:
