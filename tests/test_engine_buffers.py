@@ -6,6 +6,18 @@ from __future__ import annotations
 from kvstore.engines._buffers import ReceiveBuffers
 
 
+def test_a_reserved_buffer_is_mapped_and_lent_first() -> None:
+    bufs = ReceiveBuffers(keep=2, keep_bytes=1 << 20)
+    bufs.reserve(1 << 16)
+    a = bufs.take(1 << 15)
+    assert a.nbytes == 1 << 16 and not a.any()  # written once at reserve: its pages mapped
+    bufs.give(a)
+    bufs.reserve(2 << 20)  # over keep_bytes: not kept
+    assert bufs.take(1 << 16) is a
+    bufs.reserve(0)
+    assert bufs.take(1).nbytes == 1
+
+
 def test_receive_buffers_are_used_again_within_their_bounds() -> None:
     bufs = ReceiveBuffers(keep=2, keep_bytes=1000)
     a = bufs.take(100)

@@ -288,6 +288,20 @@ def test_server_killed_mid_run(cold: Any, models: Any, tmp_path: Path) -> None:
     assert "computes instead" not in log  # a save's failure recomputes nothing
 
 
+def test_a_server_down_at_start_up_is_logged_and_the_engine_computes(
+    cold: Any, models: Any
+) -> None:
+    """The worker connects its target at start-up (so that its first load costs what the
+    next ones do); a server that is not there then is logged, and the engine serves."""
+    _, ref = cold
+    out = _run(models["f16"], tlkv_config(f"http://127.0.0.1:{free_port()}"), PROMPT)
+    _same(out["results"][0], ref)
+    assert out["results"][0]["cached"] == 0
+    again = "failed (the first lookup or load tries the target again)"
+    assert f"tlkv start-up connection {again}" in out["log"]
+    assert f"tlkv geometry check {again}" in out["log"]
+
+
 def test_two_nodes_share_an_s3_tier(models: Any, tmp_path: Path, s3_server: Any) -> None:
     """Engine A cold on node 1, engine B on node 2 (an empty data directory) loads the
     prefix through node 2's read-through, in the namespace derived from the model."""

@@ -96,7 +96,7 @@ def _engine(spec: dict[str, Any]) -> dict[str, Any]:
         model=spec["model"],
         skip_tokenizer_init=True,
         dtype=spec.get("dtype", "float16"),
-        enforce_eager=True,
+        enforce_eager=spec.get("enforce_eager", True),
         block_size=BLOCK_SIZE,
         kv_cache_memory_bytes=KV_CACHE_BYTES,
         enable_prefix_caching=spec.get("enable_prefix_caching", False),

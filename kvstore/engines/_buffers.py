@@ -33,6 +33,14 @@ class ReceiveBuffers:
                     return self._free.pop(i)
         return np.empty(nbytes, np.uint8)
 
+    def reserve(self, nbytes: int) -> None:
+        """Keep a buffer of ``nbytes`` (within the bounds) whose pages are mapped now, so
+        that a first answer of up to that size takes no page fault."""
+        if 0 < nbytes <= self._keep_bytes:
+            buf = np.empty(nbytes, np.uint8)
+            buf.fill(0)  # every page written once: mapped
+            self.give(buf)
+
     def give(self, buf: np.ndarray) -> None:
         """``buf`` is no longer used by its taker."""
         if buf.nbytes <= self._keep_bytes:

@@ -20,6 +20,9 @@ bridge, the vLLM connector, the SGLang backend) asks a target the same questions
 - ``load(hashes, slots, slot_ids)``: the same prefix copied straight into an engine's
   block slots (``BlockSlots``: a paged cache), every block checked before the engine can
   use it; returns (blocks in place, payload bytes read);
+- ``prepare(max_bytes)``: do at start-up what a first load would do on the way (connect
+  to a server, map receive buffers of up to ``max_bytes``), so that the first load costs
+  what the next ones do;
 - ``close()``: release connections (a shared store stays open for the process).
 
 Transport and service errors are raised to the engine, which counts them and computes
@@ -163,6 +166,11 @@ class Target(abc.ABC):
         with self.views(hashes) as views:
             return len(views), slots.scatter(views, slot_ids)
 
+    def prepare(self, max_bytes: int = 0) -> None:  # noqa: B027 - nothing to do by default
+        """Do now what a first load would do on the way (connect, map receive buffers of
+        up to ``max_bytes``): an engine calls it at start-up. Transport errors are raised
+        (the engine goes on: its first load tries again)."""
+
     def close(self) -> None:  # noqa: B027 - a target without connections has nothing to do
         """Release connections (a shared store stays open for the process)."""
 
@@ -303,6 +311,12 @@ class HttpTarget(Target):
     def put(self, envelope: Any) -> int:
         return len(self.client.put(envelope).stored)
 
+    def prepare(self, max_bytes: int = 0) -> None:
+        """Open a keep-alive connection (one ``/healthz``) and map a receive buffer of
+        ``max_bytes``."""
+        self._buffers.reserve(max_bytes)
+        self.client.health()
+
     def _fetch(self, hashes: Sequence[int], size: int) -> tuple[Any, np.ndarray]:
         """The envelope of the longest held prefix of ``hashes`` (``/v1/prefix``, at most
         ``size`` bytes when it is v1), read into a buffer of ``_buffers`` (given back by
@@ -388,6 +402,10 @@ class GrpcTarget(Target):
 
     def put(self, envelope: Any) -> int:
         return int(self.client.push(envelope).stored)
+
+    def prepare(self, max_bytes: int = 0) -> None:
+        """Connect the channel (a fetch's chunks arrive in gRPC's own buffers)."""
+        self.client.connect()
 
     def _fetched(self, **query: Any) -> list[BlockView]:
         """Every chunk checked (CRC, reader rules, fields) as it arrived."""

@@ -86,6 +86,9 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 __all__ = ["TESTED_VLLM", "TlkvConnector", "TlkvConnectorStats", "UnsupportedLayoutError"]
 
 TESTED_VLLM = "0.32.0"
+# The receive buffer a worker maps at start-up for a server target's loads: larger prompts'
+# first loads map the rest as they arrive.
+_PREPARED_BYTES_MAX = 64 << 20
 log = logging.getLogger("vllm.tlkv")  # under vLLM's logger: its handlers and level
 
 # The parts of KVConnectorBase_V1 the connector implements, with their parameters.
@@ -252,7 +255,7 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return "nothing is loaded: vLLM computes the prompt"
         if kind == "save":
             return "the blocks are not stored; the request is unaffected"
-        return "lookups try the target again"  # the geometry check at start-up
+        return "the first lookup or load tries the target again"  # at start-up
 
     def _check_target_geometry(self) -> None:
         if self.role != KVConnectorRole.SCHEDULER:
@@ -374,7 +377,9 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # --- worker side ----------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        """Learn each layer's paged layout; refuse (and stay off) what is not understood."""
+        """Learn each layer's paged layout; refuse (and stay off) what is not understood.
+        Then prepare the loads' target, so that the engine's first load costs what the
+        next ones do."""
         if self._off:
             return
         ctx = self._vllm_config.compilation_config.static_forward_context
@@ -387,6 +392,21 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._paged = PagedCache(kv_caches, self._geometry, backends)
         except UnsupportedLayoutError as exc:
             self._refuse(exc)
+            return
+        if self._load_on:
+            self._prepare_loads()
+
+    def _prepare_loads(self) -> None:
+        """Open the worker's target and connect it, with a receive buffer mapped for the
+        envelope of the longest prompt (up to ``_PREPARED_BYTES_MAX``): at start-up, not
+        at the first load. A server down now is only logged (the first load connects)."""
+        g = self._geometry
+        blocks = self._vllm_config.model_config.max_model_len // g.block_tokens
+        size = min(g.envelope_bytes(blocks, 1), _PREPARED_BYTES_MAX)
+        try:
+            self._target(self._model).prepare(size)
+        except Exception as exc:
+            self._failed("start-up connection", exc)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Copy this step's planned blocks into their block ids; blocks that could not be

@@ -109,6 +109,15 @@ class TargetTests:
         with target.views([ABSENT, *hashes]) as views:
             assert list(views) == []
 
+    def test_prepare_then_use(self, target: Target) -> None:
+        target.prepare(1 << 20)  # connect, map receive buffers: at start-up
+        target.prepare()
+        _, hashes, blocks = self._put(target)
+        slots = ArraySlots(self.geometry, 8)
+        assert target.load(hashes, slots, range(5))[0] == 5
+        with target.views(hashes) as views:
+            self._same(views, blocks)
+
     def test_views_for_tokens(self, target: Target) -> None:
         tokens, _, blocks = self._put(target)
         with target.views_for_tokens(tokens) as views:

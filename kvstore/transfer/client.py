@@ -124,6 +124,14 @@ class TransferClient:
         """Close the channel."""
         self._channel.close()
 
+    def connect(self) -> None:
+        """Connect the channel now (gRPC connects at the first call otherwise).
+
+        Raises:
+            grpc.FutureTimeoutError: not connected within the client's timeout.
+        """
+        grpc.channel_ready_future(self._channel).result(timeout=self._timeout)
+
     def __enter__(self) -> TransferClient:
         return self
 
