@@ -36,13 +36,7 @@ static PyObject *crc32c_call(crc_kernel_fn fn, const char *name, PyObject *const
         return NULL;
     const uint8_t *p = (const uint8_t *)view.buf;
     size_t n = (size_t)view.len;
-    if (view.len >= KV_NOGIL_BYTES) {
-        Py_BEGIN_ALLOW_THREADS
-        crc = crc32c_value(fn, crc, p, n);
-        Py_END_ALLOW_THREADS
-    } else {
-        crc = crc32c_value(fn, crc, p, n);
-    }
+    KV_RUN_NOGIL_IF(view.len >= KV_NOGIL_BYTES, crc = crc32c_value(fn, crc, p, n));
     PyBuffer_Release(&view);
     return PyLong_FromUnsignedLong(crc);
 }

@@ -95,13 +95,7 @@ static PyObject *py_f16_finite(PyObject *self, PyObject *const *args, Py_ssize_t
     const uint8_t *p = (const uint8_t *)view.buf;
     size_t n = (size_t)view.len;
     int ok;
-    if (view.len >= KV_NOGIL_BYTES) {
-        Py_BEGIN_ALLOW_THREADS
-        ok = f16_finite_run(p, n);
-        Py_END_ALLOW_THREADS
-    } else {
-        ok = f16_finite_run(p, n);
-    }
+    KV_RUN_NOGIL_IF(view.len >= KV_NOGIL_BYTES, ok = f16_finite_run(p, n));
     PyBuffer_Release(&view);
     return PyBool_FromLong(ok);
 }

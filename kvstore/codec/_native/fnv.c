@@ -58,13 +58,7 @@ static PyObject *py_fnv1a64(PyObject *self, PyObject *const *args, Py_ssize_t na
         return NULL;
     const uint8_t *p = (const uint8_t *)view.buf;
     size_t n = (size_t)view.len;
-    if (view.len >= KV_NOGIL_FNV_BYTES) {
-        Py_BEGIN_ALLOW_THREADS
-        h = fnv_bytes(h, p, n);
-        Py_END_ALLOW_THREADS
-    } else {
-        h = fnv_bytes(h, p, n);
-    }
+    KV_RUN_NOGIL_IF(view.len >= KV_NOGIL_FNV_BYTES, h = fnv_bytes(h, p, n));
     PyBuffer_Release(&view);
     return PyLong_FromUnsignedLongLong(h);
 }
@@ -126,13 +120,8 @@ static PyObject *py_fnv_chain(PyObject *self, PyObject *const *args, Py_ssize_t 
     uint8_t *out = (uint8_t *)PyBytes_AS_STRING(result);
     const uint8_t *tok = (const uint8_t *)view.buf;
     size_t block_bytes = (size_t)block_tokens * 4; /* n_full >= 1 implies this fits */
-    if (view.len >= KV_NOGIL_FNV_BYTES) {
-        Py_BEGIN_ALLOW_THREADS
-        fnv_chain_run(tok, (size_t)n_full, block_bytes, parent, out);
-        Py_END_ALLOW_THREADS
-    } else {
-        fnv_chain_run(tok, (size_t)n_full, block_bytes, parent, out);
-    }
+    KV_RUN_NOGIL_IF(view.len >= KV_NOGIL_FNV_BYTES,
+                    fnv_chain_run(tok, (size_t)n_full, block_bytes, parent, out));
 done:
     PyBuffer_Release(&view);
     return result;

@@ -53,6 +53,18 @@
 #define KV_NOGIL_BYTES ((Py_ssize_t)64 * 1024)
 #define KV_NOGIL_FNV_BYTES ((Py_ssize_t)8 * 1024)
 
+/* Run the statement `work` with the GIL released when `big` holds (an input large enough
+ * that releasing it costs less than the work), else with the GIL held. */
+#define KV_RUN_NOGIL_IF(big, work)                                                         \
+    do {                                                                                   \
+        if (big) {                                                                         \
+            Py_BEGIN_ALLOW_THREADS work;                                                   \
+            Py_END_ALLOW_THREADS                                                           \
+        } else {                                                                           \
+            work;                                                                          \
+        }                                                                                  \
+    } while (0)
+
 #if defined(__GNUC__)
 #define KV_HIDDEN __attribute__((visibility("hidden")))
 #else
