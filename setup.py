@@ -1,8 +1,11 @@
-"""Build hook: the optional C extensions (kvstore/codec/_native.c, codec/_fp8.c, fileio/_syscalls.c).
+"""Build hook: the optional C extensions (kvstore/codec/_native/*.c, codec/_fp8.c,
+fileio/_syscalls.c).
 
 The extension is optional: if it cannot be compiled, the package installs and
 falls back to the pure-Python/NumPy implementations, which are also the test oracle.
 """
+
+from glob import glob
 
 from setuptools import Extension, setup
 
@@ -10,7 +13,8 @@ setup(
     ext_modules=[
         Extension(
             "kvstore.codec._native",
-            sources=["kvstore/codec/_native.c"],
+            sources=sorted(glob("kvstore/codec/_native/*.c")),
+            depends=["kvstore/codec/_native/native.h"],
             extra_compile_args=["-O3"],
             optional=True,
         ),

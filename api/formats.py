@@ -18,7 +18,12 @@ from typing import Any
 from kvstore.codec.assembly import envelope_version
 from kvstore.codec.envelope import decode, transcode
 from kvstore.codec.layout import SUPPORTED_VERSIONS
-from kvstore.errors import EnvelopeError, UnconvertibleError, UnsupportedVersionError
+from kvstore.errors import (
+    ChecksumError,
+    EnvelopeError,
+    UnconvertibleError,
+    UnsupportedVersionError,
+)
 
 
 def require_formats(body: Any, formats: Sequence[int]) -> Any:
@@ -37,9 +42,8 @@ def require_formats(body: Any, formats: Sequence[int]) -> Any:
         return body
     try:
         return decode(body, versions=formats, verify_crc=False)
-    except UnsupportedVersionError:
-        decode(body, versions=formats)  # the CRC first, as every reader checks it
-        raise
+    except (UnsupportedVersionError, ChecksumError):
+        raise  # the version refused, or the CRC the codec checks before refusing it
     except EnvelopeError:
         return body  # any other rule: the store's validation reports it
 

@@ -379,10 +379,9 @@ def _keep_freed_memory() -> bool:
     default glibc serves such blocks with fresh ``mmap``s and returns freed memory to the
     kernel, so every push page-faults its whole size in twice. With allocations up to
     32 MiB taken from the heap, and up to 512 MiB of free heap kept, the next push reuses
-    that memory. PushKv of 64 x 2 MiB into a store at capacity, against the bare servicer,
-    in two A/B runs of 8 rounds here: 0.45-0.74x per round (medians 0.51x, 0.58x) without,
-    0.66-1.26x (medians 0.78x, 1.16x) with. The cost: a worker's RSS stays at its peak (plus up to
-    512 MiB of free heap) instead of shrinking after a large push.
+    that memory (PushKv into a store at capacity runs faster with it: BENCHMARKS.md,
+    "Measurements behind design choices"). The cost: a worker's RSS stays at its peak (plus
+    up to 512 MiB of free heap) instead of shrinking after a large push.
 
     Returns:
         True when both parameters were set (False elsewhere than glibc).

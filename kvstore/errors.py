@@ -1,11 +1,13 @@
 """The exception tree of tlkv: every error the codec, the store and the archive raise.
 
 Each class has a ``kind`` and an ``http_status`` (the HTTP layer's single error shape) and
-a ``grpc_status``: the name of the ``grpc.StatusCode`` tl.kv.v1 answers it with, as a
-string, so this module imports no gRPC (``kvstore.transfer.status`` turns the names into
-codes). A class may also name the statuses a client reads as it when a failed call carries
-no error kind (``grpc_default_for``: declared on the class itself, never inherited). The
-messages name the rule, the expected value and the found value.
+a ``grpc_status``. A kind is declared by one class only, here (its subclasses inherit it):
+``kvstore.protocol.ERROR_KINDS`` is derived from these declarations. The ``grpc_status``
+is the name of the ``grpc.StatusCode`` tl.kv.v1 answers it with, as a string, so this
+module imports no gRPC (``kvstore.transfer.status`` turns the names into codes). A class
+may also name the statuses a client reads as it when a failed call carries no error kind
+(``grpc_default_for``: declared on the class itself, never inherited). The messages name
+the rule, the expected value and the found value.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ class TlkvError(Exception):
 
 
 class EnvelopeError(TlkvError, ValueError):
-    """An export envelope breaks a rule of the spec (base of the codec's errors)."""
+    """An export envelope breaks a rule of the spec (base of the codec's errors; each
+    subclass names its kind)."""
 
-    kind = "format"
     http_status = 422
     grpc_status = "DATA_LOSS"
 
@@ -31,6 +33,7 @@ class EnvelopeError(TlkvError, ValueError):
 class FormatError(EnvelopeError):
     """The envelope's bytes are malformed (length, magic, CRC, dtype, fill, hash rule)."""
 
+    kind = "format"
     grpc_default_for = ("DATA_LOSS",)
 
 

@@ -152,28 +152,20 @@ def read_token_file(path: str | os.PathLike[str]) -> str:
     return token
 
 
-# The error classes a server answers with, by the ``kind`` of the JSON error shape.
-ERROR_KINDS: dict[str, type[errors.TlkvError]] = {
-    cls.kind: cls
-    for cls in (
-        errors.FormatError,
-        errors.ShapeError,
-        errors.UnsupportedVersionError,
-        errors.NotFoundError,
-        errors.PinnedError,
-        errors.UnconvertibleError,
-        errors.TooLargeError,
-        errors.UnauthorizedError,
-        errors.ForbiddenError,
-        errors.StoreFullError,
-        errors.ModelLimitError,
-        errors.InvalidRequestError,
-        errors.MethodNotAllowedError,
-        errors.BusyError,
-        errors.RequestTimeoutError,
-        errors.ServiceError,
-    )
-}
+def _declared_kinds() -> dict[str, type[errors.TlkvError]]:
+    """Every error kind, and the class of ``kvstore.errors`` that declares it in its own
+    body (its subclasses answer with it too; a test checks that no two classes declare
+    the same kind)."""
+    return {
+        cls.__dict__["kind"]: cls
+        for cls in vars(errors).values()
+        if isinstance(cls, type) and issubclass(cls, errors.TlkvError) and "kind" in cls.__dict__
+    }
+
+
+# The error classes by the ``kind`` of the JSON error shape (and of tl.kv.v1's trailing
+# metadata): what a server answers with, what a client raises.
+ERROR_KINDS: dict[str, type[errors.TlkvError]] = _declared_kinds()
 
 
 def error_for_kind(kind: str, message: str) -> errors.TlkvError:

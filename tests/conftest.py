@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import numpy as np
 import pytest
 
-from kvstore import Block, Geometry, chain_hashes, encode
+from kvstore import Block, Geometry, Store, chain_hashes, encode
 
 SMALL = Geometry(block_tokens=4, n_layers=2, n_kv_heads=2, head_dim=8)
 
@@ -26,7 +29,7 @@ def make_blocks(
     n_blocks = -(-n_tokens_total // b)
     for i in range(n_blocks):
         fill = min(b, n_tokens_total - i * b)
-        kv = (rng.standard_normal(geometry.kv_shape) * scale).astype(dtype)
+        kv: np.ndarray = (rng.standard_normal(geometry.kv_shape) * scale).astype(dtype)
         blocks.append(Block(hashes[i] if fill == b else 0, fill, kv))
     return blocks
 
@@ -42,6 +45,13 @@ def make_envelope(
 def buffer_type(request: pytest.FixtureRequest) -> type:
     """Parametrizes a test over the three buffer types inputs may come as."""
     return request.param
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    """A new store under ``tmp_path`` (a test module may define its own)."""
+    with Store(tmp_path / "store") as s:
+        yield s
 
 
 @pytest.fixture(scope="session")

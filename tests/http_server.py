@@ -18,12 +18,13 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import uvicorn
 
 REPO = Path(__file__).resolve().parent.parent
+_Server = TypeVar("_Server", bound="ServerProcess")
 START_TIMEOUT = 30.0
 
 
@@ -182,8 +183,9 @@ class ServerProcess:
         """An httpx client on the server, with the token when one is configured."""
         return httpx.Client(base_url=self.url, headers=self.headers, timeout=30.0, **kwargs)
 
-    def __enter__(self) -> ServerProcess:
-        return self.start()
+    def __enter__(self: _Server) -> _Server:
+        self.start()
+        return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from api.app import create_app
 from api.bodies import BodyTicket, InflightBudget
 from api.settings import Settings
 from kvstore.codec.assembly import pack_header
+from kvstore.codec.checksum import crc32c
 from kvstore.codec.envelope import check_header, decode
 from kvstore.codec.geometry import Geometry
 from kvstore.errors import (
@@ -95,8 +96,9 @@ HEADER_CASES = [
 @pytest.mark.parametrize(("mutate", "geometry", "error"), HEADER_CASES)
 def test_check_header_raises_what_decode_raises(mutate: Any, geometry: Any, error: type) -> None:
     data = mutate(make_envelope(SMALL, 8, seed=1))
+    data = data[:-4] + crc32c(data[:-4]).to_bytes(4, "little")  # the header's rule alone fails
     with pytest.raises(error) as whole:
-        decode(data, geometry, verify_crc=False)
+        decode(data, geometry)
     with pytest.raises(error) as early:
         check_header(data[:28], len(data), geometry)
     assert str(early.value) == str(whole.value)
@@ -319,8 +321,8 @@ def test_busy_answer_is_503_with_retry_after(
             chunk = parts.pop(0)
             return {"type": "http.request", "body": chunk, "more_body": bool(parts)}
 
-        async def send(message: dict[str, Any]) -> None:
-            sent.append(message)
+        async def send(message: MutableMapping[str, Any]) -> None:
+            sent.append(dict(message))
 
         await app(scope(), receive, send)
         return sent[0]["status"], dict(sent[0]["headers"])

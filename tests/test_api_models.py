@@ -59,7 +59,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     grpc_port = free_port()
     metrics_token = data.parent / "metrics-token"
     metrics_token.write_text("prometheus-9d1e\n")
-    args = ("--token-file", str(token_file), "--grpc-port", str(grpc_port))
+    args: tuple[str, ...] = ("--token-file", str(token_file), "--grpc-port", str(grpc_port))
     args += ("--quota", f"q={2 * SMALL.envelope_bytes(1)}")
     args += ("--metrics-token-file", str(metrics_token))
     with ServerProcess(data, *args) as srv:

@@ -182,7 +182,7 @@ def test_metrics_sum_every_worker(tmp_path: Path) -> None:
 
             wait_until(settled, "the scrape counts to settle")
             made = int(seen[0]) + 1  # scrapes made so far, the last one included
-            previous = made - 1
+            previous: float = made - 1
             for _ in range(10):  # alternate between the workers: the counts never go back
                 for pid, client in clients.items():
                     text = client.get("/metrics").text
@@ -282,7 +282,7 @@ def test_quarantined_count_in_info_and_tlkv_stats(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from test_store import flip_on_disk, marked_block, marker_bytes
+    from store_helpers import flip_on_disk, marked_block, marker_bytes
 
     from kvstore import Store, encode
     from kvstore.client import Client

@@ -144,8 +144,10 @@ def test_extract_reads_one_block(store: Store, archive_file: Path, tmp_path: Pat
     with store.reader() as r:
         h = [h for h, _ in r.iter_blocks()][3]
     out = tmp_path / "one.tlkv"
-    assert ar.extract(archive_file, h, out) == len(store.get(h))
-    assert out.read_bytes() == store.get(h)
+    stored = store.get(h)
+    assert stored is not None
+    assert ar.extract(archive_file, h, out) == len(stored)
+    assert out.read_bytes() == stored
     d = tmp_path / "dir"
     d.mkdir()
     ar.extract(archive_file, h, d)

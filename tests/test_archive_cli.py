@@ -114,13 +114,15 @@ def test_exit_codes(archive_file: Path, tmp_path: Path, capsys: pytest.CaptureFi
     code, _, err = tlkv(capsys, "restore", str(archive_file), "--data", str(tmp_path / "other"))
     assert code == 4 and "ShapeError" in err
     # a future archive version: exit 5
-    m, b, s = valid_members()
-    future = craft(tmp_path / "v5.tar.zst", [manifest_member(SMALL, 5, 1, archive_version=5), b, s])
+    m, b, seqs = valid_members()
+    future = craft(
+        tmp_path / "v5.tar.zst", [manifest_member(SMALL, 5, 1, archive_version=5), b, seqs]
+    )
     assert tlkv(capsys, "verify", str(future))[0] == 5
     # an unsafe member: exit 3, and extract --all writes nothing
     h = int(b[0].name[7:23], 16)
     evil = craft(
-        tmp_path / "e.tar.zst", [m, [Raw("blocks/../x.tlkv", b[0].data, index_hash=h)], b[1:], s]
+        tmp_path / "e.tar.zst", [m, [Raw("blocks/../x.tlkv", b[0].data, index_hash=h)], b[1:], seqs]
     )
     code, _, err = tlkv(capsys, "extract", str(evil), "--all", "-o", str(tmp_path / "ex"))
     assert code == 3 and "UnsafeArchiveError" in err and not (tmp_path / "ex").exists()

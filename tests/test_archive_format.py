@@ -131,7 +131,8 @@ def test_pure_round_trip(
             ("b", seqs[1].hashes, 1),
             ("c", seqs[2].hashes, 2),
         ]
-        assert bytes(out[0].tail) == seqs[0].tail and out[1].tail is None
+        assert out[0].tail is not None and bytes(out[0].tail) == seqs[0].tail
+        assert out[1].tail is None
         for h, e in blocks:
             assert ar.read_block(h) == e
         assert list(ar.sequence_records()) == [

@@ -93,7 +93,7 @@ def test_restored_byte_identical(case: str, tmp_path: Path, small_frames: None) 
     assert summary.manifest.archive_version == 4 and summary.manifest.own_blocks >= 1
     assert ar.verify(path).sequences == len(before)
     data_bytes = ar.ArchiveReader(path).index.data_bytes
-    modes = {
+    modes: dict[str, tuple[dict[str, Any], int | None]] = {
         "one pass": ({}, None),
         "validate, then import": ({}, data_bytes - 1),
         "partial": ({"partial": True}, None),

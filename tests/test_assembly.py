@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from conftest import SMALL, make_envelope
 
@@ -29,7 +31,7 @@ def test_header_of_the_spec_example() -> None:
 def test_stream_equals_join(version: int) -> None:
     singles = split(make_envelope(SMALL, 18, version))
     out = EnvelopeStream(version, SMALL, len(singles))
-    parts = [out.header]
+    parts: list[Any] = [out.header]
     for i, s in enumerate(singles):  # both ways of accounting for a record
         parts.append(out.add(record_of(s)) if i % 2 else out.add_checked_single(s))
     parts.append(out.trailer())

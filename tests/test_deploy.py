@@ -216,6 +216,11 @@ def test_every_dashboard_expression_and_recording_rule_returns_data(
         prom.stop()
 
 
+def _legend(fmt: str, metric: dict[str, str]) -> str:
+    """A panel target's legend with its ``{{label}}`` placeholders filled from ``metric``."""
+    return re.sub(r"\{\{(\w+)\}\}", lambda m: str(metric.get(m.group(1), "")), fmt)
+
+
 def _draw(prom: _Prometheus, start: float, end: float, path: Path) -> None:
     """The dashboard's panels as a PNG, from the query results over the run (Grafana's
     own rendering needs Grafana; matplotlib draws the same series)."""
@@ -236,11 +241,7 @@ def _draw(prom: _Prometheus, start: float, end: float, path: Path) -> None:
             for series in prom.query_range(expr, start, end):
                 xs = [float(t) - start for t, _ in series["values"]]
                 ys = [float(v) for _, v in series["values"]]
-                label = re.sub(
-                    r"\{\{(\w+)\}\}",
-                    lambda m, s=series: str(s["metric"].get(m.group(1), "")),
-                    target["legendFormat"],
-                )
+                label = _legend(target["legendFormat"], series["metric"])
                 ax.plot(xs, ys, linewidth=1, label=label[:28])
         ax.set_title(f"{panel['title']} ({panel['fieldConfig']['defaults']['unit']})", fontsize=8)
         ax.tick_params(labelsize=6)

@@ -283,22 +283,23 @@ def test_tuples_of_a_sliding_cache_are_refused_and_plain_pairs_are_read(tmp_path
 def test_a_source_without_geometry_or_token_lookups_is_told_what_is_missing() -> None:
     import contextlib
 
+    from kvstore.engines.targets import Target
     from kvstore.errors import InvalidRequestError
 
-    class Blind:
+    class Blind(Target):
         knows_geometry = False
 
-        def block_geometry(self) -> None:
+        def geometry(self) -> None:
             return None
 
-        def has_blocks(self, hashes: Any) -> list[bool]:
+        def has(self, hashes: Any) -> list[bool]:
             return [False] * len(hashes)
 
-        def put_envelope(self, envelope: bytes) -> int:
+        def put(self, envelope: Any) -> int:
             return 0
 
         @contextlib.contextmanager
-        def prefix_views(self, hashes: Any) -> Any:
+        def held_views(self, hashes: Any) -> Any:
             yield []
 
     with pytest.raises(InvalidRequestError, match="pass config= and block_tokens="):

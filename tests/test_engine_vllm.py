@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO / "tools"))
 from vllm_demo import make_model, prompt, run_engine, tlkv_config  # noqa: E402
 
 from kvstore import Store  # noqa: E402
-from kvstore.engines._vllm_parts import namespace, salted  # noqa: E402
+from kvstore.engines._vllm_names import namespace, salted  # noqa: E402
 
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 PROMPT = prompt(300)  # 9 full blocks of 32 and a tail of 12
@@ -49,7 +49,10 @@ def _run(
 
 # vLLM's stats logger on, logging after every step: the connector's counters reach its
 # "KV Transfer metrics" lines (``tlkv_blocks_loaded=9, ...``).
-STATS = {"llm": {"disable_log_stats": False}, "env": {"VLLM_LOG_STATS_INTERVAL": "0.001"}}
+STATS: dict[str, Any] = {
+    "llm": {"disable_log_stats": False},
+    "env": {"VLLM_LOG_STATS_INTERVAL": "0.001"},
+}
 
 
 def _transfer_metrics(log: str) -> dict[str, int]:
@@ -127,18 +130,15 @@ def test_store_directory_cold_then_warm_with_salts_and_models(cold: Any, models:
     assert other["tokens"] != ref["tokens"] or other["logprobs"] != ref["logprobs"]
 
 
-def test_corrupt_block_is_recomputed_quarantined_and_counted(
-    cold: Any, models: Any, tmp_path: Path
-) -> None:
-    data, ref = cold
-    ns = _ns(models["f16"])
-    copy = tmp_path / "corrupt"
+def _with_block_4_corrupt(data: str, ns: str, copy: Path) -> str:
+    """A copy of the store ``data`` whose block 4 of ``PROMPT`` (namespace ``ns``) has a
+    payload bit flipped on disk."""
     import shutil
+
+    from kvstore.codec.hashing import chain_hashes
 
     shutil.copytree(data, copy)
     with Store(str(copy)) as store:
-        from kvstore.codec.hashing import chain_hashes
-
         victim = store.model(ns).get(chain_hashes(PROMPT, 32)[4])
     assert victim is not None
     mdb = copy / "data.mdb"
@@ -147,15 +147,70 @@ def test_corrupt_block_is_recomputed_quarantined_and_counted(
     assert at > 0
     raw[at + 100] ^= 0x40
     mdb.write_bytes(bytes(raw))
-    out = _run(models["f16"], tlkv_config(str(copy)), PROMPT, **STATS)
+    return str(copy)
+
+
+# vLLM's own config line ("Initializing a V1 LLM engine ... with config: ...") and the
+# connector's start line name the policy in effect.
+def _policies(log: str) -> tuple[list[str], list[str]]:
+    import re
+
+    vllm_says = re.findall(r"kv_load_failure_policy='(\w+)'", log)
+    tlkv_says = re.findall(r"tlkv connector: role \w+, .*kv_load_failure_policy (\w+)", log)
+    return vllm_says, tlkv_says
+
+
+def test_corrupt_block_is_recomputed_quarantined_and_counted(
+    cold: Any, models: Any, tmp_path: Path
+) -> None:
+    data, ref = cold
+    ns = _ns(models["f16"])
+    copy = _with_block_4_corrupt(data, ns, tmp_path / "corrupt")
+    out = _run(models["f16"], tlkv_config(copy), PROMPT, **STATS)
+    vllm_says, tlkv_says = _policies(out["log"])  # what vLLM reports is what it does
+    assert vllm_says and set(vllm_says) == {"recompute"}, out["log"][-3000:]
+    assert tlkv_says and set(tlkv_says) == {"recompute"}
     _same(out["results"][0], ref)  # blocks 4..8 recomputed: the same output
-    assert "tlkv load failed" in out["log"] and "5 of 9 blocks" in out["log"]
+    assert out["results"][0]["finish_reason"] == "length"
+    assert "tlkv load failed (vLLM recomputes the blocks not loaded)" in out["log"]
+    assert "5 of 9 blocks" in out["log"]
+    assert "computes instead" not in out["log"]
     counted = _transfer_metrics(out["log"])
     assert counted["tlkv_blocks_loaded"] == 4 and counted["tlkv_load_errors"] == 5
-    with Store(str(copy)) as store:
+    with Store(copy) as store:
+        from kvstore.codec.hashing import chain_hashes
+
         handle = store.model(ns)
         assert handle.stats()["corrupt"] == 1  # quarantined, counted
         assert handle.longest_prefix(chain_hashes(PROMPT, 32)) == 4
+
+
+def test_vllms_default_policy_fails_a_request_whose_blocks_cannot_be_loaded(
+    cold: Any, models: Any, tmp_path: Path
+) -> None:
+    """Without ``kv_load_failure_policy`` vLLM's default, ``fail``, is in effect, as its
+    config line says: the connector leaves it, warns at start-up, and a corrupt block ends
+    its request with an error while the blocks before it were loaded."""
+    data, _ = cold
+    copy = _with_block_4_corrupt(data, _ns(models["f16"]), tmp_path / "corrupt")
+    config = tlkv_config(copy)
+    del config["kv_load_failure_policy"]
+    out = _run(models["f16"], config, PROMPT, prompt(100, seed=7), **STATS)
+    vllm_says, tlkv_says = _policies(out["log"])
+    assert vllm_says and set(vllm_says) == {"fail"}
+    assert tlkv_says and set(tlkv_says) == {"fail"}
+    assert (
+        "kv_load_failure_policy is 'fail': a request whose blocks tlkv cannot load" in (out["log"])
+    )
+    failed, other = out["results"]
+    assert failed["finish_reason"] == "error", failed
+    assert (
+        "tlkv load failed (vLLM fails the request: kv_load_failure_policy is 'fail')"
+        in (out["log"])
+    )
+    assert other["finish_reason"] == "length" and other["cached"] == 0  # the engine goes on
+    counted = _transfer_metrics(out["log"])
+    assert counted["tlkv_blocks_loaded"] == 4 and counted["tlkv_load_errors"] == 5
 
 
 def test_bf16_tokens_identical_logprobs_close(models: Any, tmp_path: Path) -> None:
@@ -226,7 +281,25 @@ def test_server_killed_mid_run(cold: Any, models: Any, tmp_path: Path) -> None:
     _same(first, ref)
     _same(second, ref)  # computed: the server is gone, the engine keeps serving
     assert second["cached"] == 0
-    assert "tlkv lookup failed" in box["log"] or "tlkv save failed" in box["log"]
+    log = box["log"]
+    lookup = "tlkv lookup failed (nothing is loaded: vLLM computes the prompt)"
+    save = "tlkv save failed (the blocks are not stored; the request is unaffected)"
+    assert lookup in log or save in log
+    assert "computes instead" not in log  # a save's failure recomputes nothing
+
+
+def test_a_server_down_at_start_up_is_logged_and_the_engine_computes(
+    cold: Any, models: Any
+) -> None:
+    """The worker connects its target at start-up (so that its first load costs what the
+    next ones do); a server that is not there then is logged, and the engine serves."""
+    _, ref = cold
+    out = _run(models["f16"], tlkv_config(f"http://127.0.0.1:{free_port()}"), PROMPT)
+    _same(out["results"][0], ref)
+    assert out["results"][0]["cached"] == 0
+    again = "failed (the first lookup or load tries the target again)"
+    assert f"tlkv start-up connection {again}" in out["log"]
+    assert f"tlkv geometry check {again}" in out["log"]
 
 
 def test_two_nodes_share_an_s3_tier(models: Any, tmp_path: Path, s3_server: Any) -> None:

@@ -28,6 +28,8 @@ from kvstore import (
     split,
     transcode,
 )
+from kvstore.codec.decoding import check_crc, check_finite, plain_v1_blocks
+from kvstore.codec.layout import NO_HASH
 from kvstore.errors import BadMagicError, TruncatedError
 
 # Spec "Worked example (v1)": the 60-byte envelope, byte for byte.
@@ -125,17 +127,103 @@ RULE_CASES = [
 ]
 
 
-@pytest.mark.parametrize(
+EACH_RULE_CASE = pytest.mark.parametrize(
     ("data", "kwargs", "error"),
     [case[1:] for case in RULE_CASES],
     ids=[case[0] for case in RULE_CASES],
 )
+
+
+@EACH_RULE_CASE
 def test_reader_rule_violations(data: bytes, kwargs: dict, error: type[Exception]) -> None:
     with pytest.raises(error) as info:
         decode(data, **kwargs)
     message = str(info.value)  # names the rule, and what was found (and expected)
     assert "rule '" in message and "failed" in message
     assert "found" in message or "expected" in message
+
+
+@EACH_RULE_CASE
+def test_a_reader_skipping_the_crc_is_told_the_same_first_rule(
+    data: bytes, kwargs: dict, error: type[Exception]
+) -> None:
+    """``decode(..., verify_crc=False)`` names the rule a full decode names, in one call:
+    with the CRC right, the same rule (the CRC case passes: it was skipped); with the CRC
+    damaged too, the CRC whenever its rule comes first."""
+    if error is ChecksumError:
+        decode(data, verify_crc=False, **kwargs)
+        return
+    with pytest.raises(error):
+        decode(data, verify_crc=False, **kwargs)
+    damaged = bytearray(data)
+    damaged[-1] ^= 0x01
+    with pytest.raises(EnvelopeError) as full:
+        decode(bytes(damaged), **kwargs)
+    with pytest.raises(EnvelopeError) as skipped:
+        decode(bytes(damaged), verify_crc=False, **kwargs)
+    assert type(skipped.value) is type(full.value)
+    assert str(skipped.value) == str(full.value)
+
+
+@EACH_RULE_CASE
+def test_plain_v1_blocks_takes_no_envelope_a_rule_refuses(
+    data: bytes, kwargs: dict, error: type[Exception]
+) -> None:
+    """The fused loads' fast path admits none of the table's envelopes but the one whose
+    only fault is its CRC (which the fused copy checks)."""
+    geometry = kwargs.get("geometry", SPEC_GEOMETRY)
+    expected = 1 if error is ChecksumError else None
+    assert plain_v1_blocks(data, geometry) == expected
+    assert plain_v1_blocks(data, geometry, [0xA91AB0C1027B9366]) == expected
+
+
+def test_plain_v1_blocks_counts_full_v1_blocks_of_the_hashes_asked_for(
+    buffer_type: type,
+) -> None:
+    g = Geometry(4, 2, 1, 8)
+    kv = np.ones(g.kv_shape, np.float16)
+    asked = [7, 8, 9]
+    prefix = encode(g, [Block(7, 4, kv), Block(8, 4, kv)])
+    assert plain_v1_blocks(buffer_type(prefix), g, asked) == 2
+    assert plain_v1_blocks(buffer_type(prefix), g) == 2
+    assert plain_v1_blocks(prefix, g, asked[:2]) == 2
+    assert plain_v1_blocks(encode(g, [Block(7, 4, kv)]), g, asked) == 1
+    assert plain_v1_blocks(encode(g, [Block(7, 4, kv)]), g, [8]) is None  # not the one asked
+    others = [
+        encode(g, [Block(7, 4, kv), Block(9, 4, kv)]),  # a block that was not asked for
+        encode(g, [Block(8, 4, kv), Block(7, 4, kv)]),  # out of order
+        encode(g, [Block(7, 4, kv), Block(NO_HASH, 3, kv)]),  # a partial block
+        encode(g, [Block(NO_HASH, 3, kv)]),
+        transcode(prefix, 2),
+        encode(Geometry(4, 2, 2, 4), [Block(7, 4, np.ones((2, 2, 2, 4, 4), np.float16))]),
+        prefix[:-1],
+        prefix + b"\0",
+        encode(g, [Block(7, 4, kv)] * 4),  # more blocks than asked for
+        encode(g, []),  # no block
+        b"",
+    ]
+    for env in others:
+        assert plain_v1_blocks(env, g, asked) is None
+    assert plain_v1_blocks(prefix, g, []) is None
+    strided = np.frombuffer(prefix + prefix, np.uint8)[::2]
+    assert plain_v1_blocks(strided, g) is None  # not C-contiguous: decode refuses it
+
+
+def test_a_non_finite_value_in_a_damaged_envelope_is_reported_as_damaged() -> None:
+    good = encode(SMALL, [Block(5, SMALL.block_tokens, np.ones(SMALL.kv_shape))])
+    data = bytearray(good)
+    data[40:42] = np.float16(np.inf).tobytes()  # the first payload value (28 + 12)
+    data = bytearray(_recrc(data))
+    with pytest.raises(FormatError, match="values are finite"):
+        check_finite(decode(bytes(data)))
+    data[-1] ^= 0x01
+    with pytest.raises(ChecksumError):
+        check_finite(decode(bytes(data), verify_crc=False))
+    with pytest.raises(ChecksumError, match="the CRC matches"):
+        check_crc(data)
+    check_crc(good)
+    with pytest.raises(TruncatedError):
+        check_crc(b"TLKV")
 
 
 def test_partial_block_with_zero_hash_is_valid() -> None:
@@ -292,6 +380,7 @@ def test_round_trip(
                 np.asarray(block.kv)[..., :n, :].astype(np.float16).astype(np.float32),
             )
         else:
+            assert bv.scales is not None
             s = bv.scales[..., None, None]
             # E4M3: 3 mantissa bits -> relative error <= 2^-4; subnormal step 2^-9 * scale.
             bound = np.maximum(np.abs(x) * 2.0**-4, s * 2.0**-10) * (1 + 1e-6)
@@ -355,7 +444,7 @@ def test_non_contiguous_buffers_are_refused_with_a_format_error() -> None:
     raw = np.frombuffer(make_envelope(SMALL, 2), dtype=np.uint8)
     strided = np.repeat(raw, 2)[::2]  # the same bytes, not contiguous
     assert strided.tobytes() == raw.tobytes() and not strided.flags.c_contiguous
-    for data in (strided, memoryview(strided), np.stack([raw, raw], axis=1)[:, 0]):
+    for data in (strided, strided.data, np.stack([raw, raw], axis=1)[:, 0]):
         with pytest.raises(FormatError, match="C-contiguous"):
             decode(data)
     assert decode(np.ascontiguousarray(strided)).hashes.tolist() == decode(raw).hashes.tolist()

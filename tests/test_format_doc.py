@@ -93,8 +93,7 @@ def test_worked_examples_are_the_codec_bytes(
 def test_header_and_record_tables_are_the_layout() -> None:
     header = table("### 2.1 Header, records, trailer")
     fields = [r for r in header if r[0].isdigit() and int(r[0]) < layout.HEADER_SIZE]
-    codes = layout.HEADER.format.lstrip("<")
-    codes = ["4s", *codes[2:]]  # magic is one 4-byte field
+    codes = ["4s", *layout.HEADER.format.lstrip("<")[2:]]  # magic is one 4-byte field
     offset = 0
     for (doc_offset, size, _field, _value), code in zip(fields, codes, strict=True):
         assert (int(doc_offset), int(size)) == (offset, struct.calcsize("<" + code))

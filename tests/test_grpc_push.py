@@ -24,7 +24,8 @@ def chunk(payload: bytes | bytearray, sequence: str = "", *, empty: bool = False
     fields = (env[0].hash, env[0].n_tokens, env.version)
     if empty:
         return WireChunk(*fields, sequence=sequence)
-    return WireChunk(*fields, payload=payload, crc32c=crc32c(payload), sequence=sequence)
+    crc = crc32c(payload)  # a bytearray's later changes show through the view
+    return WireChunk(*fields, payload=memoryview(payload), crc32c=crc, sequence=sequence)
 
 
 def checked(store: Store, chunks: Sequence[WireChunk]) -> PushCommit:

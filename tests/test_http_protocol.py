@@ -20,7 +20,7 @@ from api.app import create_app
 from api.http_protocol import TlkvHttpProtocol, _BodyChunks
 from api.metrics import BATCH_SECONDS, Metrics
 from api.settings import Settings
-from kvstore import Block, Geometry, decode, encode
+from kvstore import Block, Geometry, encode, join
 from kvstore.codec.layout import VERSION_V2
 
 G = Geometry(16, 2, 2, 8)
@@ -286,7 +286,7 @@ def test_a_large_put_arrives_whole(server: _Server) -> None:
     """A put of many socket reads (uvicorn's body buffer replaced by _BodyChunks): the
     store holds every block, byte for byte."""
     blocks = [_block(0x200 + i) for i in range(600)]  # 1.2 MiB: several reads of 256 KiB
-    body = encode(G, [b for data in blocks for b in decode(data, G)])
+    body = join(blocks)
     head = b"PUT /v1/blocks HTTP/1.1\r\nHost: t\r\nContent-Type: application/vnd.tlkv\r\n"
     (answer,), _ = _answered(server, head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
     assert answer[0] == b"HTTP/1.1 200 OK\r\n", answer

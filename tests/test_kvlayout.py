@@ -64,7 +64,7 @@ def join(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
     """Runs a test with the compiled join_crc and with the pure-Python fallback."""
     if request.param == "python-join":
         monkeypatch.setattr(checksum, "_native", None)
-    elif checksum._native is None:
+    elif checksum._native is None:  # type: ignore[attr-defined]  # the module's private kernel
         pytest.skip("compiled kernel not built")
     return str(request.param)
 
@@ -279,8 +279,8 @@ def test_fill_layers_fills_an_engines_buffers_as_layers_from_views_does(
     ks, vs = _layers(10, seed=7)
     env = decode(encode(G, blocks_from_layers(ks, vs, range(10), G), version))
     want_k, want_v = layers_from_views(env, dtype=dtype)
-    keys = [np.full((2, 16, 8), 7, dtype=dtype) for _ in range(3)]  # 16 positions preallocated
-    values = [np.full((2, 16, 8), 7, dtype=dtype) for _ in range(3)]
+    keys: list[np.ndarray] = [np.full((2, 16, 8), 7, dtype=dtype) for _ in range(3)]
+    values: list[np.ndarray] = [np.full((2, 16, 8), 7, dtype=dtype) for _ in range(3)]
     assert fill_layers(env, keys, values) == 10
     for got, want in zip(keys + values, want_k + want_v):
         np.testing.assert_array_equal(got[:, :10], want)

@@ -11,10 +11,15 @@ import pytest
 from kvstore.pipeline import OrderedPipeline
 
 
+def _square_after(i: int, seconds: float) -> int:
+    time.sleep(seconds)
+    return i * i
+
+
 def test_results_come_back_in_submission_order() -> None:
     with ThreadPoolExecutor(4) as pool, OrderedPipeline[int](pool) as p:
         for i in range(20):  # later tasks finish first
-            p.submit(i, lambda i=i: (time.sleep((20 - i) / 2000), i * i)[1])
+            p.submit(i, lambda i=i: _square_after(i, (20 - i) / 2000))
         assert [p.take() for _ in range(20)] == [(i, i * i) for i in range(20)]
         assert len(p) == 0
 

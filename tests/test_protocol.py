@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import kvstore
 from kvstore import errors
 from kvstore.protocol import (
     ERROR_KINDS,
@@ -85,11 +86,42 @@ def test_error_kinds_name_their_classes() -> None:
     assert type(error_for_kind("no-such-kind", "m")) is errors.ServiceError
 
 
+def test_each_kind_is_declared_once_and_is_an_error_kind() -> None:
+    """No two error classes of tlkv (the library's and the service's modules, loaded
+    all) declare the same kind, and every declared kind is in ``ERROR_KINDS``: a class
+    of a module of its own that repeated a kind would make the kind name two classes."""
+    import importlib
+    import pkgutil
+
+    import api
+
+    for package in (kvstore, api):
+        for info in pkgutil.walk_packages(package.__path__, f"{package.__name__}."):
+            if info.name.endswith(".__main__"):  # runs the CLI
+                continue
+            try:
+                importlib.import_module(info.name)
+            except ImportError:  # an optional engine (vLLM) that is not installed
+                continue
+    declared: dict[str, list[str]] = {}
+    stack: list[type] = [errors.TlkvError]
+    while stack:
+        cls = stack.pop()
+        stack.extend(cls.__subclasses__())
+        if "kind" in cls.__dict__ and cls.__module__.startswith(("kvstore.", "api.")):
+            declared.setdefault(cls.__dict__["kind"], []).append(cls.__qualname__)
+    assert {k: v for k, v in declared.items() if len(v) > 1} == {}
+    assert set(declared) == set(ERROR_KINDS)
+    assert {"format", "shape", "version", "not_found", "cache_layout"} <= set(ERROR_KINDS)
+    assert ERROR_KINDS["format"] is errors.FormatError
+
+
 @pytest.mark.parametrize("spelling", ["0x12", "12", "A91AB0C1027B9366"])
 def test_every_command_refuses_the_same_spellings(
     spelling: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """``tlkv archive extract`` once took ``0x12`` while ``tlkv get`` refused it."""
+    """Every command that takes a block hash (``tlkv archive extract`` as ``tlkv get``)
+    refuses the same spellings: 16 lowercase hex digits only."""
     from kvstore.cli import main
 
     archive = tmp_path / "a.tlkvar"

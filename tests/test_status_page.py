@@ -13,6 +13,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
@@ -21,6 +22,9 @@ from http_server import ServerProcess
 
 from kvstore import decode
 from kvstore.protocol import ENVELOPE_MEDIA_TYPE
+
+if TYPE_CHECKING:
+    from selenium.webdriver.remote.webdriver import WebDriver
 
 pytestmark = pytest.mark.ops
 
@@ -38,7 +42,7 @@ def _binaries() -> tuple[str, str]:
 
 
 @pytest.fixture
-def browser(tmp_path: Path) -> Iterator[object]:
+def browser(tmp_path: Path) -> Iterator[WebDriver]:
     chromium, driver = _binaries()
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
@@ -86,38 +90,39 @@ def _fill(url: str, token: str | None = None) -> dict[str, int]:
     return counts
 
 
-def _rows(browser: object) -> dict[str, str]:
+def _rows(browser: WebDriver) -> dict[str, str]:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
     WebDriverWait(browser, 20).until(
         lambda b: b.find_element(By.TAG_NAME, "body").get_attribute("data-loaded") == "1"
     )
-    rows = browser.find_elements(By.CSS_SELECTOR, "#models tbody tr")  # type: ignore[attr-defined]
+    rows = browser.find_elements(By.CSS_SELECTOR, "#models tbody tr")
     return {
-        r.get_attribute("data-model"): r.find_element(By.CLASS_NAME, "blocks").text for r in rows
+        str(r.get_attribute("data-model")): r.find_element(By.CLASS_NAME, "blocks").text
+        for r in rows
     }
 
 
-def _save(browser: object, tmp_path: Path, name: str, publish: bool = False) -> None:
+def _save(browser: WebDriver, tmp_path: Path, name: str, publish: bool = False) -> None:
     """A screenshot in the test's tmp dir (and, ``publish``, in ``$TLKV_ARTEFACTS``)."""
     path = tmp_path / name
-    assert browser.save_screenshot(str(path))  # type: ignore[attr-defined]
+    assert browser.save_screenshot(str(path))
     artefacts = os.environ.get("TLKV_ARTEFACTS")
     if artefacts and publish:
         Path(artefacts).mkdir(parents=True, exist_ok=True)
         shutil.copy(path, Path(artefacts) / name)
 
 
-def test_page_without_a_token(browser: object, tmp_path: Path) -> None:
+def test_page_without_a_token(browser: WebDriver, tmp_path: Path) -> None:
     with ServerProcess(tmp_path / "data", "--capacity", "1MiB") as srv:
         counts = _fill(srv.url)
-        browser.get(srv.url + "/")  # type: ignore[attr-defined]
+        browser.get(srv.url + "/")
         rows = _rows(browser)
         assert rows == {TEAM: "5", OTHER: "3", "default": "0"}
         from selenium.webdriver.common.by import By
 
-        text = browser.find_element(By.TAG_NAME, "body").text  # type: ignore[attr-defined]
+        text = browser.find_element(By.TAG_NAME, "body").text
         assert "capacity 1.0 MiB" in text and "scrub 64.0 MiB/s" in text
         # The page runs and is styled under its own Content-Security-Policy: nothing refused.
         logs = browser.get_log("browser")  # type: ignore[attr-defined]
@@ -129,15 +134,13 @@ def test_page_without_a_token(browser: object, tmp_path: Path) -> None:
         team = next(m for m in status["models"] if m["model"] == TEAM)
         assert team["blocks"] == counts[TEAM]
         assert team["lookups"] == counts[TEAM] + 1 and team["hits"]["local"] == counts[TEAM]
-        hit_rate = browser.find_element(  # type: ignore[attr-defined]
-            By.CSS_SELECTOR, f'tr[data-model="{TEAM}"] .hitrate'
-        ).text
+        hit_rate = browser.find_element(By.CSS_SELECTOR, f'tr[data-model="{TEAM}"] .hitrate').text
         assert hit_rate == f"{100 * 5 / 6:.1f}%"
         _save(browser, tmp_path, "status.png", publish=True)
 
 
 def test_page_with_a_token_table_shows_only_the_tokens_models(
-    browser: object, tmp_path: Path
+    browser: WebDriver, tmp_path: Path
 ) -> None:
     from selenium.webdriver.common.by import By
 
@@ -156,14 +159,14 @@ def test_page_with_a_token_table_shows_only_the_tokens_models(
         _fill(srv.url, ADMIN)
         assert httpx.get(f"{srv.url}/").status_code == 200  # the page itself needs no token
         assert httpx.get(f"{srv.url}/v1/status").status_code == 401
-        browser.get(srv.url + "/")  # type: ignore[attr-defined]
-        login = browser.find_element(By.ID, "login")  # type: ignore[attr-defined]
+        browser.get(srv.url + "/")
+        login = browser.find_element(By.ID, "login")
         from selenium.webdriver.support.ui import WebDriverWait
 
         WebDriverWait(browser, 20).until(lambda b: login.is_displayed())
-        browser.find_element(By.ID, "token").send_keys(ALICE)  # type: ignore[attr-defined]
-        browser.find_element(By.ID, "login-button").click()  # type: ignore[attr-defined]
+        browser.find_element(By.ID, "token").send_keys(ALICE)
+        browser.find_element(By.ID, "login-button").click()
         assert _rows(browser) == {TEAM: "5"}  # OTHER and default are not the token's
-        body = browser.find_element(By.TAG_NAME, "body").text  # type: ignore[attr-defined]
+        body = browser.find_element(By.TAG_NAME, "body").text
         assert OTHER not in body
         _save(browser, tmp_path, "status-token.png")

@@ -181,6 +181,7 @@ class StoreModel(RuleBasedStateMachine):
                 assert bv is None
                 return
             expected = decode(self.blocks[h])[0]
+            assert bv is not None
             assert bv.version == expected.version
             assert bytes(bv.raw) == bytes(expected.raw)
             assert np.array_equal(bv.kv, expected.kv)

@@ -375,7 +375,7 @@ def test_a_store_written_by_the_release_before_models_opens_as_default(tmp_path:
         seqs = {n: hashlib.sha256(s.get_sequence(n) or b"").hexdigest() for n in s.sequences()}
         assert seqs == want["sequences"]
         stats = s.stats()
-        assert {k: stats[k] for k in want["stats"]} == want["stats"]
+        assert {k: dict(stats)[k] for k in want["stats"]} == want["stats"]
         with raw_snapshot(s, buffers=False) as (txn, dbs):
             fmt = L.META_FORMAT_VALUE.unpack(txn.get(L.META_FORMAT, None, dbs.meta))[0]
         assert fmt == L.STORE_FORMAT  # untouched until another model exists

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -50,7 +51,14 @@ def _flock_held(path: Path) -> bool:
     return False
 
 
-def _store(path: Path, url: str, server: S3Server | None, **kw: object) -> Store:
+def _tier(store: Store) -> dict[str, Any]:
+    """The store's ``tier_info()`` (it has a tier)."""
+    info = store.tier_info()
+    assert info is not None
+    return info
+
+
+def _store(path: Path, url: str, server: S3Server | None, **kw: Any) -> Store:
     return Store(path, tier=url, tier_endpoint=None if server is None else server.endpoint, **kw)
 
 
@@ -78,10 +86,10 @@ def test_two_nodes_share_a_bucket(tmp_path: Path, s3_server: S3Server, bucket_ur
     hashes = _hashes(envelope)
     with _store(tmp_path / "a", bucket_url, s3_server) as a:
         assert a.put(envelope).stored == len(hashes)
-        assert a.tier_info()["pending_uploads"] > 0 or a.tier_info()["uploads"] > 0
+        assert _tier(a)["pending_uploads"] > 0 or _tier(a)["uploads"] > 0
         assert a.wait_uploaded(20)
         originals = a.get_many(hashes)
-        assert a.tier_info()["uploads"] == len(hashes)
+        assert _tier(a)["uploads"] == len(hashes)
     # The objects are the verbatim single-block envelopes, under the documented keys.
     url = parse_url(bucket_url)
     s3 = s3_server.client()
@@ -94,14 +102,14 @@ def test_two_nodes_share_a_bucket(tmp_path: Path, s3_server: S3Server, bucket_ur
         assert b.wait_uploaded(20)
         assert b.get_many(hashes) == originals
         assert b.wait_uploaded(20)  # the local copies are committed in the background
-        info = b.tier_info()
+        info = _tier(b)
         assert info["read_through_hits"] == len(hashes)
         assert info["pending_uploads"] == 0  # read-through blocks are not uploaded again
         assert b.stats()["blocks"] == len(hashes)
         assert b.get_many(hashes) == originals  # local now: no second read
-        assert b.tier_info()["read_through_hits"] == len(hashes)
+        assert _tier(b)["read_through_hits"] == len(hashes)
         with b.reader() as r:
-            assert bytes(r.envelope(hashes[3])) == originals[3]
+            assert bytes(r.envelope(hashes[3]) or b"") == originals[3]
         assert b.get(12345) is None
 
 
@@ -122,7 +130,7 @@ def test_prefix_read_through_and_tier_queries(
         assert b.has(chain, tier=True) == [True] * len(hashes) + [False]
         assert b.stats()["blocks"] == 1  # queries read nothing through
         assert b.read_through(chain) == len(hashes)
-        assert b.tier_info()["read_through_hits"] == len(hashes) - 1
+        assert _tier(b)["read_through_hits"] == len(hashes) - 1
         assert b.longest_prefix(chain) == len(hashes)
 
 
@@ -141,15 +149,15 @@ def test_corrupt_and_foreign_objects_are_refused(
     client.put_new(block_key("default", h_other), foreign[0])
     with _store(tmp_path / "b", bucket_url, s3_server, geometry=SMALL) as b:
         assert b.get_many([h_bad, h_moved, h_other]) == [None, None, None]
-        assert b.tier_info()["refused"] == 3
-        assert b.tier_info()["read_through_hits"] == 0
+        assert _tier(b)["refused"] == 3
+        assert _tier(b)["read_through_hits"] == 0
         assert b.stats()["blocks"] == 0
         assert b.read_through([h_bad]) == 0
     # a store that runs with a tier never overwrites an object: the first writer wins
     with _store(tmp_path / "c", bucket_url, s3_server) as c:
         c.put(good[0])
         assert c.wait_uploaded(20)
-    assert bytes(client.get(block_key("default", h_bad))) == bytes(flipped)
+    assert client.get(block_key("default", h_bad)) == bytes(flipped)
     assert h_foreign
 
 
@@ -161,16 +169,16 @@ def test_restart_resumes_pending_uploads(tmp_path: Path, s3_server: S3Server) ->
     with _store(tmp_path / "a", url, s3_server) as a:  # the bucket does not exist yet
         a.put(envelope)
         assert not a.wait_uploaded(1.0)
-        info = a.tier_info()
+        info = _tier(a)
         assert info["pending_uploads"] == len(hashes)
         assert info["errors"] > 0
     with Store(tmp_path / "a") as plain:  # without a tier the set is kept as it is
         assert plain.get(hashes[0]) is not None
     s3_server.client().create_bucket(Bucket=name)  # type: ignore[attr-defined]
     with _store(tmp_path / "a", url, s3_server) as a:
-        assert a.tier_info()["pending_uploads"] == len(hashes)
+        assert _tier(a)["pending_uploads"] == len(hashes)
         assert a.wait_uploaded(20)
-        assert a.tier_info()["uploads"] == len(hashes)
+        assert _tier(a)["uploads"] == len(hashes)
     client = ObjectClient(url, endpoint=s3_server.endpoint)
     assert all(client.exists_many([block_key("default", h) for h in hashes]))
 
@@ -216,7 +224,7 @@ def test_tier_down_mid_run(tmp_path: Path) -> None:
                 assert all(x is not None for x in a.get_many(local))
                 assert a.get(9998) is None  # backed off: no request at all
             t_local = time.perf_counter() - t0
-            info = a.tier_info()
+            info = _tier(a)
             assert info["state"] == "unreachable" and info["errors"] > 0
             assert info["pending_uploads"] == len(_hashes(second))
             assert t_local < 1.0, t_local
@@ -224,7 +232,7 @@ def test_tier_down_mid_run(tmp_path: Path) -> None:
             server.start()  # back, empty: the bucket is made again
             server.client().create_bucket(Bucket=bucket)  # type: ignore[attr-defined]
             assert a.wait_uploaded(60)
-            assert a.tier_info()["state"] == "ok"
+            assert _tier(a)["state"] == "ok"
         client = ObjectClient(url, endpoint=server.endpoint)
         keys = [block_key("default", h) for h in _hashes(second)]
         assert client.exists_many(keys) == [True] * len(keys)
@@ -245,7 +253,7 @@ def test_file_tier(tmp_path: Path) -> None:
     with Store(tmp_path / "b", tier=url) as b:
         assert b.get_many(hashes) == originals
         assert b.wait_uploaded(20)
-        assert b.tier_info()["read_through_hits"] == len(hashes)
+        assert _tier(b)["read_through_hits"] == len(hashes)
 
 
 def test_object_client_errors(tmp_path: Path, s3_server: S3Server) -> None:
@@ -259,7 +267,7 @@ def test_object_client_errors(tmp_path: Path, s3_server: S3Server) -> None:
     local = ObjectClient((tmp_path / "o").as_uri())
     assert local.get("absent") is None
     assert local.put_new("k", b"one") and not local.put_new("k", b"two")
-    assert bytes(local.get("k")) == b"one"
+    assert local.get("k") == b"one"
     assert np.frombuffer(local.get_range("k", 1, 2), np.uint8).tobytes() == b"ne"
 
 
@@ -278,7 +286,7 @@ def test_read_through_blocks_are_evictable(
             assert b.wait_uploaded(20)
         stats = b.stats()
         assert stats["blocks"] == 4 and stats["evictions"] == 4
-        assert b.tier_info()["pending_uploads"] == 0
+        assert _tier(b)["pending_uploads"] == 0
 
 
 @pytest.mark.slow  # a second process
@@ -305,7 +313,7 @@ def test_one_uploader_per_store_directory(
         assert out.returncode == 0, out.stderr
         assert int(out.stdout) == 0  # the second process found the lock taken
         assert first.wait_uploaded(20)
-        assert first.tier_info()["uploads"] == n
+        assert _tier(first)["uploads"] == n
 
 
 def test_models_have_their_own_namespaces_in_the_tier(tmp_path: Path) -> None:
@@ -329,7 +337,7 @@ def test_models_have_their_own_namespaces_in_the_tier(tmp_path: Path) -> None:
         a.model(model_id).put(tuned)
         a.put(base)
         assert a.wait_uploaded(20) and a.model(model_id).wait_uploaded(20)
-        assert a.model(model_id).tier_info()["namespace"] == namespace_of(model_id)
+        assert _tier(a.model(model_id))["namespace"] == namespace_of(model_id)
     shared = tmp_path / "shared"
     for i, h in enumerate(hashes):
         assert (shared / block_key("default", h)).read_bytes() == decode(base).single(i)

@@ -50,6 +50,7 @@ def test_decode_vector(name: str) -> None:
         if env.version == 1:
             assert np.array_equal(got, expected.astype(np.float16).astype(np.float32))
         else:
+            assert bv.scales is not None
             assert np.allclose(got, expected, rtol=2**-4, atol=float(bv.scales.max()) * 2**-9)
     if len(env):
         assert [bytes(p) for p in split(data)] == split(bytearray(data))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from google.protobuf.message import DecodeError
 from hypothesis import given
@@ -97,7 +99,7 @@ def test_malformed_is_refused_like_protobuf(raw: bytes) -> None:
 def test_serialize_writes_protobufs_bytes(
     block_hash: int, n_tokens: int, kv_format: int, payload: bytes, crc: int
 ) -> None:
-    fields = {
+    fields: dict[str, Any] = {
         "block_hash": block_hash,
         "n_tokens": n_tokens,
         "kv_format": kv_format,

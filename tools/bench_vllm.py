@@ -2,17 +2,22 @@
 against no connector, measured in the same run, and the load copy against memcpy.
 
 A random-weight Llama of 12 layers (hidden 768, 12 heads, 4 KV heads, head_dim 64) in f16,
-a 1,024-token prompt, ``max_tokens=1``; every engine in its own process
-(``tools/vllm_demo.py engine``, vLLM's prefix cache off), each first serving a 64-token
-warm-up prompt so that the measured requests are not the engine's first, then three
-distinct 1,024-token prompts, one at a time (an engine's TTFT: their median). Per run (new
-prompts and fresh directories each):
+1,024-token prompts, ``max_tokens=1``; every engine in its own process
+(``tools/vllm_demo.py engine``, vLLM's prefix cache off) serves four distinct prompts, one
+at a time: the first is the engine's first request, the TTFT of the other three (their
+median) is the engine's TTFT. Per run (new prompts and fresh directories each):
 
 - cold without a connector; cold with tlkv saving (store directory); warm with tlkv (a
   fresh engine on that directory); ExampleConnector cold (saving) and warm; warm with
-  tlkv through ``tlkv serve`` (HTTP) on that directory.
+  tlkv through ``tlkv serve`` (HTTP) on that directory, a server that has served a
+  prefix already (of a fifth prompt, saved with the others), as a running one has.
 - Ratios: tlkv warm / Example warm (target <= 1.0), tlkv HTTP warm / Example warm
   (<= 1.3), tlkv warm / cold (<= 0.5), tlkv cold saving / cold (<= 1.15).
+- First load: the TTFT of a fresh engine's first request, every block of it stored,
+  against the first request of a fresh engine without a connector (<= 0.5, as warm vs
+  cold), and against the same engine's later loads: the one-off cost a fresh engine pays,
+  with tlkv (store directory, HTTP) and without (the first request of the cold engine
+  against its later ones: vLLM's own first forward, which tlkv cannot move).
 
 Load bandwidth: the connector's load of 32 stored blocks from a store directory (what
 ``start_load_kv`` runs: each block's reader rules checked, then one pass that copies it
@@ -40,18 +45,19 @@ ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def _ttft(run_engine: Any, model: str, connector: Any, prompts: list[list[int]]) -> dict[str, Any]:
-    """The median TTFT of the measured prompts (all but the warm-up) in one engine, and
-    the fewest tokens any of them had cached."""
+    """One engine's TTFTs: of its first request (``first``) and the median of the others
+    (``seconds``), and the fewest tokens any of them had cached."""
     spec = {
         "model": model,
         "connector": connector,
         "prompts": [{"tokens": p} for p in prompts],
         "max_tokens": 1,
     }
-    results = run_engine(spec, ENV)["results"][1:]
+    results = run_engine(spec, ENV)["results"]
     return {
-        "seconds": statistics.median(r["seconds"] for r in results),
-        "cached": min(r["cached"] for r in results),
+        "first": results[0]["seconds"],
+        "seconds": statistics.median(r["seconds"] for r in results[1 : PROMPTS + 1]),
+        "cached": min(r["cached"] for r in results[: PROMPTS + 1]),
     }
 
 
@@ -67,24 +73,32 @@ def _one_run(run: int, model: str, root: Path) -> dict[str, float]:
     from http_server import ServerProcess
     from vllm_demo import prompt, run_engine, tlkv_config
 
-    prompts = [prompt(64, seed=1000 + run)]
-    prompts += [prompt(TOKENS, seed=10 * run + i) for i in range(PROMPTS)]
+    from kvstore.client import Client
+    from kvstore.codec.hashing import chain_hashes
+    from kvstore.engines._vllm_names import namespace
+
+    prompts = [prompt(TOKENS, seed=10 * run + i) for i in range(PROMPTS + 1)]
+    server_warm_up = prompt(TOKENS, seed=10 * run + 9)  # saved, never measured
     data = str(root / f"tlkv-{run}")
     t: dict[str, float] = {}
-    t["cold"] = _ttft(run_engine, model, None, prompts)["seconds"]
-    t["cold_save"] = _ttft(run_engine, model, tlkv_config(data), prompts)["seconds"]
+    cold = _ttft(run_engine, model, None, prompts)
+    t["cold"], t["cold_first"] = cold["seconds"], cold["first"]
+    saving = _ttft(run_engine, model, tlkv_config(data), [*prompts, server_warm_up])
+    t["cold_save"] = saving["seconds"]
     warm = _ttft(run_engine, model, tlkv_config(data), prompts)
     assert warm["cached"] == (TOKENS - 1) // 32 * 32, warm
-    t["warm"] = warm["seconds"]
+    t["warm"], t["first_load"] = warm["seconds"], warm["first"]
     example = str(root / f"example-{run}")
     _ttft(run_engine, model, _example(example), prompts)
     ex = _ttft(run_engine, model, _example(example), prompts)
     assert ex["cached"] > 0, ex
     t["example_warm"] = ex["seconds"]
     with ServerProcess(Path(data)) as server:
+        with Client(server.url, model=namespace(model, None, "float16")) as client:
+            assert client.prefix(hashes=chain_hashes(server_warm_up[:-1], 32))
         http = _ttft(run_engine, model, tlkv_config(server.url), prompts)
     assert http["cached"] == warm["cached"], http
-    t["http_warm"] = http["seconds"]
+    t["http_warm"], t["http_first_load"] = http["seconds"], http["first"]
     print(f"run {run}: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in t.items()), flush=True)
     return t
 
@@ -99,7 +113,7 @@ def _load_rows(repeat: int) -> list[Row]:
     from kvstore.codec.envelope import Block, encode
     from kvstore.codec.hashing import chain_hashes
     from kvstore.engines._vllm_paged import PagedCache
-    from kvstore.engines._vllm_parts import open_target
+    from kvstore.engines.targets import open_target
 
     g = Geometry(32, MODEL["layers"], MODEL["kv_heads"], MODEL["head_dim"])
     n, blocks_in_cache = 32, 256
@@ -114,7 +128,7 @@ def _load_rows(repeat: int) -> list[Row]:
     paged = PagedCache(caches, g, dict.fromkeys(caches, "CPU_ATTN"))
     ids = list(range(7, 7 + 3 * n, 3))
     with tempfile.TemporaryDirectory() as tmp:
-        target = open_target(tmp, "bench", None, 10.0)
+        target = open_target(tmp, model="bench", timeout=10.0)
         kv = rng.standard_normal((n, *g.kv_shape)).astype(np.float16)
         target.put(encode(g, [Block(h, 32, kv[i]) for i, h in enumerate(hashes)]))
 
@@ -148,12 +162,16 @@ def _load_rows(repeat: int) -> list[Row]:
     ]
 
 
-def _ratio_row(name: str, runs: list[dict[str, float]], num: str, den: str, target: float) -> Row:
+def _ratio_row(
+    name: str, runs: list[dict[str, float]], num: str, den: str, target: float | None = None
+) -> Row:
     ratios = [r[num] / r[den] for r in runs]
     med = statistics.median(ratios)
     each = ", ".join(f"{x:.2f}" for x in ratios)
     value = f"{statistics.median([r[num] for r in runs]) * 1e3:.0f} ms"
     base = f"{den} {statistics.median([r[den] for r in runs]) * 1e3:.0f} ms; runs {each}"
+    if target is None:
+        return Row(name, value, base, med)
     return Row(name, value, base, med, f"<= {target}x", med <= target)
 
 
@@ -175,5 +193,15 @@ def run(args: argparse.Namespace) -> list[Row]:
         ),
         _ratio_row("TTFT warm (tlkv) vs cold (no connector)", runs, "warm", "cold", 0.5),
         _ratio_row("TTFT cold, tlkv saving vs no connector", runs, "cold_save", "cold", 1.15),
+        _ratio_row(
+            "TTFT first request, tlkv store dir vs no connector (fresh engines)",
+            runs,
+            "first_load",
+            "cold_first",
+            0.5,
+        ),
+        _ratio_row("  first load vs later loads, tlkv store dir", runs, "first_load", "warm"),
+        _ratio_row("  first load vs later loads, tlkv HTTP", runs, "http_first_load", "http_warm"),
+        _ratio_row("  first request vs later ones, no connector", runs, "cold_first", "cold"),
         *_load_rows(3 if args.quick else 9),
     ]

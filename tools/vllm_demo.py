@@ -67,11 +67,13 @@ def make_model(
 
 
 def tlkv_config(target: str, role: str = "kv_both", **extra: Any) -> dict[str, Any]:
-    """The ``kv_transfer_config`` of the tlkv connector on ``target``."""
+    """The ``kv_transfer_config`` of the tlkv connector on ``target`` (a block that cannot
+    be loaded is recomputed: ``kv_load_failure_policy``)."""
     return {
         "kv_connector": "TlkvConnector",
         "kv_connector_module_path": "kvstore.engines.vllm",
         "kv_role": role,
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {"target": target, **extra},
     }
 
@@ -94,7 +96,7 @@ def _engine(spec: dict[str, Any]) -> dict[str, Any]:
         model=spec["model"],
         skip_tokenizer_init=True,
         dtype=spec.get("dtype", "float16"),
-        enforce_eager=True,
+        enforce_eager=spec.get("enforce_eager", True),
         block_size=BLOCK_SIZE,
         kv_cache_memory_bytes=KV_CACHE_BYTES,
         enable_prefix_caching=spec.get("enable_prefix_caching", False),
@@ -120,9 +122,10 @@ def _engine(spec: dict[str, Any]) -> dict[str, Any]:
         results.append(
             {
                 "cached": out.num_cached_tokens,
+                "finish_reason": completion.finish_reason,
                 "tokens": list(completion.token_ids),
                 "logprobs": [
-                    lp[t].logprob for t, lp in zip(completion.token_ids, completion.logprobs)
+                    lp[t].logprob for t, lp in zip(completion.token_ids, completion.logprobs or [])
                 ],
                 "seconds": elapsed,
             }

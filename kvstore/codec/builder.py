@@ -7,7 +7,8 @@ copied once more, or joined at the end. The compiled builder
 returns: each part is copied once (``write_crc`` checksums it in the same pass), with the
 GIL released (the next part keeps arriving meanwhile), onto pages populated with one
 ``madvise`` call per part (no 4 KiB page fault per page; no huge-page advice, which costs
-3-5x more on a VM whose idle memory went back to the host: see ``_native.c``), and
+more than it saves on a VM whose idle memory went back to the host: see
+``_native/builder.c``), and
 ``finish()`` trims the object to its size in place. Without the compiled module the same
 interface runs on a ``bytearray`` (one more copy at ``finish()``).
 """

@@ -86,9 +86,9 @@ def scatter_crc(
     run_bytes: int,
     record_bytes: int | None = None,
 ) -> int:
-    """Copy envelopes' block payloads into a paged cache, each envelope's CRC-32C checked
-    in the same pass; returns how many leading blocks are in envelopes that matched their
-    CRC.
+    """Copy envelopes' block payloads, run by run, to their slots in per-layer arrays (a
+    paged KV cache's layout), each envelope's CRC-32C checked in the same pass; returns how
+    many leading blocks are in envelopes that matched their CRC.
 
     A block's payload is ``[L][2][n_heads][run_bytes]``; an envelope's first payload is at
     ``payload_offset`` and its CRC (the trailer) covers every byte before the trailer.

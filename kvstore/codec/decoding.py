@@ -1,15 +1,21 @@
 """The envelope's reader rules: ``decode`` (every rule), ``check_header`` (the rules the 28
-header bytes decide), ``check_finite`` (the stricter finite-values rule), ``check_fill``.
+header bytes decide), ``check_crc`` (the CRC alone), ``check_finite`` (the stricter
+finite-values rule), ``check_fill``, and ``plain_v1_blocks`` (the fast path of a reader
+that checks the CRC while it copies).
 
 Spec: FORMAT.md, section 3 (reader rules, in the order ``decode`` checks them).
 ``decode`` checks sizes before it trusts anything, then the CRC, then the structural rules,
 and never allocates in proportion to the claimed block count before the length check.
-Payload arrays are numpy views into the caller's buffer, never copies.
+Every error names the first rule that fails in that order, also when the caller skips the
+CRC (a reader that checks it while copying): a later rule that fails makes ``decode`` and
+``check_finite`` check the CRC before they raise, so a damaged envelope is reported as
+damaged, in one call. Payload arrays are numpy views into the caller's buffer, never copies.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -17,11 +23,13 @@ import numpy as np
 from ..errors import (
     BadMagicError,
     ChecksumError,
+    EnvelopeError,
     FormatError,
     ShapeError,
     TruncatedError,
     UnsupportedVersionError,
 )
+from .assembly import pack_header
 from .checksum import crc32c
 from .geometry import Geometry
 from .layout import (
@@ -32,6 +40,11 @@ from .layout import (
     MAGIC,
     MIN_ENVELOPE_SIZE,
     NO_HASH,
+    RECORD,
+    RECORD_HASH_DTYPE,
+    RECORD_HASH_OFFSET,
+    RECORD_NTOKENS_DTYPE,
+    RECORD_NTOKENS_OFFSET,
     RECORD_SIZE,
     SCALE_DTYPE,
     SUPPORTED_VERSIONS,
@@ -42,7 +55,14 @@ from .layout import (
 from .numerics import E4M3_NAN_MASK, SCALE_MAX, all_finite_f16
 from .views import Envelope
 
-__all__ = ["check_fill", "check_finite", "check_header", "decode"]
+__all__ = [
+    "check_crc",
+    "check_fill",
+    "check_finite",
+    "check_header",
+    "decode",
+    "plain_v1_blocks",
+]
 
 
 def check_fill(where: str, block_hash: int, n_tokens: int, block_tokens: int) -> None:
@@ -193,19 +213,96 @@ def decode(
     mv = _as_bytes_view(data)
     version, dtype, n_blocks, header_geometry, _ = _frame(mv, len(mv), versions)
     if verify_crc:
-        body_end = len(mv) - TRAILER_SIZE
-        (stored,) = TRAILER.unpack_from(mv, body_end)
-        actual = crc32c(mv[:body_end])
-        if stored != actual:
-            raise ChecksumError(
-                f"rule 'the CRC matches' failed at offset {body_end}: "
-                f"expected {actual:#010x}, found {stored:#010x}"
-            )
-    _fit(version, dtype, header_geometry, geometry, tuple(versions))
-    env = Envelope(mv, version, header_geometry, n_blocks, alive)
-    if n_blocks:
-        _check_fills(env)
+        _check_crc(mv)
+    try:
+        _fit(version, dtype, header_geometry, geometry, tuple(versions))
+        env = Envelope(mv, version, header_geometry, n_blocks, alive)
+        if n_blocks:
+            _check_fills(env)
+    except EnvelopeError:
+        if not verify_crc:  # the CRC comes first: a damaged envelope is reported as such
+            _check_crc(mv)
+        raise
     return env
+
+
+def _check_crc(mv: memoryview) -> None:
+    body_end = len(mv) - TRAILER_SIZE
+    (stored,) = TRAILER.unpack_from(mv, body_end)
+    actual = crc32c(mv[:body_end])
+    if stored != actual:
+        raise ChecksumError(
+            f"rule 'the CRC matches' failed at offset {body_end}: "
+            f"expected {actual:#010x}, found {stored:#010x}"
+        )
+
+
+def check_crc(data: Any) -> None:
+    """The rule "the CRC matches" alone, on an envelope whose length rules hold (one that
+    ``decode`` took with ``verify_crc=False``).
+
+    Raises:
+        ChecksumError: the trailing CRC-32C is not the bytes' (naming both values).
+        TruncatedError: fewer than 32 bytes.
+    """
+    mv = _as_bytes_view(data)
+    if len(mv) < MIN_ENVELOPE_SIZE:
+        raise TruncatedError(
+            f"rule 'length is at least {MIN_ENVELOPE_SIZE}' failed: found {len(mv)} bytes"
+        )
+    _check_crc(mv)
+
+
+def plain_v1_blocks(
+    data: Any, geometry: Geometry, hashes: Sequence[int] | np.ndarray | None = None
+) -> int | None:
+    """How many blocks ``data`` holds when it is, by every reader rule but the CRC, a v1
+    envelope of one or more full blocks of ``geometry`` -- whose hashes are the leading
+    ``hashes``, in order, when given; None for anything else (``decode`` then names the
+    rule that fails, or the block that is not the one asked for).
+
+    The fast path of a reader that copies the payloads and checks the CRC in the same pass
+    (an engine's fused load): the 28 header bytes are compared with the ones such an
+    envelope has (magic, version, dtype, block count, ``geometry``), the length with the
+    one they imply, and every record's ``n_tokens`` (``B``: any hash is then allowed) and
+    hash are read as one strided array.
+    """
+    try:
+        mv = _as_bytes_view(data)
+    except (FormatError, TypeError):
+        return None
+    stride = geometry.record_bytes(VERSION_V1)
+    n, extra = divmod(len(mv) - HEADER_SIZE - TRAILER_SIZE, stride)
+    if extra or n < 1 or (hashes is not None and n > len(hashes)):
+        return None
+    if mv[:HEADER_SIZE] != _v1_header(geometry, n):
+        return None
+    if n == 1:
+        block_hash, n_tokens = RECORD.unpack_from(mv, HEADER_SIZE)
+        ok = n_tokens == geometry.block_tokens and (hashes is None or block_hash == hashes[0])
+        return 1 if ok else None
+    fills = _records_field(mv, n, stride, RECORD_NTOKENS_DTYPE, RECORD_NTOKENS_OFFSET)
+    if not (fills == geometry.block_tokens).all():
+        return None
+    if hashes is not None:
+        got = _records_field(mv, n, stride, RECORD_HASH_DTYPE, RECORD_HASH_OFFSET)
+        if not (got == np.asarray(hashes[:n], dtype=np.uint64)).all():
+            return None
+    return n
+
+
+@lru_cache(maxsize=256)
+def _v1_header(geometry: Geometry, n_blocks: int) -> bytes:
+    """The header of a v1 envelope of ``n_blocks`` blocks of ``geometry``."""
+    return pack_header(VERSION_V1, geometry, n_blocks)
+
+
+def _records_field(mv: memoryview, n: int, stride: int, dtype: str, offset: int) -> np.ndarray:
+    """One field of every record as a strided view (no copy)."""
+    field: np.ndarray = np.ndarray(
+        (n,), dtype, buffer=mv, offset=HEADER_SIZE + offset, strides=(stride,)
+    )
+    return field
 
 
 def _check_fills(env: Envelope) -> None:
@@ -228,6 +325,8 @@ def check_finite(env: Envelope) -> None:
 
     Raises:
         FormatError: naming the block, its offset, the layer, K or V, and the head.
+        ChecksumError: a value is not finite and the CRC fails too (the CRC's rule is
+            checked before this one).
     """
     if not len(env):
         return
@@ -263,6 +362,7 @@ def check_finite(env: Envelope) -> None:
             continue
         layer, kv_, head = (int(x[0]) for x in np.nonzero(bad))
         offset = HEADER_SIZE + i * env.record_bytes
+        _check_crc(env.data)  # the CRC comes first: damaged bytes are reported as such
         raise FormatError(
             f"block {i} at offset {offset}: rule 'values are finite' failed: {what} in layer "
             f"{layer}, {'KV'[kv_]}, head {head}"

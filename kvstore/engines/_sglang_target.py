@@ -10,7 +10,7 @@ from contextlib import AbstractContextManager, suppress
 from ..codec.envelope import BlockView
 from ..codec.geometry import Geometry
 from ..errors import PinnedError
-from ._vllm_parts import Target, open_target
+from .targets import Target, open_target
 
 __all__ = ["PageTarget", "open_page_target"]
 
@@ -66,4 +66,4 @@ class PageTarget:
 
 def open_page_target(spec: str, namespace: str, token: str | None, timeout: float) -> PageTarget:
     """Namespace ``namespace`` of the target ``spec``."""
-    return PageTarget(open_target(spec, namespace, token, timeout))
+    return PageTarget(open_target(spec, model=namespace, token=token, timeout=timeout))

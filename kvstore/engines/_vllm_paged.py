@@ -1,12 +1,17 @@
 """vLLM's paged KV cache <-> tlkv blocks: the layout check at registration, one gather per
-layer for the blocks saved; for the blocks loaded, stored single-block envelopes copied
-straight into their paged blocks with each CRC checked in the same pass (compiled
-``scatter_crc``, a CPU f16 cache), else checked views copied per block and layer.
+layer for the blocks saved; for the blocks loaded, stored v1 envelopes copied straight into
+their paged blocks with each CRC checked in the same pass (compiled ``scatter_crc``, a CPU
+f16 cache), else checked views copied per block and layer. ``PagedCache`` is the
+``BlockSlots`` a target loads into.
 
-A block of the envelope is ``[L][2][Hkv][B][D]``; the CPU attention backend keeps each
-layer as ``[num_blocks, Hkv, B, 2 * D]`` whose bytes per (block, head) are ``B`` key rows
-then ``B`` value rows, i.e. a ``[num_blocks, Hkv, 2, B, D]`` view (``_vllm_parts``). Every
-fact the connector relies on is checked against what vLLM registered, or refused.
+The one paged layout read and written here is vLLM's CPU attention backend (``CPU_ATTN``):
+each layer's cache is ``[num_blocks, Hkv, B, 2 * D]`` whose memory per (block, head) is the
+block's ``B`` key rows then its ``B`` value rows (``cpu_attn.py`` views it as
+``[num_blocks, Hkv, 2 * B, D]`` and chunks dim 2), i.e. a ``[num_blocks, Hkv, 2, B, D]``
+view; a block of the envelope is ``[L][2][Hkv][B][D]``. Any other backend, a quantized
+``kv_cache_dtype``, MLA, sliding windows, several KV cache groups or tensor/pipeline
+parallelism is refused with ``UnsupportedLayoutError``. Every fact the connector relies on
+is checked against what vLLM registered, or refused.
 """
 
 from __future__ import annotations
@@ -22,10 +27,18 @@ from ..codec.checksum import scatter_crc
 from ..codec.envelope import Block, BlockView, encode
 from ..codec.geometry import Geometry
 from ..codec.layout import HEADER_SIZE, RECORD_SIZE
+from ..errors import CacheLayoutError
 from ..kvlayout import layers_from_views
-from ._vllm_parts import KNOWN_BACKENDS, UnsupportedLayoutError
 
-__all__ = ["PagedCache", "check_config"]
+__all__ = ["KNOWN_BACKENDS", "PagedCache", "UnsupportedLayoutError", "check_config"]
+
+KNOWN_BACKENDS = ("CPU_ATTN",)  # paged layouts this module reads and writes
+
+
+class UnsupportedLayoutError(CacheLayoutError):
+    """vLLM's KV cache is laid out in a way the connector cannot show it reads and fills
+    exactly (another attention backend, a quantized kv_cache_dtype, MLA, sliding windows,
+    hybrid groups, parallel shards): the connector stays off and vLLM computes every token."""
 
 
 def check_config(vllm_config: Any, kv_cache_config: Any) -> Geometry:

@@ -134,7 +134,7 @@ def namespace_for(
     parallelism; pipeline and context parts appear only when their size is above 1.
     ``salt``: a ``cache_salt`` SGLang passed beside the keys.
     """
-    from ._vllm_parts import namespace, salted
+    from ._vllm_names import namespace, salted
 
     shard = "sglang-tp{}of{}".format(*tp)
     for kind, (rank, size) in (("pp", pp), ("cp", cp)):

@@ -40,9 +40,8 @@ import numpy as np
 from ..codec.envelope import encode
 from ..codec.geometry import Geometry
 from ..codec.hashing import chain_hashes
-from ..errors import CacheLayoutError, InvalidRequestError, ShapeError
+from ..errors import CacheLayoutError, ShapeError
 from ..kvlayout import blocks_from_layers, fill_layers, layers_from_views
-from . import as_target
 from .hfcache import (
     check_fits,
     fill_cache,
@@ -52,6 +51,7 @@ from .hfcache import (
     static_buffers,
     window_error,
 )
+from .targets import Target, as_target
 
 __all__ = ["DEFAULT_BLOCK_TOKENS", "load_prefix", "model_geometry", "save_prefix"]
 
@@ -146,7 +146,7 @@ def save_prefix(
 
     Args:
         target: a ``Store``, a ``kvstore.client.Client``, a ``TransferClient`` or a
-            ``BlockTarget``.
+            ``Target`` (``kvstore.engines.targets``).
         input_ids: the prompt, ``[1, T]`` or ``[T]`` (tensor, array or list); with
             ``row``, ``[batch, T]`` too.
         past_key_values, cache: the model's cache after running it on the prompt, given
@@ -193,7 +193,7 @@ def save_prefix(
                 f"D={model.head_dim}; the model's config says L={expected.n_layers}, "
                 f"Hkv={expected.n_kv_heads}, D={expected.head_dim}"
             )
-    stored = tgt.block_geometry()
+    stored = tgt.geometry()
     if stored is not None and block_tokens is not None and stored.block_tokens != block_tokens:
         raise ShapeError(
             f"the target holds block_tokens {stored.block_tokens}, asked for {block_tokens}"
@@ -206,14 +206,14 @@ def save_prefix(
     for layer in layers:
         if layer.start > 0:  # checked before anything is asked of the target
             raise window_error(layer, len(hashes) * g.block_tokens, g.block_tokens)
-    present = tgt.has_blocks(hashes)
+    present = tgt.has(hashes)
     if all(present):
         return 0
     cpu_keys = [layer.keys.detach().cpu() for layer in layers]  # no copy for CPU tensors
     cpu_values = [layer.values.detach().cpu() for layer in layers]
     blocks = blocks_from_layers(cpu_keys, cpu_values, ids, g, tail=False)
     missing = [blk for blk, here in zip(blocks, present) if not here]
-    return tgt.put_envelope(encode(g, missing, version))
+    return tgt.put(encode(g, missing, version))
 
 
 def _to_torch(torch: Any, arr: np.ndarray, dtype: Any, device: Any) -> Any:
@@ -243,11 +243,11 @@ def _empty_cache(config: Any) -> Any:
     return DynamicCache(config=_config_of(config)) if config is not None else DynamicCache()
 
 
-def _fetch_geometry(src: Any, ids: np.ndarray, config: Any, block_tokens: int | None) -> Any:
-    """The geometry to hash ``ids`` with: the source's, or for a source that cannot tell
-    it (tl.kv.v1) None, which makes ``load_prefix`` fetch by tokens."""
-    g = src.block_geometry()
-    if g is not None or getattr(src, "knows_geometry", True):
+def _fetch_geometry(src: Target, config: Any, block_tokens: int | None) -> Geometry | None:
+    """The geometry to hash the prompt with: the source's, or for a source that cannot
+    tell it (tl.kv.v1) None, which makes ``load_prefix`` fetch by tokens."""
+    g = src.geometry()
+    if g is not None or src.knows_geometry:
         return g
     if block_tokens is not None:
         if config is None:
@@ -270,7 +270,7 @@ def load_prefix(
 
     Args:
         source: a ``Store`` (reading through its tier), a ``kvstore.client.Client``, a
-            ``TransferClient`` or a ``BlockTarget``.
+            ``TransferClient`` or a ``Target`` (``kvstore.engines.targets``).
         input_ids: the prompt, ``[1, T]`` or ``[T]``.
         cache: an empty cache of the engine's to fill instead of a new ``DynamicCache``:
             a ``StaticCache`` (its preallocated buffers are filled in place, allocated by
@@ -308,8 +308,8 @@ def load_prefix(
             )
     if config is not None:
         refuse_cache(None, _config_of(config))
-    g = _fetch_geometry(src, ids, config, block_tokens)
-    if g is None and getattr(src, "knows_geometry", True):
+    g = _fetch_geometry(src, config, block_tokens)
+    if g is None and src.knows_geometry:
         return 0, cache
     if g is not None and config is not None:
         _check_geometry(g, model_geometry(config, g.block_tokens))
@@ -319,15 +319,9 @@ def load_prefix(
     prompt = ids[: max(len(ids) - 1, 0)]
     if g is not None:
         hashes = chain_hashes(prompt, g.block_tokens)
-        views_cm = src.prefix_views(hashes) if hashes else None
-    else:
-        by_tokens: Any = src  # a source with knows_geometry False asks by tokens
-        if not hasattr(by_tokens, "prefix_views_for_tokens"):
-            raise InvalidRequestError(
-                f"{type(src).__name__} cannot tell its geometry and has no "
-                f"prefix_views_for_tokens: pass config= and block_tokens="
-            )
-        views_cm = by_tokens.prefix_views_for_tokens(prompt) if len(prompt) else None
+        views_cm = src.views(hashes) if hashes else None
+    else:  # a source that cannot tell its geometry hashes the tokens itself, or refuses
+        views_cm = src.views_for_tokens(prompt.tolist()) if len(prompt) else None
     if views_cm is None:
         return 0, cache
     with views_cm as views:

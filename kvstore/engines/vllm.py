@@ -5,10 +5,11 @@ disaggregation through a ``tlkv serve``::
 
     --kv-transfer-config '{"kv_connector": "TlkvConnector",
       "kv_connector_module_path": "kvstore.engines.vllm", "kv_role": "kv_both",
+      "kv_load_failure_policy": "recompute",
       "kv_connector_extra_config": {"target": "./tlkv-data"}}'
 
 Extra config: ``target`` (a store directory, ``http://host:port`` or ``grpc://host:port``),
-``model`` (the namespace; default derived from the model config, ``_vllm_parts``),
+``model`` (the namespace; default derived from the model config, ``_vllm_names``),
 ``format`` (1, default, or 2), ``token`` (else ``TLKV_TOKEN``), ``timeout`` (seconds per
 call to a server, default 5).
 
@@ -28,19 +29,23 @@ Choices:
   CRC-32C; a block that fails (and the ones after it) is reported as not loaded before
   the forward runs, and quarantined. Blocks from a server are checked the same way (the
   prefix's envelope: reader rules and each block's hash, then one pass that copies and
-  checks its CRC), fetched by the worker in ``start_load_kv``. (A fetch started on a
-  thread at the scheduler's lookup measured no faster on 2 cores, and 20-30 ms slower in
-  some engines: that thread, the server and vLLM's threads contend.)
+  checks its CRC), fetched by the worker in ``start_load_kv``, not ahead on a thread of
+  the scheduler's lookup: that thread, the server and vLLM's threads would contend for
+  the cores (BENCHMARKS.md, vllm).
 - Roles: ``kv_both`` loads and saves, ``kv_producer`` only saves, ``kv_consumer`` only loads.
 - Never cached: requests with a LoRA adapter, multimodal inputs or prompt embeddings. A
   ``cache_salt`` gives the request a namespace of its own.
-- Failure never breaks a request: a lookup that fails is no match; a load that fails
-  or comes back short (a block evicted, corrupt and quarantined, a server down) reports
-  its blocks through ``get_block_ids_with_load_errors`` and vLLM recomputes them (the
-  connector sets ``kv_load_failure_policy`` to ``recompute``); a save that fails is
-  dropped. Each is counted in ``TlkvConnectorStats`` (handed to vLLM's stats loggers
-  through ``get_kv_connector_stats``: the "KV Transfer metrics" line of a server with
-  stats logging; no Prometheus series of its own) and logged once per kind.
+- Failures: a lookup that fails is no match (vLLM computes the prompt); a load that
+  fails or comes back short (a block evicted, corrupt and quarantined, a server down)
+  reports its blocks through ``get_block_ids_with_load_errors``, and vLLM does what its
+  ``kv_load_failure_policy`` says: ``recompute`` (the configuration above) recomputes
+  them, vLLM's default ``fail`` fails the request. The connector leaves the policy as
+  configured, so that what vLLM logs in its config line is what it does, and warns at
+  start-up when it is ``fail``. A save that fails is dropped (nothing is recomputed: the
+  blocks are computed already, they are only not stored). Each is counted in
+  ``TlkvConnectorStats`` (handed to vLLM's stats loggers through
+  ``get_kv_connector_stats``: the "KV Transfer metrics" line of a server with stats
+  logging; no Prometheus series of its own) and logged once per kind.
 - A layout the connector cannot show it reads exactly is refused at start-up by name
   (``UnsupportedLayoutError``, logged); the connector then does nothing. A target whose
   namespace holds another geometry stops the engine at start-up (``ShapeError`` naming
@@ -60,8 +65,11 @@ from typing import Any
 
 from ..codec.hashing import chain_hashes
 from ..errors import ShapeError
-from ._vllm_parts import Saver, Target, UnsupportedLayoutError, namespace, open_target, salted
+from ._vllm_names import namespace, salted
+from ._vllm_paged import PagedCache, UnsupportedLayoutError, check_config
+from ._vllm_saver import Saver
 from ._vllm_stats import TlkvConnectorStats
+from .targets import Target, open_target
 
 try:
     import vllm
@@ -78,6 +86,9 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 __all__ = ["TESTED_VLLM", "TlkvConnector", "TlkvConnectorStats", "UnsupportedLayoutError"]
 
 TESTED_VLLM = "0.32.0"
+# The receive buffer a worker maps at start-up for a server target's loads: larger prompts'
+# first loads map the rest as they arrive.
+_PREPARED_BYTES_MAX = 64 << 20
 log = logging.getLogger("vllm.tlkv")  # under vLLM's logger: its handlers and level
 
 # The parts of KVConnectorBase_V1 the connector implements, with their parameters.
@@ -181,22 +192,30 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._warned: set[str] = set()
         self._load_errors: set[int] = set()
         self._paged: Any = None
-        if cfg.kv_load_failure_policy != "recompute":
-            cfg.kv_load_failure_policy = "recompute"  # a failed load is recomputed
+        self._recompute = cfg.kv_load_failure_policy == "recompute"
         self._off: str | None = None
         try:
-            self._geometry = _check_config(vllm_config, kv_cache_config)
+            self._geometry = check_config(vllm_config, kv_cache_config)
         except UnsupportedLayoutError as exc:
             self._refuse(exc)
         else:
             self._check_target_geometry()  # ShapeError: the engine does not start
         log.info(
-            "tlkv connector: role %s, namespace %s, target %s, %s",
+            "tlkv connector: role %s, namespace %s, target %s, kv_load_failure_policy %s, %s",
             cfg.kv_role,
             self._model,
             self._target_spec,
+            cfg.kv_load_failure_policy,
             "off: " + self._off if self._off else "on",
         )
+        if self._load_on and not self._recompute and self.role == KVConnectorRole.SCHEDULER:
+            log.warning(
+                "tlkv connector: kv_load_failure_policy is %r: a request whose blocks tlkv "
+                "cannot load (evicted, corrupt, a server down) fails; add "
+                '"kv_load_failure_policy": "recompute" to --kv-transfer-config to recompute '
+                "them instead",
+                cfg.kv_load_failure_policy,
+            )
 
     # --- shared ---------------------------------------------------------------------
 
@@ -208,17 +227,35 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         t = self._targets.get(model)
         if t is None:
             t = self._targets[model] = open_target(
-                self._target_spec, model, self._token, self._timeout
+                self._target_spec, model=model, token=self._token, timeout=self._timeout
             )
         return t
 
     def _failed(self, kind: str, exc: BaseException) -> None:
-        """Log the first failure of each kind at WARNING, the rest at DEBUG."""
+        """Log the first failure of each kind at WARNING, the rest at DEBUG, with what
+        follows from it."""
         level = logging.DEBUG if kind in self._warned else logging.WARNING
         self._warned.add(kind)
         log.log(
-            level, "tlkv %s failed (vLLM computes instead): %s: %s", kind, type(exc).__name__, exc
+            level,
+            "tlkv %s failed (%s): %s: %s",
+            kind,
+            self._consequence(kind),
+            type(exc).__name__,
+            exc,
         )
+
+    def _consequence(self, kind: str) -> str:
+        """What a failure of ``kind`` means for the engine."""
+        if kind == "load":
+            if self._recompute:
+                return "vLLM recomputes the blocks not loaded"
+            return "vLLM fails the request: kv_load_failure_policy is 'fail'"
+        if kind == "lookup":
+            return "nothing is loaded: vLLM computes the prompt"
+        if kind == "save":
+            return "the blocks are not stored; the request is unaffected"
+        return "the first lookup or load tries the target again"  # at start-up
 
     def _check_target_geometry(self) -> None:
         if self.role != KVConnectorRole.SCHEDULER:
@@ -340,11 +377,11 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # --- worker side ----------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        """Learn each layer's paged layout; refuse (and stay off) what is not understood."""
+        """Learn each layer's paged layout; refuse (and stay off) what is not understood.
+        Then prepare the loads' target, so that the engine's first load costs what the
+        next ones do."""
         if self._off:
             return
-        from ._vllm_paged import PagedCache
-
         ctx = self._vllm_config.compilation_config.static_forward_context
         backends = {}
         for name in kv_caches:
@@ -355,6 +392,21 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._paged = PagedCache(kv_caches, self._geometry, backends)
         except UnsupportedLayoutError as exc:
             self._refuse(exc)
+            return
+        if self._load_on:
+            self._prepare_loads()
+
+    def _prepare_loads(self) -> None:
+        """Open the worker's target and connect it, with a receive buffer mapped for the
+        envelope of the longest prompt (up to ``_PREPARED_BYTES_MAX``): at start-up, not
+        at the first load. A server down now is only logged (the first load connects)."""
+        g = self._geometry
+        blocks = self._vllm_config.model_config.max_model_len // g.block_tokens
+        size = min(g.envelope_bytes(blocks, 1), _PREPARED_BYTES_MAX)
+        try:
+            self._target(self._model).prepare(size)
+        except Exception as exc:
+            self._failed("start-up connection", exc)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Copy this step's planned blocks into their block ids; blocks that could not be
@@ -453,9 +505,3 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for t in self._targets.values():
             t.close()
         self._targets.clear()
-
-
-def _check_config(vllm_config: Any, kv_cache_config: Any) -> Any:
-    from ._vllm_paged import check_config
-
-    return check_config(vllm_config, kv_cache_config)

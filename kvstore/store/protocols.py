@@ -4,7 +4,7 @@ component) is checked against what is really needed, and ``Store`` satisfies the
 
 - ``ArchiveSource``: what ``archive.create`` reads (a snapshot of models).
 - ``RestoreTarget``: what the archive restore writes through (journals, batches).
-- ``BlockStore``: what an engine adapter uses (``engines.StoreTarget``, the vLLM parts).
+- ``BlockStore``: what an engine target uses (``engines.targets.StoreTarget``).
 - ``HandleCounters`` and ``ServedStore``: what the service's metrics read.
 - ``BufferSource``: what the HTTP fast path reads (zero-copy buffers).
 """

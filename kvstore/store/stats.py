@@ -9,7 +9,7 @@ beside them for models > 0; the default model's are the totals minus every other
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict
 
 from .diskformat import (
     COUNTER_KEYS,
@@ -22,6 +22,20 @@ from .diskformat import (
     own_full_blocks,
 )
 from .state import Handle
+
+
+class StoreStats(TypedDict):
+    """What ``Store.stats`` answers (see its docstring)."""
+
+    blocks: int
+    bytes: int
+    capacity_bytes: int | None
+    pinned_blocks: int
+    sequences: int
+    hits: int
+    misses: int
+    evictions: int
+    corrupt: int
 
 
 def _counters(h: Handle, txn: Any) -> dict[bytes, int]:
@@ -53,7 +67,7 @@ def total_bytes(h: Handle) -> int:
         h.end_read(txn)
 
 
-def stats(h: Handle) -> dict[str, int | None]:
+def stats(h: Handle) -> StoreStats:
     """``Store.stats``: the model's counters as ``h`` sees them."""
     txn = h.begin_read(True)
     dbs = h.dbs

@@ -488,7 +488,7 @@ class Store:
         """The bytes stored by every model together (what ``capacity_bytes`` bounds)."""
         return _stats.total_bytes(self._h)
 
-    def stats(self) -> dict[str, int | None]:
+    def stats(self) -> _stats.StoreStats:
         """blocks, bytes, capacity_bytes, pinned_blocks, sequences, hits, misses, evictions,
         corrupt (hits and misses: this process's reads since it opened the store;
         pinned_blocks: the stored blocks sequences reference, plus the full blocks

@@ -13,8 +13,8 @@ and a store without a geometry yet reads it from there (``learned_geometry``).
 
 The local copy of a read-through block is committed by a filler thread (``_Filler``), so
 ``get`` serves the validated bytes without waiting for a durable local write of a block
-the tier holds anyway (measured: the durable commit of 128 x 2 MiB took longer than
-fetching them). ``read_through``, whose callers serve from LMDB's map, waits for it.
+the tier holds anyway (a durable commit of a large read-through takes longer than fetching
+it). ``read_through``, whose callers serve from LMDB's map, waits for it.
 """
 
 from __future__ import annotations

@@ -13,10 +13,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
+from ..codec.decoding import check_crc
 from ..codec.envelope import Envelope, check_finite, decode
 from ..codec.geometry import Geometry
 from ..codec.layout import NO_HASH
-from ..errors import ChecksumError, EnvelopeError, PinnedError
+from ..errors import ChecksumError, PinnedError
 from .checks import check_hash, check_sequence_blocks, seq_key
 from .diskformat import BLOCK_KEY
 from .journal import RestoreJournal
@@ -29,27 +30,22 @@ T = TypeVar("T")
 
 
 def validate(h: Handle, data: Any, geometry: Geometry | None = None) -> Envelope:
-    """Every reader rule but the CRC (checked while writing); errors in the codec's order.
+    """Every reader rule but the CRC (checked while writing); a rule that fails is named
+    in the codec's order (the codec checks the CRC before it names a later rule).
 
     ``data``: envelope bytes (any buffer), or an ``Envelope`` that ``decode`` returned
     (not decoded again: its geometry must be the model's, and the finite rule holds)."""
     if geometry is None and h.geometry is None and h.tier is not None:
         geometry = h.tier.learned_geometry()  # the namespace's in the tier, if any
     geometry = geometry or h.geometry
-    try:
-        if isinstance(data, Envelope):
-            env = data
-            if geometry is not None and env.geometry != geometry:
-                raise EnvelopeError("another geometry")  # the codec's error follows
-        else:
-            env = decode(data, geometry, verify_crc=False)
-        if not h.env.allow_nonfinite:
-            check_finite(env)
-        return env
-    except EnvelopeError:
-        # raises the codec's own error, the CRC checked first
-        decode(data.data if isinstance(data, Envelope) else data, geometry)
-        raise
+    if isinstance(data, Envelope) and (geometry is None or data.geometry == geometry):
+        env = data  # decoded already, and it fits the model
+    else:  # another geometry's Envelope: the codec names the rule
+        raw = data.data if isinstance(data, Envelope) else data
+        env = decode(raw, geometry, verify_crc=False)
+    if not h.env.allow_nonfinite:
+        check_finite(env)
+    return env
 
 
 def _run(h: Handle, body: Callable[[WriteTxn], T], need: int) -> T:
@@ -58,7 +54,7 @@ def _run(h: Handle, body: Callable[[WriteTxn], T], need: int) -> T:
     try:
         result = h.write(body, need, create=True)
     except CrcMismatch as exc:
-        decode(exc.envelope.data)  # raises ChecksumError with the codec's message
+        check_crc(exc.envelope.data)  # raises ChecksumError with the codec's message
         raise ChecksumError("rule 'the CRC matches' failed") from None
     if h.tier is not None:
         h.tier.uploader.wake()

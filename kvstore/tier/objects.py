@@ -1,13 +1,11 @@
 """The object client: one object store (S3-compatible or a shared directory) over obstore.
 
-obstore (Rust ``object_store``) was chosen by measurement against moto's S3 server on
-loopback (64 x 2 MiB, 16 in flight, three runs): puts 161-201 MiB/s (boto3 in threads
-124-184), gets 115-169 MiB/s (boto3 223-246: there the in-process Python server is the
-limit, and boto3's threads take its GIL less often than they give it up); beyond speed,
-it does everything the tier needs with one API and no thread per request: conditional
-create (``If-None-Match: *``, ``mode="create"``), ranged GETs, streaming multipart uploads
-with bounded memory (``open_writer``), ``file://`` through the same calls, and transfers
-that run without the GIL, leaving the CPU to LMDB and the CRC.
+obstore (Rust ``object_store``) puts as fast as boto3 in threads or faster (its
+comparison against boto3 on moto's S3 server: BENCHMARKS.md, "Measurements behind design
+choices"), and it does everything the tier needs with one API and no thread per request:
+conditional create (``If-None-Match: *``, ``mode="create"``), ranged GETs, streaming
+multipart uploads with bounded memory (``open_writer``), ``file://`` through the same
+calls, and transfers that run without the GIL, leaving the CPU to LMDB and the CRC.
 
 Every call runs on one private asyncio loop thread; the sync wrappers here wait for it.
 Failures of the server or the network become :class:`~kvstore.errors.TierError`.

@@ -9,7 +9,7 @@ single-block envelope size``; its chunks are planned by the stream rules the ser
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -124,6 +124,14 @@ class TransferClient:
     def close(self) -> None:
         """Close the channel."""
         self._channel.close()
+
+    def connect(self) -> None:
+        """Connect the channel now (gRPC connects at the first call otherwise).
+
+        Raises:
+            grpc.FutureTimeoutError: not connected within the client's timeout.
+        """
+        grpc.channel_ready_future(self._channel).result(timeout=self._timeout)
 
     def __enter__(self) -> TransferClient:
         return self
@@ -278,7 +286,7 @@ class TransferClient:
         tokens: Sequence[int] | None = None,
         hashes: Iterable[Any] | None = None,
         kv_format: int = 0,
-    ) -> Iterator[Envelope]:
+    ) -> Generator[Envelope, None, None]:
         """The longest prefix the server holds, streamed: one checked single-block
         ``Envelope`` per block, in order, as its chunk arrives (``env[0]`` is the block).
 

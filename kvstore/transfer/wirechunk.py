@@ -1,9 +1,9 @@
 """``KvChunk`` messages without copying payloads: PushKv's requests and FetchKv's responses.
 
 The generated ``KvChunk.FromString`` copies each 2 MiB payload into protobuf's arena, and
-reading ``chunk.payload`` copies it again into a new ``bytes`` (1.4 ms per 2 MiB here,
-holding the GIL). The server's PushKv and ``TransferClient.fetch`` register
-:func:`parse_chunk` as their deserializer instead: the payload becomes a ``memoryview``
+reading ``chunk.payload`` copies it again into a new ``bytes`` (holding the GIL). The
+server's PushKv and ``TransferClient.fetch`` register :func:`parse_chunk` as their
+deserializer instead: the payload becomes a ``memoryview``
 into the message bytes gRPC hands over (the store, or the joined envelope, copies it
 once). The parser follows protobuf's wire rules for proto3 (the fields of
 ``api/proto/tl/kv/v1/kv.proto``): fields in any order, the last occurrence wins, unknown

@@ -1,9 +1,21 @@
-"""kvstore.engines._vllm_buffers without vLLM: a receive buffer is lent to one taker at a
+"""kvstore.engines._buffers: a receive buffer is lent to one taker at a
 time, used again once given back, and kept within its bounds."""
 
 from __future__ import annotations
 
-from kvstore.engines._vllm_buffers import ReceiveBuffers
+from kvstore.engines._buffers import ReceiveBuffers
+
+
+def test_a_reserved_buffer_is_mapped_and_lent_first() -> None:
+    bufs = ReceiveBuffers(keep=2, keep_bytes=1 << 20)
+    bufs.reserve(1 << 16)
+    a = bufs.take(1 << 15)
+    assert a.nbytes == 1 << 16 and not a.any()  # written once at reserve: its pages mapped
+    bufs.give(a)
+    bufs.reserve(2 << 20)  # over keep_bytes: not kept
+    assert bufs.take(1 << 16) is a
+    bufs.reserve(0)
+    assert bufs.take(1).nbytes == 1
 
 
 def test_receive_buffers_are_used_again_within_their_bounds() -> None:

@@ -1,9 +1,9 @@
-"""Receive buffers of the vLLM connector's server targets.
+"""Receive buffers of the HTTP target (``targets.HttpTarget``).
 
-A server's answer is read into a buffer used again, whose pages stay mapped: a 12 MiB
-answer (a 1,024-token prompt of a 12-layer model) read into new memory takes ~3,000 page
-faults, as many as the kernel's copy (8.5 ms of client CPU per answer against 1.9 ms into
-a buffer used again, on loopback, measured in one session).
+A server's answer is read into a buffer used again, whose pages stay mapped: an answer
+read into new memory takes a page fault per 4 KiB page (~3,000 for the 12 MiB of a
+1,024-token prompt of a 12-layer model), which costs more client CPU than the kernel's
+copy itself (BENCHMARKS.md, vllm).
 """
 
 from __future__ import annotations
@@ -32,6 +32,14 @@ class ReceiveBuffers:
                 if buf.nbytes >= nbytes:
                     return self._free.pop(i)
         return np.empty(nbytes, np.uint8)
+
+    def reserve(self, nbytes: int) -> None:
+        """Keep a buffer of ``nbytes`` (within the bounds) whose pages are mapped now, so
+        that a first answer of up to that size takes no page fault."""
+        if 0 < nbytes <= self._keep_bytes:
+            buf = np.empty(nbytes, np.uint8)
+            buf.fill(0)  # every page written once: mapped
+            self.give(buf)
 
     def give(self, buf: np.ndarray) -> None:
         """``buf`` is no longer used by its taker."""

@@ -1,0 +1,170 @@
+/* join_crc(parts, kernel=None) -> bytes: the parts (contiguous or strided buffers)
+ * concatenated + their CRC-32C (LE u32), copied and checksummed in one pass (the envelope
+ * writer's last step). A large output is advised onto transparent huge pages, as numpy
+ * does for its arrays (TLKV_MADVISE_HUGEPAGE=0 in the environment turns that off), and
+ * the pages a large copy lands on are populated with one call (populate_pages, which
+ * BytesBuilder uses too).
+ */
+#include "native.h"
+
+#define JOIN_MAX_DIMS 64
+
+/* A strided buffer in C order: its trailing dimensions that are contiguous form one run,
+ * the leading ones are walked with an odometer. Advances *dst. */
+static uint32_t copy_crc_strided(crc_kernel_fn fn, crc_copy_fn copy, uint32_t crc,
+                                 uint8_t **dst, const Py_buffer *v) {
+    int nd = v->ndim;
+    Py_ssize_t run = v->itemsize;
+    while (nd > 0 && v->strides[nd - 1] == run) {
+        run *= v->shape[nd - 1];
+        nd--;
+    }
+    Py_ssize_t idx[JOIN_MAX_DIMS] = {0};
+    const uint8_t *base = (const uint8_t *)v->buf;
+    for (;;) {
+        const uint8_t *p = base;
+        for (int k = 0; k < nd; k++)
+            p += idx[k] * v->strides[k];
+        crc = copy_crc(fn, copy, crc, *dst, p, (size_t)run);
+        *dst += run;
+        int k = nd - 1;
+        while (k >= 0 && ++idx[k] == v->shape[k])
+            idx[k--] = 0;
+        if (k < 0)
+            return crc;
+    }
+}
+
+/* Ask for transparent huge pages on the untouched interior of a large fresh output buffer
+ * before it is first written: with THP in "madvise" mode (the common default) a bytes
+ * object gets 4 KiB pages, and faulting in 65,536 of them for 256 MiB costs more than the
+ * copy (numpy advises its own large arrays the same way, and NUMPY_MADVISE_HUGEPAGE=0
+ * turns that off; TLKV_MADVISE_HUGEPAGE=0 does the same here: with THP defrag "madvise",
+ * a fault may wait for the kernel to compact memory, a rare stall). Advice only: errors
+ * are ignored. */
+#define KV_HUGE_PAGE ((uintptr_t)2 * 1024 * 1024)
+static int advise_huge = 1; /* set at import from TLKV_MADVISE_HUGEPAGE */
+static void advise_huge_pages(void *buf, size_t n) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    if (!advise_huge || n < 2 * KV_HUGE_PAGE)
+        return;
+    uintptr_t lo = ((uintptr_t)buf + KV_HUGE_PAGE - 1) & ~(KV_HUGE_PAGE - 1);
+    uintptr_t hi = ((uintptr_t)buf + n) & ~(KV_HUGE_PAGE - 1);
+    if (hi > lo)
+        (void)madvise((void *)lo, hi - lo, MADV_HUGEPAGE);
+#else
+    (void)buf;
+    (void)n;
+#endif
+}
+
+/* Fault in the pages of [buf, buf + n) for writing with one call (MADV_POPULATE_WRITE,
+ * Linux 5.14) instead of one page fault per 4 KiB page taken by the copy that follows.
+ * Advice only: a kernel without it answers EINVAL once, and the copy faults them in. */
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+static int populate_ok = 1;
+void populate_pages(void *buf, size_t n) {
+#if defined(__linux__)
+    if (!populate_ok)
+        return;
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t lo = ((uintptr_t)buf + page - 1) & ~(page - 1);
+    uintptr_t hi = ((uintptr_t)buf + n) & ~(page - 1);
+    if (hi > lo && madvise((void *)lo, hi - lo, MADV_POPULATE_WRITE) != 0 && errno == EINVAL)
+        populate_ok = 0;
+#else
+    (void)buf;
+    (void)n;
+#endif
+}
+
+void join_init(void) {
+    const char *huge = getenv("TLKV_MADVISE_HUGEPAGE");
+    advise_huge = !(huge != NULL && strcmp(huge, "0") == 0);
+}
+
+PyDoc_STRVAR(join_crc_doc,
+"join_crc(parts, kernel=None, /) -> bytes\n\n"
+"The concatenation of a sequence of buffers (C-contiguous, or strided: read in C order)\n"
+"followed by its CRC-32C as 4 little-endian bytes, copied and checksummed in one pass\n"
+"(by the named kernel, one of crc32c_kernels(), or the one crc32c() runs).");
+
+static PyObject *py_join_crc(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (check_nargs("join_crc", nargs, 1, 2) < 0)
+        return NULL;
+    crc_kernel_fn fn = crc_run;
+    crc_copy_fn copy = crc_run_copy;
+    if (nargs == 2 && args[1] != Py_None) {
+        int k = crc_kernel_index(args[1]);
+        if (k < 0)
+            return NULL;
+        fn = crc_kernels[k].fn;
+        copy = crc_kernels[k].copy;
+    }
+    PyObject *seq = PySequence_Fast(args[0], "join_crc: expected a sequence of buffers");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n_parts = PySequence_Fast_GET_SIZE(seq);
+    Py_buffer *views = PyMem_Calloc(n_parts ? (size_t)n_parts : 1, sizeof(Py_buffer));
+    PyObject *result = NULL;
+    Py_ssize_t got = 0, total = 0;
+    if (views == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; got < n_parts; got++) {
+        /* Strided exporters (numpy views of an engine's layout) are read in C order. */
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, got), &views[got],
+                               PyBUF_STRIDED_RO) < 0)
+            goto done;
+        if (views[got].ndim > JOIN_MAX_DIMS) {
+            got++;
+            PyErr_SetString(PyExc_BufferError, "join_crc: more than 64 dimensions");
+            goto done;
+        }
+        if (views[got].len > PY_SSIZE_T_MAX - 4 - total) {
+            got++;
+            PyErr_NoMemory();
+            goto done;
+        }
+        total += views[got].len;
+    }
+    result = PyBytes_FromStringAndSize(NULL, total + 4);
+    if (result == NULL)
+        goto done;
+    uint8_t *out = (uint8_t *)PyBytes_AS_STRING(result);
+    advise_huge_pages(out, (size_t)total + 4);
+    uint32_t crc = 0xFFFFFFFFu;
+    /* The fresh bytes object is private until returned: filling it without the GIL is safe. */
+    Py_BEGIN_ALLOW_THREADS
+    uint8_t *dst = out;
+    for (Py_ssize_t i = 0; i < n_parts; i++) {
+        if (views[i].len == 0)
+            continue;
+        if (views[i].strides == NULL || PyBuffer_IsContiguous(&views[i], 'C')) {
+            crc = copy_crc(fn, copy, crc, dst, (const uint8_t *)views[i].buf,
+                           (size_t)views[i].len);
+            dst += views[i].len;
+        } else {
+            crc = copy_crc_strided(fn, copy, crc, &dst, &views[i]);
+        }
+    }
+    crc = ~crc;
+    for (int k = 0; k < 4; k++)
+        dst[k] = (uint8_t)(crc >> (8 * k));
+    Py_END_ALLOW_THREADS
+done:
+    for (Py_ssize_t i = 0; i < got; i++)
+        PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    Py_DECREF(seq);
+    return result;
+}
+
+PyMethodDef join_methods[] = {
+    {"join_crc", (PyCFunction)(void (*)(void))py_join_crc, METH_FASTCALL, join_crc_doc},
+    {NULL, NULL, 0, NULL},
+};

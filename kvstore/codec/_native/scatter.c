@@ -1,0 +1,205 @@
+/* scatter_crc(envelopes, payload_offset, layers, block_ids, n_heads, run_bytes,
+ *             record_bytes=None) -> int
+ * Each block's payload, [L][2][n_heads][run_bytes], copied run by run to its slot in L
+ * per-layer arrays laid out [n_slots][n_heads][2][run_bytes] (the K and V runs of a head
+ * side by side: the layout of a paged KV cache such as vLLM's CPU one), with each
+ * envelope's CRC-32C checked in the same pass; returns how many leading blocks are in
+ * envelopes that matched their CRC.
+ */
+#include "native.h"
+
+PyDoc_STRVAR(scatter_crc_doc,
+"scatter_crc(envelopes, payload_offset, layers, block_ids, n_heads, run_bytes,\n"
+"            record_bytes=None, /) -> int\n\n"
+"Copy the block payloads of envelopes, run by run, to their slots in per-layer arrays\n"
+"while checking each envelope's CRC-32C in the same pass (a fused copy + CRC); returns\n"
+"how many leading blocks are in envelopes that matched their CRC (the copy stops at the first envelope that does not, whose blocks may already\n"
+"be partly written). A block's payload is [L][2][n_heads][run_bytes]; an envelope's first\n"
+"payload is at `payload_offset`, its CRC (the last 4 bytes, LE) covers every byte before\n"
+"it. record_bytes None: each envelope holds one block (bytes after its payload are only\n"
+"checksummed). record_bytes >= 0: an envelope holds k >= 1 blocks, their payloads\n"
+"`record_bytes` apart, so its length is payload_offset + k * payload + (k - 1) *\n"
+"record_bytes + 4. `layers` are the L writable C-contiguous per-layer arrays\n"
+"[n_slots][n_heads][2][run_bytes]; the i-th block of the envelopes, in order, goes to\n"
+"slot block_ids[i] of each. Raises ValueError for sizes or ids that do not fit.");
+
+/* Per envelope: the CRC of the bytes before the first payload, then per block the
+ * payload's runs in envelope order, each copied to its place in the block's slot (fused
+ * copy + CRC), and the record between it and the next payload; then the bytes after the
+ * last payload; compared with the trailer. counts[i]: envelope i's blocks. */
+
+static Py_ssize_t scatter_crc_run(crc_kernel_fn fn, crc_copy_fn copy, Py_buffer *envs,
+                                  const Py_ssize_t *counts, Py_ssize_t n, size_t off, size_t rec,
+                                  uint8_t **layers, Py_ssize_t n_layers, const Py_ssize_t *ids,
+                                  size_t heads, size_t run) {
+    size_t block = heads * 2 * run;
+    Py_ssize_t done = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const uint8_t *env = (const uint8_t *)envs[i].buf;
+        const uint8_t *end = env + envs[i].len - 4;
+        uint32_t crc = fn(0xFFFFFFFFu, env, off);
+        const uint8_t *src = env + off;
+        for (Py_ssize_t j = 0; j < counts[i]; j++) {
+            if (j > 0) {
+                crc = fn(crc, src, rec);
+                src += rec;
+            }
+            for (Py_ssize_t l = 0; l < n_layers; l++) {
+                uint8_t *dst = layers[l] + (size_t)ids[done + j] * block;
+                for (size_t k = 0; k < 2; k++)
+                    for (size_t h = 0; h < heads; h++) {
+                        crc = copy_crc(fn, copy, crc, dst + (h * 2 + k) * run, src, run);
+                        src += run;
+                    }
+            }
+        }
+        crc = ~fn(crc, src, (size_t)(end - src));
+        uint32_t stored = (uint32_t)end[0] | (uint32_t)end[1] << 8 | (uint32_t)end[2] << 16 |
+                          (uint32_t)end[3] << 24;
+        if (crc != stored)
+            return done;
+        done += counts[i];
+    }
+    return done;
+}
+
+static PyObject *py_scatter_crc(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (check_nargs("scatter_crc", nargs, 6, 7) < 0)
+        return NULL;
+    Py_ssize_t off = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t heads = PyLong_AsSsize_t(args[4]);
+    Py_ssize_t run = PyLong_AsSsize_t(args[5]);
+    Py_ssize_t rec = -1; /* None: single-block envelopes */
+    if (nargs == 7 && args[6] != Py_None)
+        rec = PyLong_AsSsize_t(args[6]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (off < 0 || heads < 1 || run < 1 || (nargs == 7 && args[6] != Py_None && rec < 0)) {
+        PyErr_SetString(PyExc_ValueError, "scatter_crc: payload_offset >= 0, n_heads >= 1, "
+                                          "run_bytes >= 1, record_bytes None or >= 0");
+        return NULL;
+    }
+    PyObject *envs_seq = PySequence_Fast(args[0], "scatter_crc: envelopes is not a sequence");
+    PyObject *layers_seq = NULL, *ids_seq = NULL, *result = NULL;
+    Py_buffer *envs = NULL, *lays = NULL;
+    uint8_t **bases = NULL;
+    Py_ssize_t *ids = NULL, *counts = NULL;
+    Py_ssize_t got_e = 0, got_l = 0;
+    if (envs_seq == NULL)
+        return NULL;
+    layers_seq = PySequence_Fast(args[2], "scatter_crc: layers is not a sequence");
+    ids_seq = layers_seq ? PySequence_Fast(args[3], "scatter_crc: block_ids is not a sequence")
+                         : NULL;
+    if (ids_seq == NULL)
+        goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(envs_seq);
+    Py_ssize_t n_ids = PySequence_Fast_GET_SIZE(ids_seq);
+    Py_ssize_t n_layers = PySequence_Fast_GET_SIZE(layers_seq);
+    if ((rec < 0 && n_ids != n) || n_layers < 1) {
+        PyErr_SetString(PyExc_ValueError,
+                        "scatter_crc: one block id per envelope and at least one layer");
+        goto done;
+    }
+    envs = PyMem_Calloc((size_t)n + 1, sizeof(Py_buffer));
+    counts = PyMem_Calloc((size_t)n + 1, sizeof(Py_ssize_t));
+    lays = PyMem_Calloc((size_t)n_layers, sizeof(Py_buffer));
+    bases = PyMem_Calloc((size_t)n_layers, sizeof(uint8_t *));
+    ids = PyMem_Calloc((size_t)n_ids + 1, sizeof(Py_ssize_t));
+    if (!envs || !counts || !lays || !bases || !ids) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    /* sizes in size_t: the payload of one block and one slot */
+    if ((size_t)heads > (size_t)PY_SSIZE_T_MAX / 4 / (size_t)run / (size_t)n_layers) {
+        PyErr_SetString(PyExc_ValueError, "scatter_crc: sizes overflow");
+        goto done;
+    }
+    size_t payload = (size_t)n_layers * 2 * (size_t)heads * (size_t)run;
+    size_t block = (size_t)heads * 2 * (size_t)run;
+    Py_ssize_t n_blocks = -1;
+    for (; got_l < n_layers; got_l++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(layers_seq, got_l), &lays[got_l],
+                               PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+            goto done;
+        Py_ssize_t len = lays[got_l].len;
+        if ((size_t)len % block != 0 || (n_blocks >= 0 && (size_t)len / block != (size_t)n_blocks)) {
+            got_l++;
+            PyErr_SetString(PyExc_ValueError,
+                            "scatter_crc: every layer must hold the same whole number of blocks");
+            goto done;
+        }
+        n_blocks = (Py_ssize_t)((size_t)len / block);
+        bases[got_l] = (uint8_t *)lays[got_l].buf;
+    }
+    for (Py_ssize_t i = 0; i < n_ids; i++) {
+        ids[i] = PyLong_AsSsize_t(PySequence_Fast_GET_ITEM(ids_seq, i));
+        if (ids[i] == -1 && PyErr_Occurred())
+            goto done;
+        if (ids[i] < 0 || ids[i] >= n_blocks) {
+            PyErr_Format(PyExc_ValueError, "scatter_crc: block id %zd is not in 0..%zd", ids[i],
+                         n_blocks - 1);
+            goto done;
+        }
+    }
+    Py_ssize_t total = 0;
+    for (; got_e < n; got_e++) {
+        if (get_contiguous(PySequence_Fast_GET_ITEM(envs_seq, got_e), &envs[got_e]) < 0)
+            goto done;
+        size_t len = (size_t)envs[got_e].len;
+        if (len < (size_t)off + payload + 4) {
+            got_e++;
+            PyErr_Format(PyExc_ValueError,
+                         "scatter_crc: envelope %zd has %zd bytes, fewer than its payload needs",
+                         got_e - 1, envs[got_e - 1].len);
+            goto done;
+        }
+        counts[got_e] = 1;
+        if (rec >= 0) { /* len - off - 4 == k * payload + (k - 1) * rec */
+            size_t stride = payload + (size_t)rec;
+            size_t span = len - (size_t)off - 4 + (size_t)rec;
+            if (span % stride != 0) {
+                got_e++;
+                PyErr_Format(PyExc_ValueError,
+                             "scatter_crc: envelope %zd has %zd bytes, not a whole number of "
+                             "blocks", got_e - 1, envs[got_e - 1].len);
+                goto done;
+            }
+            counts[got_e] = (Py_ssize_t)(span / stride);
+        }
+        total += counts[got_e];
+    }
+    if (total != n_ids) {
+        PyErr_Format(PyExc_ValueError,
+                     "scatter_crc: the envelopes hold %zd blocks, %zd block ids given", total,
+                     n_ids);
+        goto done;
+    }
+    Py_ssize_t ok;
+    Py_BEGIN_ALLOW_THREADS
+    ok = scatter_crc_run(crc_run, crc_run_copy, envs, counts, n, (size_t)off,
+                         rec < 0 ? 0 : (size_t)rec, bases, n_layers, ids, (size_t)heads,
+                         (size_t)run);
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromSsize_t(ok);
+done:
+    for (Py_ssize_t i = 0; i < got_e; i++)
+        PyBuffer_Release(&envs[i]);
+    for (Py_ssize_t i = 0; i < got_l; i++)
+        PyBuffer_Release(&lays[i]);
+    PyMem_Free(envs);
+    PyMem_Free(counts);
+    PyMem_Free(lays);
+    PyMem_Free(bases);
+    PyMem_Free(ids);
+    Py_XDECREF(ids_seq);
+    Py_XDECREF(layers_seq);
+    Py_DECREF(envs_seq);
+    return result;
+}
+
+PyMethodDef scatter_methods[] = {
+    {"scatter_crc", (PyCFunction)(void (*)(void))py_scatter_crc, METH_FASTCALL,
+     scatter_crc_doc},
+    {NULL, NULL, 0, NULL},
+};

@@ -1,0 +1,505 @@
+"""The places an engine saves KV blocks to and loads them from: one ``Target`` per
+namespace, over a store directory (``Store``), a ``tlkv serve`` over HTTP (``Client``) or
+one over tl.kv.v1 (``TransferClient``), with one vocabulary for every engine.
+
+``open_target(spec, model=...)`` opens one from its spec (a directory, ``http(s)://...``,
+``grpc://...``); ``as_target(obj)`` wraps an open ``Store``, ``Client`` or
+``TransferClient`` (a ``Target`` passes through). Every engine bridge (the transformers
+bridge, the vLLM connector, the SGLang backend) asks a target the same questions:
+
+- ``geometry()``: the namespace's block geometry (None: it holds none yet, or, where
+  ``knows_geometry`` is False as on tl.kv.v1, it cannot tell);
+- ``has(hashes)`` / ``longest_prefix(hashes)``: one round trip, a namespace not created
+  yet holds nothing;
+- ``put(envelope)``: store the envelope's blocks, returns how many were new; the first
+  put creates the namespace;
+- ``views(hashes)``: a context manager giving checked ``BlockView``s (CRC and every reader
+  rule) of the longest held prefix of ``hashes``, valid inside the ``with``. A block
+  under a hash other than the one asked for ends the prefix, as does a block that fails
+  its CRC (a store quarantines it); ``views_for_tokens(tokens)`` asks by token ids;
+- ``load(hashes, slots, slot_ids)``: the same prefix copied straight into an engine's
+  block slots (``BlockSlots``: a paged cache), every block checked before the engine can
+  use it; returns (blocks in place, payload bytes read);
+- ``prepare(max_bytes)``: do at start-up what a first load would do on the way (connect
+  to a server, map receive buffers of up to ``max_bytes``), so that the first load costs
+  what the next ones do;
+- ``close()``: release connections (a shared store stays open for the process).
+
+Transport and service errors are raised to the engine, which counts them and computes
+instead. A new engine backend needs nothing else: open its target once per namespace with
+``open_target`` (or take the user's object through ``as_target``), hash the prompt with
+``kvstore.codec.hashing.chain_hashes`` and the target's ``block_tokens``, save with
+``has`` then ``put`` of the blocks it lacks, and load with ``views`` (or ``load`` into its
+own ``BlockSlots``). An outside target subclasses ``Target`` (``geometry``, ``has``,
+``put``, ``held_views``) and runs ``kvstore.testing.TargetTests`` against itself.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from ..codec.decoding import plain_v1_blocks
+from ..codec.envelope import BlockView, decode
+from ..codec.geometry import Geometry
+from ..codec.hashing import chain_hashes
+from ..codec.layout import VERSION_V1
+from ..errors import InvalidRequestError, NotFoundError
+from ..fileio import populate_mapped_pages
+from ..results import HasResult
+from ..store import Store
+from ._buffers import ReceiveBuffers
+
+if TYPE_CHECKING:
+    from ..client import Client
+    from ..store.protocols import BlockStore
+    from ..transfer import TransferClient
+
+__all__ = [
+    "BlockSlots",
+    "GrpcTarget",
+    "HttpTarget",
+    "StoreTarget",
+    "Target",
+    "as_target",
+    "open_target",
+]
+
+DEFAULT_TIMEOUT = 5.0  # seconds per call to a server
+
+
+class BlockSlots(Protocol):
+    """An engine's cache as numbered block slots that ``Target.load`` copies blocks into
+    (vLLM's paged cache is one)."""
+
+    geometry: Geometry
+
+    def scatter(self, views: Sequence[BlockView], slot_ids: Sequence[int]) -> int:
+        """Copy checked views into the slots ``slot_ids``, in order; returns the payload
+        bytes read."""
+        ...
+
+    def scatter_envelopes(
+        self, envelopes: Sequence[Any], slot_ids: Sequence[int], *, joined: bool = False
+    ) -> int | None:
+        """Copy v1 envelopes of full blocks of ``geometry`` (every reader rule but the CRC
+        checked by the caller) into the slots, each CRC checked in the same pass; returns
+        how many leading blocks are in place, or None when these slots take blocks only
+        through ``scatter``. ``joined``: envelopes of several blocks, else one each."""
+        ...
+
+
+class Target(abc.ABC):
+    """One namespace of a place that holds blocks (see the module docstring).
+
+    Subclasses implement ``geometry``, ``has``, ``put`` and ``held_views``; the rest is
+    derived from them and may be overridden for speed (one round trip, fused copies).
+    """
+
+    knows_geometry = True  # False: geometry() is None because the target cannot tell
+
+    @abc.abstractmethod
+    def geometry(self) -> Geometry | None:
+        """The namespace's block geometry; None when it holds none (or cannot tell)."""
+
+    @abc.abstractmethod
+    def has(self, hashes: Sequence[int]) -> list[bool]:
+        """Whether each hash is held."""
+
+    @abc.abstractmethod
+    def put(self, envelope: Any) -> int:
+        """Store an envelope's blocks; returns how many were newly stored."""
+
+    @abc.abstractmethod
+    def held_views(self, hashes: Sequence[int]) -> AbstractContextManager[Sequence[BlockView]]:
+        """Checked views (CRC and reader rules) of the blocks held for the leading
+        ``hashes``, in order, stopping at the first missing or corrupt one; ``views``
+        checks that each is the block asked for."""
+
+    def longest_prefix(self, hashes: Sequence[int]) -> int:
+        """How many leading ``hashes`` are held (blocks a tier holds count where the
+        target reads through it)."""
+        present = self.has(hashes)
+        return next((i for i, here in enumerate(present) if not here), len(present))
+
+    @contextlib.contextmanager
+    def views(self, hashes: Sequence[int]) -> Iterator[list[BlockView]]:
+        """Checked views of the longest held prefix of ``hashes``, valid in the block; a
+        block under another hash than the one asked for ends the prefix."""
+        if not len(hashes):
+            yield []
+            return
+        with self.held_views(hashes) as held:
+            yield list(held[: _same_hashes(held, hashes)])
+
+    @contextlib.contextmanager
+    def views_for_tokens(self, tokens: Sequence[int]) -> Iterator[list[BlockView]]:
+        """Checked views of the longest held prefix of the full blocks of ``tokens``,
+        hashed with the target's geometry (none held: none).
+
+        Raises:
+            InvalidRequestError: the target cannot tell its geometry and does not hash
+                tokens itself.
+        """
+        if not self.knows_geometry:
+            raise InvalidRequestError(
+                f"{type(self).__name__} cannot tell its geometry and does not hash tokens "
+                f"itself: pass config= and block_tokens="
+            )
+        g = self.geometry()
+        with self.views(chain_hashes(tokens, g.block_tokens) if g else []) as views:
+            yield views
+
+    def load(
+        self, hashes: Sequence[int], slots: BlockSlots, slot_ids: Sequence[int]
+    ) -> tuple[int, int]:
+        """Copy the longest held prefix of ``hashes`` into the slots ``slot_ids``, every
+        block checked (CRC, reader rules, its hash the one asked for) before the engine
+        can use it; returns (blocks in place, payload bytes read)."""
+        with self.views(hashes) as views:
+            return len(views), slots.scatter(views, slot_ids)
+
+    def prepare(self, max_bytes: int = 0) -> None:  # noqa: B027 - nothing to do by default
+        """Do now what a first load would do on the way (connect, map receive buffers of
+        up to ``max_bytes``): an engine calls it at start-up. Transport errors are raised
+        (the engine goes on: its first load tries again)."""
+
+    def close(self) -> None:  # noqa: B027 - a target without connections has nothing to do
+        """Release connections (a shared store stays open for the process)."""
+
+
+def _same_hashes(views: Sequence[BlockView], hashes: Sequence[int]) -> int:
+    """How many leading ``views`` are the blocks asked for: a block under another hash
+    (a server's mistake, or another namespace's block) ends what is loaded."""
+    for i, (bv, h) in enumerate(zip(views, hashes)):
+        if bv.hash != h:
+            return i
+    return min(len(views), len(hashes))
+
+
+def _u64(hashes: Sequence[int]) -> np.ndarray:
+    return np.asarray(hashes, dtype=np.uint64)
+
+
+def _asked(client: Any, hashes: Sequence[int], **query: Any) -> HasResult:
+    """A server's has-blocks answer for ``hashes`` (one round trip, none when empty); a
+    namespace it does not have yet (404 ``not_found``) holds none of them."""
+    if not len(hashes):
+        return HasResult([], 0)
+    try:
+        got = client.has_blocks(_u64(hashes), **query)
+    except NotFoundError:
+        return HasResult([False] * len(hashes), 0)
+    return HasResult([bool(p) for p in got.present], int(got.prefix))
+
+
+class StoreTarget(Target):
+    """A ``Store`` (or one model's handle of it): zero-copy reader views, one transaction
+    per put. On a store with a tier, ``longest_prefix`` counts the blocks the tier holds
+    and ``views``/``load`` read the local misses through first (validated and kept
+    locally, as the server's ``/v1/prefix`` does)."""
+
+    def __init__(self, store: BlockStore) -> None:
+        self.store = store
+
+    def geometry(self) -> Geometry | None:
+        return self.store.geometry
+
+    def has(self, hashes: Sequence[int]) -> list[bool]:
+        return list(self.store.has(list(hashes))) if len(hashes) else []
+
+    def longest_prefix(self, hashes: Sequence[int]) -> int:
+        if not len(hashes):
+            return 0
+        return int(self.store.longest_prefix(list(hashes), tier=self.store.tier is not None))
+
+    def put(self, envelope: Any) -> int:
+        return int(self.store.put(envelope).stored)
+
+    def _read_through(self, hashes: Sequence[int]) -> None:
+        if self.store.tier is not None and len(hashes):
+            self.store.read_through(list(hashes))
+
+    @contextlib.contextmanager
+    def held_views(self, hashes: Sequence[int]) -> Iterator[list[BlockView]]:
+        self._read_through(hashes)
+        with self.store.reader() as reader:
+            held = _held_envelopes(reader, hashes)
+            populate_mapped_pages(held)  # LMDB maps without readahead: one call, not a fault a page
+            out: list[BlockView] = []
+            for h in hashes[: len(held)]:
+                bv = reader.view(h, verify=True)  # a corrupt block is quarantined: a miss
+                if bv is None:
+                    break
+                out.append(bv)
+            del held
+            yield out
+
+    def load(
+        self, hashes: Sequence[int], slots: BlockSlots, slot_ids: Sequence[int]
+    ) -> tuple[int, int]:
+        """The stored envelopes straight into the slots: every reader rule but the CRC
+        checked first (the codec's ``plain_v1_blocks``), then one pass that copies each
+        block and checks its CRC (``BlockSlots.scatter_envelopes``). A block whose CRC
+        fails ends the loaded prefix (it and the blocks after it are reported not loaded)
+        and is quarantined. Envelopes that are not all full v1 blocks of the hashes asked for, or
+        slots that take only views, go through ``views`` and ``scatter``."""
+        self._read_through(hashes)
+        with self.store.reader() as reader:
+            held = _held_envelopes(reader, hashes)
+            populate_mapped_pages(held)  # LMDB maps without readahead: one call, not a fault a page
+            done: int | None = None
+            g = slots.geometry
+            if all(plain_v1_blocks(e, g, hashes[i : i + 1]) for i, e in enumerate(held)):
+                done = slots.scatter_envelopes(held, slot_ids[: len(held)])
+            if done is not None and done < len(held):  # checked alone: quarantined if corrupt
+                reader.view(hashes[done], verify=True)
+            del held  # no view outlives the reader
+        if done is None:
+            return super().load(hashes, slots, slot_ids)
+        return done, done * slots.geometry.record_bytes(VERSION_V1)
+
+
+def _held_envelopes(reader: Any, hashes: Sequence[int]) -> list[memoryview]:
+    """The stored envelopes of the leading held ``hashes`` (unchecked), up to the first
+    missing one."""
+    held = []
+    for h in hashes:
+        buf = reader.envelope(h)
+        if buf is None:
+            break
+        held.append(buf)
+    return held
+
+
+class HttpTarget(Target):
+    """A model of a ``tlkv serve`` over HTTP: has-blocks, one PUT, one ``/v1/prefix``
+    round trip read into a receive buffer used again (its pages stay mapped).
+
+    A model the server does not have yet (404 ``not_found``, which is also the answer for
+    one the token may not read) has no geometry and holds nothing: the first put creates
+    it, as any first PUT does (a token that may not write it gets that PUT's 404 or 403).
+    ``longest_prefix`` counts the blocks the server's tier holds (its prefix reads them
+    through).
+    """
+
+    def __init__(self, client: Client, *, owned: bool = False) -> None:
+        self.client = client
+        self._owned = owned  # opened by open_target: closed by close()
+        self._buffers = ReceiveBuffers()
+
+    def geometry(self) -> Geometry | None:
+        try:
+            g = self.client.info()["geometry"]
+        except NotFoundError:
+            return None
+        return None if g is None else Geometry.from_dict(g)
+
+    def longest_prefix(self, hashes: Sequence[int]) -> int:
+        return _asked(self.client, hashes, tier=True).prefix
+
+    def has(self, hashes: Sequence[int]) -> list[bool]:
+        return _asked(self.client, hashes).present
+
+    def put(self, envelope: Any) -> int:
+        return len(self.client.put(envelope).stored)
+
+    def prepare(self, max_bytes: int = 0) -> None:
+        """Open a keep-alive connection (one ``/healthz``) and map a receive buffer of
+        ``max_bytes``."""
+        self._buffers.reserve(max_bytes)
+        self.client.health()
+
+    def _fetch(self, hashes: Sequence[int], size: int) -> tuple[Any, np.ndarray]:
+        """The envelope of the longest held prefix of ``hashes`` (``/v1/prefix``, at most
+        ``size`` bytes when it is v1), read into a buffer of ``_buffers`` (given back by
+        the caller): (the envelope, the buffer)."""
+        buf = self._buffers.take(size)
+        try:
+            return self.client.prefix_into(buf, hashes=_u64(hashes)), buf
+        except NotFoundError:
+            return b"", buf
+
+    @contextlib.contextmanager
+    def held_views(self, hashes: Sequence[int]) -> Iterator[list[BlockView]]:
+        data, buf = self._fetch(hashes, 0)  # a buffer of any size: new bytes if too small
+        try:
+            yield list(decode(data)) if len(data) else []  # the CRC and every rule checked
+        finally:
+            del data
+            self._buffers.give(buf)
+
+    def load(
+        self, hashes: Sequence[int], slots: BlockSlots, slot_ids: Sequence[int]
+    ) -> tuple[int, int]:
+        """The prefix's one envelope straight into the slots: every reader rule but the
+        CRC and each block's hash checked first (``plain_v1_blocks``), then one pass that
+        copies the blocks and checks the envelope's CRC (``BlockSlots.scatter_envelopes``);
+        a CRC that fails loads none of them. Anything else (v2 blocks, slots that take
+        only views) is decoded, checked and scattered."""
+        if not len(hashes):
+            return 0, 0
+        g = slots.geometry
+        data, buf = self._fetch(hashes, g.envelope_bytes(len(hashes), VERSION_V1))
+        try:
+            if not len(data):
+                return 0, 0
+            n = plain_v1_blocks(data, g, hashes)
+            done = None
+            if n is not None:
+                done = slots.scatter_envelopes([data], slot_ids[:n], joined=True)
+            if done is None:
+                views = list(decode(data))  # decode checks the CRC and every rule
+                views = views[: _same_hashes(views, hashes)]
+                loaded, nbytes = len(views), slots.scatter(views, slot_ids)
+                del views  # they view the buffer
+                return loaded, nbytes
+            return done, done * g.record_bytes(VERSION_V1)
+        finally:
+            del data
+            self._buffers.give(buf)  # no view of it is left
+
+    def close(self) -> None:
+        if self._owned:
+            self.client.close()
+
+
+class GrpcTarget(Target):
+    """A model of a ``tlkv serve --grpc-port`` over tl.kv.v1: HasBlocks, one PushKv in
+    which only the blocks the server lacks carry payloads, one FetchKv whose checked
+    chunks are used as they arrived (``TransferClient.fetch_blocks``: no joined envelope,
+    no second CRC pass).
+
+    The protocol carries no geometry, so ``geometry`` is None and ``knows_geometry``
+    False: a put uses the engine's (a server holding another geometry refuses the push by
+    the reader rules, ``ShapeError``), and ``views_for_tokens`` lets the server hash the
+    tokens with its geometry (the blocks that come back are checked against the chain
+    hashes of that geometry). A model the server does not have yet holds nothing; the
+    first push creates it.
+    """
+
+    knows_geometry = False
+
+    def __init__(self, client: TransferClient, *, owned: bool = False) -> None:
+        self.client = client
+        self._owned = owned
+
+    def geometry(self) -> Geometry | None:
+        return None
+
+    def longest_prefix(self, hashes: Sequence[int]) -> int:
+        return _asked(self.client, hashes).prefix
+
+    def has(self, hashes: Sequence[int]) -> list[bool]:
+        return _asked(self.client, hashes).present
+
+    def put(self, envelope: Any) -> int:
+        return int(self.client.push(envelope).stored)
+
+    def prepare(self, max_bytes: int = 0) -> None:
+        """Connect the channel (a fetch's chunks arrive in gRPC's own buffers)."""
+        self.client.connect()
+
+    def _fetched(self, **query: Any) -> list[BlockView]:
+        """Every chunk checked (CRC, reader rules, fields) as it arrived."""
+        try:
+            return [env[0] for env in self.client.fetch_blocks(**query)]
+        except NotFoundError:
+            return []
+
+    @contextlib.contextmanager
+    def held_views(self, hashes: Sequence[int]) -> Iterator[list[BlockView]]:
+        yield self._fetched(hashes=list(hashes)) if len(hashes) else []
+
+    @contextlib.contextmanager
+    def views_for_tokens(self, tokens: Sequence[int]) -> Iterator[list[BlockView]]:
+        """Checked views of the longest held prefix of ``tokens``, hashed by the server;
+        each block's hash is checked against the chain of its own ``block_tokens``."""
+        views = self._fetched(tokens=[int(t) for t in tokens]) if len(tokens) else []
+        if views:
+            hashes = chain_hashes(tokens, views[0].geometry.block_tokens)
+            views = views[: _same_hashes(views, hashes)]
+        yield views
+
+    def close(self) -> None:
+        if self._owned:
+            self.client.close()
+
+
+_stores: dict[tuple[int, str], Store] = {}
+_stores_lock = threading.Lock()
+
+
+def _shared_store(path: str) -> Store:
+    """The process's one ``Store`` on ``path``, opened after any fork (LMDB allows one
+    environment per process and path: every target and engine of the process shares it)."""
+    key = (os.getpid(), os.path.realpath(path))
+    with _stores_lock:
+        store = _stores.get(key)
+        if store is None:
+            store = _stores[key] = Store(path)
+        return store
+
+
+def open_target(
+    spec: str | os.PathLike[str],
+    *,
+    model: str | None = None,
+    token: str | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> Target:
+    """The target named by ``spec``, addressing namespace ``model`` (None: ``default``).
+
+    Args:
+        spec: a store directory (the process's one ``Store`` on it, shared with every
+            other target and engine of the process), ``http(s)://host:port`` or
+            ``grpc://host:port``.
+        model: the namespace (a model id).
+        token: the server's bearer token.
+        timeout: seconds per call to a server.
+    """
+    from ..transfer import GRPC_SCHEME
+
+    text = os.fspath(spec)
+    if text.startswith(("http://", "https://")):
+        from ..client import Client
+
+        return HttpTarget(Client(text, token, timeout=timeout, model=model), owned=True)
+    if text.startswith(GRPC_SCHEME):
+        from ..transfer import TransferClient
+
+        return GrpcTarget(TransferClient(text, token, timeout=timeout, model=model), owned=True)
+    store = _shared_store(text)
+    return StoreTarget(store.model(model) if model is not None else store)
+
+
+def as_target(obj: Any) -> Target:
+    """``obj`` as a ``Target``: a ``Store`` (or a model's handle), a
+    ``kvstore.client.Client``, a ``kvstore.transfer.TransferClient``, or a ``Target``
+    (passed through). Closing the target leaves ``obj`` open.
+
+    Raises:
+        TypeError: ``obj`` is none of these.
+    """
+    if isinstance(obj, Target):
+        return obj
+    if isinstance(obj, Store):
+        return StoreTarget(obj)
+    from ..client import Client
+
+    if isinstance(obj, Client):
+        return HttpTarget(obj)
+    from ..transfer import TransferClient
+
+    if isinstance(obj, TransferClient):
+        return GrpcTarget(obj)
+    raise TypeError(
+        f"expected a kvstore Store, Client, TransferClient or a Target, found {type(obj).__name__}"
+    )
