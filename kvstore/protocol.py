@@ -165,6 +165,7 @@ ERROR_KINDS: dict[str, type[errors.TlkvError]] = {
         errors.StoreFullError,
         errors.ModelLimitError,
         errors.InvalidRequestError,
+        errors.TokenMismatchError,
         errors.MethodNotAllowedError,
         errors.BusyError,
         errors.ServiceError,

@@ -36,6 +36,7 @@ from .diskformat import (
     DB_BLOCKS,
     DB_EMPTY,
     DB_EMPTY_INDEX,
+    DB_EVENTS,
     DB_INDEX,
     DB_LRU,
     DB_META,
@@ -43,6 +44,7 @@ from .diskformat import (
     DB_PENDING,
     DB_REFS,
     DB_SEQS,
+    DB_TOKENS,
     MODEL_DBS,
     Dbs,
     max_dbs,
@@ -189,6 +191,8 @@ class LmdbEnv:
                         seqs=env.open_db(DB_SEQS, txn=txn),
                         pending=env.open_db(DB_PENDING, txn=txn),
                         models=env.open_db(DB_MODELS, txn=txn),
+                        tokens=env.open_db(DB_TOKENS, txn=txn),
+                        events=env.open_db(DB_EVENTS, txn=txn),
                     )
                     empty = env.open_db(DB_EMPTY, txn=txn)
                     nothing = dbs._replace(
@@ -200,6 +204,7 @@ class LmdbEnv:
                         atime=empty,
                         seqs=empty,
                         pending=empty,
+                        tokens=empty,
                         number=-1,
                     )
                     check(txn, dbs)
@@ -227,6 +232,7 @@ class LmdbEnv:
                 atime=db(DB_ATIME),
                 seqs=db(DB_SEQS),
                 pending=db(DB_PENDING),
+                tokens=db(DB_TOKENS),
                 number=number,
             )
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from ..codec.geometry import Geometry
 from ..errors import ModelLimitError
+from ..protocol import DEFAULT_MODEL
 from .diskformat import (
     COUNTER,
     META_FORMAT,
@@ -90,6 +91,15 @@ class Registry:
         raw = txn.get(_key(model), None, self._shared.models)
         last = counter(txn.get(META_LAST_MODEL, None, self._shared.meta))
         return (None if raw is None else unpack_model(raw)[0]), last
+
+    def name_of(self, txn: Any, number: int) -> str:
+        """The id of the model numbered ``number`` (its number as text if none has it)."""
+        if number == 0:
+            return DEFAULT_MODEL
+        for key, value in txn.cursor(db=self._shared.models):
+            if unpack_model(value)[0] == number:
+                return bytes(key).decode("utf-8")
+        return str(number)
 
     def exists(self, txn: Any, model: str) -> bool:
         """Whether ``model`` is registered."""

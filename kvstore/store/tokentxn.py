@@ -1,0 +1,125 @@
+"""Token ids inside a write transaction: kept with the blocks a put stores, and the
+``BlockStored`` events that announce them.
+
+A block is announced on the node's disk (``MEDIUM_STORAGE``) once its token ids are known
+and its parent is announced there too (or it starts a sequence): a router then always
+hears of a parent before its children. A block whose tokens are not known is never
+announced (no event can carry its token ids); one whose parent is not announced waits,
+and is announced by a later put that brings it again once its parent is (a client putting
+a prompt's whole prefix does). The flags of its ``tokens`` value say where it is
+announced (``diskformat``); ``WriteTxn`` announces removals.
+
+Every removal of a block from the disk goes through ``forget_tokens`` (``WriteTxn``
+calls it): a ``BlockRemoved`` when it was announced there, and, for a block evicted while
+the object tier holds it, a ``BlockStored`` on the tier's medium (``MEDIUM_TIER``).
+
+Functions over a ``writetxn.WriteTxn`` (which imports this module).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..codec.layout import NO_HASH
+from ..codec.tokens import BlockTokens
+from ..events.wire import MEDIUM_STORAGE
+from .diskformat import (
+    ANNOUNCED_STORAGE,
+    ANNOUNCED_TIER,
+    BLOCK_KEY,
+    Dbs,
+    pack_tokens,
+    tokens_flags,
+    unpack_tokens,
+)
+
+if TYPE_CHECKING:
+    from .writetxn import WriteTxn
+
+
+def announced(txn: Any, dbs: Dbs, block_hash: int, flag: int) -> bool:
+    """Whether ``block_hash`` (a parent) is announced with ``flag``; 0 (no parent) is."""
+    if block_hash == NO_HASH:
+        return True
+    value = txn.get(BLOCK_KEY.pack(block_hash), None, dbs.tokens)
+    return value is not None and bool(tokens_flags(value) & flag)
+
+
+def forget_tokens(w: WriteTxn, dbs: Dbs, hk: bytes, h: int, to_tier: bool = False) -> None:
+    """Block ``h`` (key ``hk``) of the model ``dbs`` left this node's disk: a
+    ``BlockRemoved`` if it was announced there. ``to_tier``: it was evicted while the
+    object tier holds it (a store with a tier evicts only uploaded blocks), so it is
+    announced there when its parent is (or it starts a sequence), and its token ids stay
+    (a read-through announces it on the disk again); otherwise they go."""
+    txn = w.txn
+    value = txn.get(hk, None, dbs.tokens)
+    if value is None:
+        return
+    parent, flags, ids = unpack_tokens(value)
+    if flags & ANNOUNCED_STORAGE:
+        w.events.removed(dbs.number, h)
+    if to_tier and (flags & ANNOUNCED_TIER or announced(txn, dbs, parent, ANNOUNCED_TIER)):
+        flags |= ANNOUNCED_TIER  # (again, after a read-through: it is only in the tier now)
+        w.events.to_tier(dbs.number, h, parent, ids)
+    if flags & ANNOUNCED_TIER:
+        txn.put(hk, pack_tokens(parent, flags & ~ANNOUNCED_STORAGE, ids), db=dbs.tokens)
+    else:
+        txn.delete(hk, db=dbs.tokens)
+
+
+def keep_tokens(
+    w: WriteTxn, hashes: list[int], new: list[bool], tokens: BlockTokens | None
+) -> None:
+    """After a put stored the full blocks of ``hashes`` (an envelope's, 0 for a partial
+    block): keep their token ids (``tokens``: one row per full block, verified against
+    the hashes; None: only blocks with ids kept already are looked at, those ``new``
+    here coming back from the object tier) and announce the blocks that now may be, in
+    chained runs, each run one ``BlockStored``."""
+    txn, dbs = w.txn, w.dbs
+    db = dbs.tokens
+    done: set[int] = set()  # announced by this call
+    run: list[int] = []
+    rows: list[np.ndarray] = []
+    run_parent = NO_HASH
+
+    def flush() -> None:
+        nonlocal run, rows
+        if run:
+            w.events.stored(dbs.number, run, run_parent, np.stack(rows), MEDIUM_STORAGE)
+            run, rows = [], []
+
+    row = -1
+    for i, h in enumerate(hashes):
+        if h == NO_HASH:
+            continue
+        row += 1
+        if tokens is None and not new[i]:
+            continue
+        hk = BLOCK_KEY.pack(h)
+        value = txn.get(hk, None, db)
+        if value is not None:
+            parent, flags, ids = unpack_tokens(value)
+        elif tokens is not None:
+            parent, flags, ids = int(tokens.parents[row]), 0, tokens.ids[row]
+        else:
+            flush()
+            continue
+        if flags & ANNOUNCED_STORAGE or h in done:
+            flush()
+            continue
+        if not (parent in done or announced(txn, dbs, parent, ANNOUNCED_STORAGE)):
+            flush()  # its parent is not announced: kept, announced by a later put
+            if value is None:
+                txn.put(hk, pack_tokens(parent, flags, ids), db=db)
+            continue
+        txn.put(hk, pack_tokens(parent, flags | ANNOUNCED_STORAGE, ids), db=db)
+        done.add(h)
+        if run and run[-1] != parent:
+            flush()
+        if not run:
+            run_parent = parent
+        run.append(h)
+        rows.append(ids)
+    flush()
