@@ -26,7 +26,8 @@ from fastapi import Request
 
 from kvstore.codec.envelope import check_header
 from kvstore.codec.geometry import Geometry
-from kvstore.codec.layout import HEADER_SIZE, SUPPORTED_VERSIONS
+from kvstore.codec.layout import HEADER, HEADER_SIZE, SUPPORTED_VERSIONS
+from kvstore.codec.tokens import record_bytes
 from kvstore.errors import BusyError, InvalidRequestError, TooLargeError
 
 # How long a body waits for its bytes of the budget before the request is answered 503.
@@ -186,13 +187,16 @@ async def read_envelope(
     geometry: Geometry | None,
     max_body: int,
     versions: tuple[int, ...] = SUPPORTED_VERSIONS,
+    token_records: int = 0,
 ) -> bytes | bytearray:
     """An envelope body, refused by its header before the rest is read.
 
     The first 28 bytes pass :func:`~kvstore.codec.envelope.check_header` (``geometry``:
     the store's, None while it has none), the exact length included, before the size
     the header implies is reserved and read into one buffer. A body shorter than a header
-    is returned as it is (the store's ``decode`` refuses it).
+    is returned as it is (the store's ``decode`` refuses it). ``token_records``: that many
+    token records (``kvstore.codec.tokens``, ``8 + 4*B`` bytes each, B from the header)
+    follow the envelope in the body, read into the same buffer after it.
 
     Raises:
         EnvelopeError: a header rule failed (the format's own error and message).
@@ -211,21 +215,25 @@ async def read_envelope(
             break
     if len(head) < HEADER_SIZE:
         return head
-    expected = check_header(memoryview(head)[:HEADER_SIZE], length, geometry, versions)
-    if expected > max_body:
+    extra = token_records * record_bytes(HEADER.unpack_from(head)[4]) if token_records else 0
+    envelope_length = None if length is None else length - extra
+    expected = check_header(memoryview(head)[:HEADER_SIZE], envelope_length, geometry, versions)
+    if expected + extra > max_body:
         raise TooLargeError(
-            f"the envelope's header announces {expected} bytes, over the limit of {max_body} bytes"
+            f"the envelope's header announces {expected} bytes, and {extra} bytes of token "
+            f"records follow: over the limit of {max_body} bytes"
         )
-    if len(head) > expected:
-        _refuse_length(memoryview(head)[:HEADER_SIZE], len(head), geometry, versions)
-    await ticket.take(expected - len(head))
-    buf = bytearray(expected)
+    total = expected + extra
+    if len(head) > total:
+        _refuse_length(memoryview(head)[:HEADER_SIZE], len(head) - extra, geometry, versions)
+    await ticket.take(total - len(head))
+    buf = bytearray(total)
     buf[: len(head)] = head
     first = len(head)
     del head
     pos = await _fill(buf, first, chunks)
-    if pos > expected or (pos < expected and length is None):
-        _refuse_length(memoryview(buf)[:HEADER_SIZE], pos, geometry, versions)
-    if pos != expected:  # shorter than its Content-Length: the client went away
-        raise InvalidRequestError(f"request body ended after {pos} of {expected} bytes")
+    if pos > total or (pos < total and length is None):
+        _refuse_length(memoryview(buf)[:HEADER_SIZE], pos - extra, geometry, versions)
+    if pos != total:  # shorter than its Content-Length: the client went away
+        raise InvalidRequestError(f"request body ended after {pos} of {total} bytes")
     return buf

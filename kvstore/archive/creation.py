@@ -140,12 +140,13 @@ class _Snapshot:
     kept: dict[str, int]  # name -> how many blocks it keeps of its own
     block_hashes: list[int] | None  # the blocks the kept sequences use (with --sequence)
     named: set[str]  # the sequences asked for that the model has (kept or not)
+    tokens: bool  # whether some block has its token ids (archived with it, version 5)
 
     def content(self) -> ModelContent:
         """The model's blocks (each checked as it is written) and kept records."""
         store, r, geometry = self.store, self.reader, self.store.geometry
 
-        def blocks() -> Iterator[tuple[int, Any]]:
+        def blocks() -> Iterator[tuple[int, Any, Any]]:
             source: Iterable[tuple[int, Any]]
             if self.block_hashes is None:
                 source = r.iter_blocks()
@@ -157,7 +158,7 @@ class _Snapshot:
                     decode(env, geometry)
                 except ChecksumError:
                     raise CorruptBlock(h, store) from None
-                yield h, env
+                yield h, env, r.token_record(h) if self.tokens else None
 
         def records() -> Iterator[SequenceRecord]:
             for seq in r.iter_sequence_parts():
@@ -167,7 +168,14 @@ class _Snapshot:
         n_blocks = len(self.keys) if self.block_hashes is None else len(self.block_hashes)
         n_own = sum(self.kept.values())
         return ModelContent(
-            store.model_id, geometry, blocks(), records(), n_blocks, len(self.kept), n_own
+            store.model_id,
+            geometry,
+            blocks(),
+            records(),
+            n_blocks,
+            len(self.kept),
+            n_own,
+            self.tokens,
         )
 
 
@@ -203,7 +211,7 @@ def _snapshot(
     block_hashes = None
     if wanted is not None:
         block_hashes = sorted(used)
-    return _Snapshot(store, r, keys, kept, block_hashes, named)
+    return _Snapshot(store, r, keys, kept, block_hashes, named, r.has_tokens())
 
 
 def _create_once(

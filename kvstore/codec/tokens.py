@@ -23,13 +23,14 @@ import numpy as np
 
 from ..errors import TokenMismatchError
 from .hashing import TokenInput, _as_u32_tokens, chain_hashes_array
-from .layout import NO_HASH, U64_MAX
+from .layout import HEADER, HEADER_SIZE, NO_HASH, U64_MAX
 
 __all__ = [
     "BlockTokens",
     "chain_tokens",
     "pack_records",
     "record_bytes",
+    "split_records",
     "tokens_for",
     "unpack_records",
     "verify_tokens",
@@ -77,23 +78,18 @@ class BlockTokens(NamedTuple):
 
 
 def chain_tokens(
-    token_ids: TokenInput,
-    hashes: Any,
-    block_tokens: int,
-    parent: int = NO_HASH,
-    tail: int = 0,
+    token_ids: TokenInput, hashes: Any, block_tokens: int, parent: int = NO_HASH
 ) -> BlockTokens:
     """``BlockTokens`` of blocks that form one chain: block 0's parent is ``parent``,
     block i's the block before it (``hashes[i-1]``); row i holds ``token_ids[i*B:(i+1)*B]``.
 
     Args:
-        token_ids: the blocks' token ids in order, ``len(hashes) * B`` of them, or that
-            many plus the ``tail`` ids of a partial block after them (not kept: a partial
-            block has no name to check).
+        token_ids: the blocks' token ids in order, ``len(hashes) * B`` of them; up to
+            ``B - 1`` more may follow (a prompt's partial tail: they name no block and are
+            not kept).
         hashes: the blocks' hashes (the envelope's full blocks).
         block_tokens: B.
         parent: the hash of the block before the first (0: the start of a sequence).
-        tail: the fill of a partial block that follows, whose ids may be given too.
 
     Raises:
         TokenMismatchError: the number of ids does not fit the blocks.
@@ -105,11 +101,11 @@ def chain_tokens(
     full = np.asarray(hashes, dtype=PARENT_DTYPE).reshape(-1)
     n = int(full.size)
     need = n * block_tokens
-    if len(ids) not in (need, need + tail):
-        with_tail = f" (or {need + tail} with the partial tail's)" if tail else ""
+    if not need <= len(ids) < need + block_tokens:
         raise TokenMismatchError(
             f"rule 'token ids cover the envelope's full blocks' failed: {n} full blocks of "
-            f"{block_tokens} tokens take {need} token ids{with_tail}, found {len(ids)}"
+            f"{block_tokens} tokens take {need} token ids (and at most {block_tokens - 1} "
+            f"of a partial tail), found {len(ids)}"
         )
     parents = np.empty(n, dtype=PARENT_DTYPE)
     if n:
@@ -148,14 +144,13 @@ def verify_tokens(hashes: Any, tokens: BlockTokens) -> None:
             raise TokenMismatchError(
                 f"rule 'a block's hash is H(parent, tokens)' failed at full block {i} "
                 f"({int(full[i]):016x}): its token ids and parent {int(tokens.parents[i]):016x} "
-                f"hash to {int(got[bad[0]]):016x}; nothing was stored",
+                f"hash to {int(got[bad[0]]):016x}",
                 block_hash=int(full[i]),
             )
 
 
 def tokens_for(
     env_hashes: np.ndarray,
-    fills: np.ndarray,
     block_tokens: int,
     token_ids: TokenInput | BlockTokens,
     parent: int = NO_HASH,
@@ -178,9 +173,7 @@ def tokens_for(
                 f"{block_tokens}, found {tokens.block_tokens}"
             )
     else:
-        last_partial = len(env_hashes) and not full_mask[-1]
-        tail = int(fills[-1]) if last_partial else 0
-        tokens = chain_tokens(token_ids, full, block_tokens, parent, tail)
+        tokens = chain_tokens(token_ids, full, block_tokens, parent)
     verify_tokens(full, tokens)
     return tokens
 
@@ -208,6 +201,18 @@ def unpack_records(data: Any, block_tokens: int) -> BlockTokens:
         )
     rec = np.frombuffer(mv, dtype=record_dtype(block_tokens))
     return BlockTokens(rec["parent"], rec["ids"])
+
+
+def split_records(body: Any, records: int) -> tuple[Any, BlockTokens | None]:
+    """A body of an envelope followed by ``records`` token records: the envelope's part
+    and the records (None when there are none; a body shorter than a header is left to
+    the envelope's rules). B is read from the envelope's header."""
+    if not records or len(body) < HEADER_SIZE:
+        return body, None
+    b = HEADER.unpack_from(body)[4]
+    mv = memoryview(body).cast("B")
+    size = records * record_bytes(b)
+    return mv[: len(mv) - size], unpack_records(mv[len(mv) - size :], b)
 
 
 def concat(parts: Sequence[BlockTokens], block_tokens: int) -> BlockTokens:

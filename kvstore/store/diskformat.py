@@ -144,6 +144,7 @@ EVENT_KEY = struct.Struct(">Q")
 EVENT_MODEL = struct.Struct("<H")  # the model id's length, before the id and the batch
 # tokens value: u64 parent hash, u32 flags, then B u32 token ids (little-endian).
 TOKENS_HEADER = struct.Struct("<QI")
+TOKEN_PARENT_SIZE = 8  # the u64 parent at the value's start
 TOKEN_ID_DTYPE = np.dtype("<u4")
 ANNOUNCED_STORAGE = 1  # a BlockStored on this node's disk ("STORAGE") is in the stream
 ANNOUNCED_TIER = 2  # a BlockStored on the object tier is in the stream
@@ -226,6 +227,13 @@ def unpack_tokens(value: Any) -> tuple[int, int, np.ndarray]:
     parent, flags = TOKENS_HEADER.unpack_from(value, 0)
     ids = np.frombuffer(value, TOKEN_ID_DTYPE, offset=TOKENS_HEADER.size).copy()
     return int(parent), int(flags), ids
+
+
+def tokens_record(value: Any) -> bytes:
+    """A ``tokens`` value as a token record (``codec.tokens``: u64 parent, the ids), its
+    flags left out."""
+    mv = memoryview(value)
+    return bytes(mv[:TOKEN_PARENT_SIZE]) + bytes(mv[TOKENS_HEADER.size :])
 
 
 def tokens_flags(value: Any) -> int:

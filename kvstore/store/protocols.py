@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 from ..codec.geometry import Geometry
+from ..codec.tokens import BlockTokens
 from .journal import RestoreJournal
 from .reader import Reader
 from .results import PutResult
@@ -58,6 +59,7 @@ class RestoreTarget(Protocol):
         sequences: Iterable[tuple[str, Any]] = (),
         *,
         journal: RestoreJournal | None = None,
+        tokens: Iterable[BlockTokens | None] | None = None,
     ) -> PutResult: ...
     def begin_restore(self) -> RestoreJournal: ...
     def end_restore(self, journal: RestoreJournal, *, keep: bool) -> None: ...

@@ -65,7 +65,7 @@ def check_tokens(
     """
     if tokens is None:
         return None
-    return tokens_for(env.hashes, env.fills, env.geometry.block_tokens, tokens, parent)
+    return tokens_for(env.hashes, env.geometry.block_tokens, tokens, parent)
 
 
 def _run(h: Handle, body: Callable[[WriteTxn], T], need: int) -> T:
