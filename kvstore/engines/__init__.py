@@ -17,6 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from ..codec.envelope import BlockView, decode
 from ..codec.geometry import Geometry
+from ..codec.tokens import BlockTokens
 from ..errors import NotFoundError
 from ..store import Store
 from ..store.protocols import BlockStore
@@ -36,8 +37,9 @@ class BlockTarget(Protocol):
         """Whether each full-block hash is held."""
         ...
 
-    def put_envelope(self, envelope: bytes) -> int:
-        """Store an envelope's full blocks; returns how many were newly stored."""
+    def put_envelope(self, envelope: bytes, tokens: BlockTokens | None = None) -> int:
+        """Store an envelope's full blocks (with their token ids: one row and parent per
+        full block, checked by the target); returns how many were newly stored."""
         ...
 
     def prefix_views(self, hashes: Sequence[int]) -> AbstractContextManager[Sequence[BlockView]]:
@@ -64,8 +66,8 @@ class StoreTarget:
     def has_blocks(self, hashes: Sequence[int]) -> list[bool]:
         return self.store.has(hashes)
 
-    def put_envelope(self, envelope: bytes) -> int:
-        return self.store.put(envelope).stored
+    def put_envelope(self, envelope: bytes, tokens: BlockTokens | None = None) -> int:
+        return self.store.put(envelope, tokens=tokens).stored
 
     @contextlib.contextmanager
     def prefix_views(self, hashes: Sequence[int]) -> Iterator[Sequence[BlockView]]:
@@ -110,8 +112,8 @@ class ClientTarget:
         except NotFoundError:
             return [False] * len(hashes)
 
-    def put_envelope(self, envelope: bytes) -> int:
-        return len(self.client.put(envelope).stored)
+    def put_envelope(self, envelope: bytes, tokens: BlockTokens | None = None) -> int:
+        return len(self.client.put(envelope, tokens=tokens).stored)
 
     @contextlib.contextmanager
     def prefix_views(self, hashes: Sequence[int]) -> Iterator[Sequence[BlockView]]:
@@ -154,8 +156,8 @@ class TransferTarget:
         except NotFoundError:
             return [False] * len(hashes)
 
-    def put_envelope(self, envelope: bytes) -> int:
-        return int(self.client.push(envelope).stored)
+    def put_envelope(self, envelope: bytes, tokens: BlockTokens | None = None) -> int:
+        return int(self.client.push(envelope, tokens=tokens).stored)
 
     def _views(self, **query: Any) -> list[BlockView]:
         try:

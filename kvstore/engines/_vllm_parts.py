@@ -36,6 +36,7 @@ from ..codec.assembly import pack_header
 from ..codec.envelope import BlockView, decode
 from ..codec.geometry import Geometry
 from ..codec.layout import HEADER_SIZE, RECORD, TRAILER_SIZE, VERSION_V1
+from ..codec.tokens import BlockTokens
 from ..errors import NotFoundError, TlkvError
 from ..fileio import populate_mapped_pages
 from ..protocol import MODEL_ID_MAX
@@ -119,8 +120,9 @@ class Target:
         """Whether each hash is held."""
         raise NotImplementedError
 
-    def put(self, envelope: bytes) -> int:
-        """Store an envelope's blocks; returns how many were new (where known)."""
+    def put(self, envelope: bytes, tokens: BlockTokens | None = None) -> int:
+        """Store an envelope's blocks with their token ids (one row and parent per full
+        block, checked by the target); returns how many were new (where known)."""
         raise NotImplementedError
 
     def views(self, hashes: Sequence[int]) -> contextlib.AbstractContextManager[list[BlockView]]:
@@ -168,8 +170,8 @@ class _StoreTarget(Target):
     def has(self, hashes: Sequence[int]) -> list[bool]:
         return list(self.store.has(list(hashes))) if len(hashes) else []
 
-    def put(self, envelope: bytes) -> int:
-        return int(self.store.put(envelope).stored)
+    def put(self, envelope: bytes, tokens: BlockTokens | None = None) -> int:
+        return int(self.store.put(envelope, tokens=tokens).stored)
 
     @contextlib.contextmanager
     def views(self, hashes: Sequence[int]) -> Iterator[list[BlockView]]:
@@ -294,8 +296,8 @@ class _HttpTarget(Target):
         except NotFoundError:
             return [False] * len(hashes)
 
-    def put(self, envelope: bytes) -> int:
-        return len(self.client.put(envelope).stored)
+    def put(self, envelope: bytes, tokens: BlockTokens | None = None) -> int:
+        return len(self.client.put(envelope, tokens=tokens).stored)
 
     def _fetch(self, hashes: Sequence[int], size: int) -> tuple[Any, np.ndarray]:
         """The envelope of the longest held prefix of ``hashes`` (``/v1/prefix``, at most
@@ -373,8 +375,8 @@ class _GrpcTarget(Target):
         except NotFoundError:
             return [False] * len(hashes)
 
-    def put(self, envelope: bytes) -> int:
-        return int(self.client.push(envelope).stored)
+    def put(self, envelope: bytes, tokens: BlockTokens | None = None) -> int:
+        return int(self.client.push(envelope, tokens=tokens).stored)
 
     @contextlib.contextmanager
     def views(self, hashes: Sequence[int]) -> Iterator[list[BlockView]]:
@@ -406,7 +408,8 @@ _SAVE_QUEUE_BYTES = 1 << 30  # gathered blocks waiting for the saver; beyond, sa
 
 
 class Saver:
-    """One thread that runs ``save(model, hashes, blocks)`` for queued saves, in order.
+    """One thread that runs ``save(model, hashes, blocks, *rest)`` for queued saves, in
+    order (``rest``: what else ``submit`` was given, such as the blocks' token ids).
 
     At most ``_SAVE_QUEUE_BYTES`` wait (``submit`` returns False beyond: the save is
     dropped); ``close`` (called by the connector's ``shutdown`` and at interpreter exit)
@@ -420,7 +423,7 @@ class Saver:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
-    def submit(self, model: str, hashes: list[int], blocks: Any) -> bool:
+    def submit(self, model: str, hashes: list[int], blocks: Any, *rest: Any) -> bool:
         with self._lock:
             if self._bytes + blocks.nbytes > _SAVE_QUEUE_BYTES:
                 return False
@@ -429,7 +432,7 @@ class Saver:
                 self._thread = threading.Thread(target=self._run, name="tlkv-saver", daemon=True)
                 self._thread.start()
                 _at_exit(self.close)
-        self._queue.put((model, hashes, blocks))
+        self._queue.put((model, hashes, blocks, *rest))
         return True
 
     def _run(self) -> None:

@@ -40,6 +40,7 @@ import numpy as np
 from ..codec.envelope import encode
 from ..codec.geometry import Geometry
 from ..codec.hashing import chain_hashes
+from ..codec.tokens import chain_tokens
 from ..errors import CacheLayoutError, InvalidRequestError, ShapeError
 from ..kvlayout import blocks_from_layers, fill_layers, layers_from_views
 from . import as_target
@@ -163,7 +164,8 @@ def save_prefix(
 
     Returns:
         The number of blocks newly stored (0 when all were there: nothing is encoded
-        or sent).
+        or sent). Their token ids go with them (the target checks each block's name
+        against them and keeps them: KV events announce them, ``docs/events.md``).
 
     Raises:
         SlidingWindowError: a sliding-window layer no longer holds the prompt's first
@@ -213,7 +215,10 @@ def save_prefix(
     cpu_values = [layer.values.detach().cpu() for layer in layers]
     blocks = blocks_from_layers(cpu_keys, cpu_values, ids, g, tail=False)
     missing = [blk for blk, here in zip(blocks, present) if not here]
-    return tgt.put_envelope(encode(g, missing, version))
+    # Their token ids go with them (the target checks each block's name against them).
+    tokens = chain_tokens(ids[: len(hashes) * g.block_tokens], hashes, g.block_tokens)
+    rows = np.logical_not(np.asarray(present, dtype=bool))
+    return tgt.put_envelope(encode(g, missing, version), tokens=tokens.take(rows))
 
 
 def _to_torch(torch: Any, arr: np.ndarray, dtype: Any, device: Any) -> Any:
