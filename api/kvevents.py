@@ -134,6 +134,10 @@ class Publisher:
         last_check = time.monotonic()
         while True:
             self.publish_new()
+            # libzmq takes in new subscriptions only inside a call on the socket: without
+            # one while idle, the first batch after a subscriber (re)connects would go out
+            # before its subscription is known, and be lost to it.
+            self.pub.getsockopt(zmq.EVENTS)
             if self.replay is None:
                 time.sleep(POLL_SECONDS)
             elif self.replay.poll(int(POLL_SECONDS * 1000)):  # the wait between looks
