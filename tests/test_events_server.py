@@ -15,75 +15,26 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import grpc
 import httpx
-import msgspec
 import numpy as np
 import pytest
 import zmq
-from conftest import SMALL
+from event_node import Node, events_of, recv
 from http_server import REPO, ServerProcess, assert_error, free_port
 from prompts import prompt
 
 from kvstore import Geometry, chain_hashes
 from kvstore.client import Client
 from kvstore.codec.tokens import chain_tokens, pack_records
-from kvstore.events.subscriber import Message, Subscriber
+from kvstore.events.subscriber import Message
 from kvstore.events.wire import END_SEQ, SEQ
 from kvstore.protocol import TOKEN_RECORDS_HEADER
 from kvstore.transfer import TransferClient
 from kvstore.transfer._tlkv_v1 import kv_pb2, kv_pb2_grpc
-
-
-class Node:
-    """A ``tlkv serve`` publishing KV events, with the endpoints a router uses."""
-
-    def __init__(self, data: Path, *args: str, node: str = "n1") -> None:
-        self.pub_port, self.replay_port = free_port(), free_port()
-        self.server = ServerProcess(
-            data,
-            "--geometry",
-            ",".join(map(str, SMALL.as_tuple())),
-            "--kv-events-endpoint",
-            f"tcp://*:{self.pub_port}",
-            "--kv-events-replay-endpoint",
-            f"tcp://*:{self.replay_port}",
-            "--node-id",
-            node,
-            *args,
-        )
-
-    @property
-    def endpoint(self) -> str:
-        return f"tcp://127.0.0.1:{self.pub_port}"
-
-    @property
-    def replay(self) -> str:
-        return f"tcp://127.0.0.1:{self.replay_port}"
-
-    def subscriber(self, topic: str = "") -> Subscriber:
-        sub = Subscriber(self.endpoint, self.replay, topic=topic)
-        time.sleep(0.3)  # PUB drops what is sent before the subscription arrives
-        return sub
-
-
-def events_of(m: Message) -> list[dict[str, Any]]:
-    _ts, events, *_ = msgspec.msgpack.decode(m.payload)
-    return list(events)
-
-
-def _recv(sub: Subscriber, n: int, timeout: float = 10.0) -> list[Message]:
-    out = []
-    deadline = time.monotonic() + timeout
-    while len(out) < n and time.monotonic() < deadline:
-        m = sub.recv(0.2)
-        if m is not None:
-            out.append(m)
-    return out
 
 
 @pytest.fixture
@@ -102,7 +53,7 @@ def test_frames_topics_and_the_replay_protocol(node: Node) -> None:
             c.put(env, tokens=ids)
             m.put(env, tokens=ids)
             c.delete(hashes[4])
-        got = _recv(sub, 3)
+        got = recv(sub, 3)
     finally:
         sub.close()
     assert [(x.topic, x.seq) for x in got] == [
@@ -302,7 +253,7 @@ def test_numbers_survive_kill_9_and_replay_has_no_gap(tmp_path: Path) -> None:
             for seed in range(3, 5):
                 ids, _, env = prompt(8, seed=seed)
                 c.put(env, tokens=ids)
-            seen += [m.seq for m in _recv(sub, 5)]
+            seen += [m.seq for m in recv(sub, 5)]
             assert seen == [0, 1, 2, 3, 4]
         assert n.server.proc is not None
         os.kill(n.server.proc.pid, signal.SIGKILL)
@@ -312,7 +263,7 @@ def test_numbers_survive_kill_9_and_replay_has_no_gap(tmp_path: Path) -> None:
         with Client(n.server.url) as c:
             ids, _, env = prompt(8, seed=9)
             c.put(env, tokens=ids)
-        live = _recv(sub, 2, timeout=3)  # only the new batch: nothing is published twice
+        live = recv(sub, 2, timeout=3)  # only the new batch: nothing is published twice
         assert [m.seq for m in live] == [5]  # above every number given before the kill
         replayed = sub.replay(1)
         assert [m.seq for m in replayed] == [1, 2, 3, 4, 5]
@@ -333,7 +284,7 @@ def test_several_workers_publish_one_stream(tmp_path: Path) -> None:
     got: list[Message] = []
 
     def read() -> None:
-        got.extend(_recv(sub, 40, timeout=60))
+        got.extend(recv(sub, 40, timeout=60))
 
     reader = threading.Thread(target=read)
     reader.start()
