@@ -115,3 +115,16 @@ def test_split_records_after_an_envelope() -> None:
     assert split_records(env, 0) == (env, None)
     with pytest.raises(TokenMismatchError, match="8 \\+ 4\\*B"):
         unpack_records(b"\0" * 23, 4)
+
+
+def test_format_docs_token_record_is_the_bytes_its_block_hash_hashes() -> None:
+    from test_format_doc import example_bytes
+
+    from kvstore import fnv1a64
+
+    record = example_bytes("token-record")
+    assert len(record) == record_bytes(2)
+    tokens = unpack_records(record, 2)
+    assert int(tokens.parents[0]) == 0xA91AB0C1027B9366 and tokens.ids[0].tolist() == [3, 4]
+    assert fnv1a64(record) == 0x03DF829571605C60 == chain_hashes([1, 2, 3, 4], 2)[1]
+    verify_tokens([0x03DF829571605C60], tokens)

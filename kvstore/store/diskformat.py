@@ -217,6 +217,11 @@ def unpack_model(value: Any) -> tuple[int, Geometry | None]:
     return number, (Geometry(*g) if g[0] else None)
 
 
+def tokens_dtype(block_tokens: int) -> np.dtype:
+    """A ``tokens`` value as a numpy record (packed: ``TOKENS_HEADER``, then the ids)."""
+    return np.dtype([("parent", "<u8"), ("flags", "<u4"), ("ids", TOKEN_ID_DTYPE, (block_tokens,))])
+
+
 def pack_tokens(parent: int, flags: int, ids: Any) -> bytes:
     """A ``tokens`` value."""
     return TOKENS_HEADER.pack(parent, flags) + np.asarray(ids, dtype=TOKEN_ID_DTYPE).tobytes()

@@ -377,11 +377,7 @@ class Store:
     # --- writes ------------------------------------------------------------------------
 
     def put(
-        self,
-        envelope: Any,
-        *,
-        tokens: TokenInput | BlockTokens | None = None,
-        parent: int = 0,
+        self, envelope: Any, *, tokens: TokenInput | BlockTokens | None = None, parent: int = 0
     ) -> PutResult:
         """Store every full block of ``envelope`` under its hash, in one transaction.
 
@@ -390,13 +386,10 @@ class Store:
         returns. Hashes already present are not rewritten (the first put wins); partial
         blocks (hash 0) are not stored.
 
-        ``tokens``: the token ids of the full blocks, read as one chain from ``parent``
-        (the hash of the block before the first; 0 for a sequence's start): B ids per
-        full block, optionally followed by a partial tail's; or a ``BlockTokens`` (a row
-        and a parent per full block). Every block's hash is checked to be
-        ``H(parent, tokens)`` before anything is stored; the ids are kept with the
-        blocks (``block_tokens``) and announced in the KV event log. A block stored
-        without them before gains them.
+        ``tokens``: the full blocks' token ids, one chain from ``parent`` (0: a sequence's
+        start; B ids per block, then at most B - 1 of a tail), or a ``BlockTokens`` (a
+        row and parent per block): each hash is checked to be ``H(parent, tokens)``
+        first; the ids are kept (``block_tokens``) and announced (``docs/events.md``).
 
         Raises:
             EnvelopeError: a reader rule failed (nothing stored).
@@ -406,11 +399,7 @@ class Store:
         return _writes.put_report(self._h, envelope, tokens, parent).counts()
 
     def put_report(
-        self,
-        envelope: Any,
-        *,
-        tokens: TokenInput | BlockTokens | None = None,
-        parent: int = 0,
+        self, envelope: Any, *, tokens: TokenInput | BlockTokens | None = None, parent: int = 0
     ) -> PutReport:
         """``put``, reporting the hashes stored and already present (the HTTP reply).
 
@@ -482,21 +471,17 @@ class Store:
     # --- the KV event log ---------------------------------------------------------------
 
     def set_events(self, limit: int) -> None:
-        """Keep the KV event log (``docs/events.md``) with at most ``limit`` batches, the
-        oldest dropped first; 0 turns it off and empties it. A setting of the store: every
-        process writing to it logs its changes while it is on. Sequence numbers only grow.
-        """
+        """Keep the KV event log (``docs/events.md``), its oldest batches dropped beyond
+        ``limit``; 0 turns it off (emptied). A setting of the store, for every process."""
         _kvevents.set_events(self._h, limit)
 
     def read_events(self, start: int = 0, limit: int = 1024) -> list[tuple[int, str, bytes]]:
-        """Up to ``limit`` logged batches numbered ``start`` or above, in order: ``(sequence
-        number, model id, payload)``, the payload ``msgpack(KVEventBatch)`` in vLLM's wire
-        format (``kvstore.events.wire``)."""
+        """Up to ``limit`` logged ``(seq, model id, payload)`` from ``start`` on, in order
+        (payload: ``msgpack(KVEventBatch)``, ``kvstore.events.wire``)."""
         return _kvevents.read_events(self._h, start, limit)
 
     def events_bounds(self) -> tuple[int, int, int]:
-        """``(first, next, limit)``: the log holds batches ``first .. next - 1``; ``next`` is
-        the number the next batch gets; ``limit`` its bound (0: off)."""
+        """``(first, next, limit)``: the log holds ``first .. next - 1``; bound 0 is off."""
         return _kvevents.events_bounds(self._h)
 
     # --- restores ----------------------------------------------------------------------

@@ -29,8 +29,10 @@ from .diskformat import (
     ANNOUNCED_STORAGE,
     ANNOUNCED_TIER,
     BLOCK_KEY,
+    TOKENS_HEADER,
     Dbs,
     pack_tokens,
+    tokens_dtype,
     tokens_flags,
     unpack_tokens,
 )
@@ -54,17 +56,23 @@ def forget_tokens(w: WriteTxn, dbs: Dbs, hk: bytes, h: int, to_tier: bool = Fals
     announced there when its parent is (or it starts a sequence), and its token ids stay
     (a read-through announces it on the disk again); otherwise they go."""
     txn = w.txn
-    value = txn.get(hk, None, dbs.tokens)
+    value = txn.pop(hk, db=dbs.tokens)  # one B-tree walk; put back below when kept
     if value is None:
         return
-    parent, flags, ids = unpack_tokens(value)
+    parent, flags = TOKENS_HEADER.unpack_from(value, 0)
     if flags & ANNOUNCED_STORAGE:
         w.events.removed(dbs.number, h)
     if to_tier and (flags & ANNOUNCED_TIER or announced(txn, dbs, parent, ANNOUNCED_TIER)):
+        ids = unpack_tokens(value)[2]
         flags |= ANNOUNCED_TIER  # (again, after a read-through: it is only in the tier now)
         w.events.to_tier(dbs.number, h, parent, ids)
-    if flags & ANNOUNCED_TIER:
         txn.put(hk, pack_tokens(parent, flags & ~ANNOUNCED_STORAGE, ids), db=dbs.tokens)
+    elif flags & ANNOUNCED_TIER:
+        txn.put(
+            hk,
+            pack_tokens(parent, flags & ~ANNOUNCED_STORAGE, unpack_tokens(value)[2]),
+            db=dbs.tokens,
+        )
     else:
         txn.delete(hk, db=dbs.tokens)
 
@@ -79,6 +87,7 @@ def keep_tokens(
     chained runs, each run one ``BlockStored``."""
     txn, dbs = w.txn, w.dbs
     db = dbs.tokens
+    records = None if tokens is None else _records(tokens)  # each row's value, flags 0
     done: set[int] = set()  # announced by this call
     run: list[int] = []
     rows: list[np.ndarray] = []
@@ -95,14 +104,17 @@ def keep_tokens(
         if h == NO_HASH:
             continue
         row += 1
-        if tokens is None and not new[i]:
+        if tokens is None and not (new[i] and w.keep_pending):
             continue
         hk = BLOCK_KEY.pack(h)
-        value = txn.get(hk, None, db)
+        # A block new here has ids kept only when it comes back from the tier.
+        value = None if new[i] and not w.keep_pending else txn.get(hk, None, db)
         if value is not None:
             parent, flags, ids = unpack_tokens(value)
-        elif tokens is not None:
+            record = None
+        elif tokens is not None and records is not None:
             parent, flags, ids = int(tokens.parents[row]), 0, tokens.ids[row]
+            record = records[row]
         else:
             flush()
             continue
@@ -111,10 +123,14 @@ def keep_tokens(
             continue
         if not (parent in done or announced(txn, dbs, parent, ANNOUNCED_STORAGE)):
             flush()  # its parent is not announced: kept, announced by a later put
-            if value is None:
-                txn.put(hk, pack_tokens(parent, flags, ids), db=db)
+            if record is not None:
+                txn.put(hk, record.tobytes(), db=db)
             continue
-        txn.put(hk, pack_tokens(parent, flags | ANNOUNCED_STORAGE, ids), db=db)
+        if record is not None:
+            record["flags"] = ANNOUNCED_STORAGE
+            txn.put(hk, record.tobytes(), db=db)
+        else:
+            txn.put(hk, pack_tokens(parent, flags | ANNOUNCED_STORAGE, ids), db=db)
         done.add(h)
         if run and run[-1] != parent:
             flush()
@@ -123,3 +139,12 @@ def keep_tokens(
         run.append(h)
         rows.append(ids)
     flush()
+
+
+def _records(tokens: BlockTokens) -> np.ndarray:
+    """``tokens`` as ``tokens`` values, flags 0: one structured array for every row."""
+    out = np.empty(tokens.n_blocks, dtype=tokens_dtype(tokens.block_tokens))
+    out["parent"] = tokens.parents
+    out["flags"] = 0
+    out["ids"] = tokens.ids
+    return out
