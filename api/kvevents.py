@@ -11,10 +11,10 @@ outside every write. A subscriber that is slow or away loses live batches (PUB
 semantics: at most ``PUB_HWM`` queued for it) and catches up by replay, within the log's
 bound (``--kv-events-replay-batches``).
 
-``tlkv serve`` starts it (``start``) before the workers, and it ends with the server: it
-watches the process that started it and exits when that process is gone, however it
-ended. It starts at the log's end: batches written while no publisher ran are served by
-replay only.
+``tlkv serve`` starts it (``PublisherProcess``) before the workers, starts it again if
+it ends on its own, and it ends with the server: it watches the process that started it
+and exits when that process is gone, however it ended. It starts at the log's end:
+batches written while no publisher ran are served by replay only.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import argparse
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import IO
@@ -188,29 +189,60 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def start(
-    data: str, endpoint: str, replay_endpoint: str | None, node: str, topic: str
-) -> subprocess.Popen[str]:
-    """Start the publisher process for the store in ``data``; returns once its sockets
-    are bound.
+def _spawn(cmd: list[str]) -> subprocess.Popen[str]:
+    """Run the publisher process; return once its sockets are bound.
 
     Raises:
-        RuntimeError: it could not bind (its message says why).
+        RuntimeError: it could not bind (its message, on stderr, says why).
     """
-    cmd = [sys.executable, "-m", "api.kvevents", "--data", data, "--endpoint", endpoint]
-    if replay_endpoint is not None:
-        cmd += ["--replay-endpoint", replay_endpoint]
-    cmd += ["--node", node, "--topic", topic, "--parent", str(os.getpid())]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     stdout: IO[str] | None = proc.stdout
     assert stdout is not None
-    line = stdout.readline().strip()
-    if line != READY:
+    if stdout.readline().strip() != READY:
         proc.wait()
         raise RuntimeError(
             f"the KV event publisher did not start (exit code {proc.returncode}); see above"
         )
     return proc
+
+
+class PublisherProcess:
+    """The publisher process of one server: started once bound, started again (by a
+    watching thread) if it ever ends on its own, stopped with ``stop``. A batch written
+    meanwhile is not lost: the new process starts at the log's end, and replay has it."""
+
+    def __init__(
+        self, data: str, endpoint: str, replay_endpoint: str | None, node: str, topic: str
+    ) -> None:
+        cmd = [sys.executable, "-m", "api.kvevents", "--data", data, "--endpoint", endpoint]
+        if replay_endpoint is not None:
+            cmd += ["--replay-endpoint", replay_endpoint]
+        self._cmd = [*cmd, "--node", node, "--topic", topic, "--parent", str(os.getpid())]
+        self._proc = _spawn(self._cmd)
+        self._stopping = threading.Event()
+        self._watch = threading.Thread(target=self._keep, name="tlkv-kvevents", daemon=True)
+        self._watch.start()
+
+    def _keep(self) -> None:
+        while True:
+            code = self._proc.wait()
+            if self._stopping.is_set():
+                return
+            print(
+                f"tlkv serve: the KV event publisher ended ({code}); starting it again",
+                file=sys.stderr,
+            )
+            time.sleep(1.0)
+            try:
+                self._proc = _spawn(self._cmd)
+            except RuntimeError as exc:
+                print(f"tlkv serve: {exc}", file=sys.stderr)
+
+    def stop(self) -> None:
+        """End the publisher (and stop watching it)."""
+        self._stopping.set()
+        self._proc.terminate()
+        self._proc.wait()
 
 
 if __name__ == "__main__":

@@ -133,11 +133,11 @@ def _serve(args: argparse.Namespace, metrics_dir: str | None) -> int:
     ).close()
     publisher = None
     if args.kv_events_endpoint:
-        from .kvevents import start
+        from .kvevents import PublisherProcess
 
         node = args.node_id or socket.gethostname()
         try:
-            publisher = start(
+            publisher = PublisherProcess(
                 str(settings.data),
                 args.kv_events_endpoint,
                 args.kv_events_replay_endpoint,
@@ -151,8 +151,7 @@ def _serve(args: argparse.Namespace, metrics_dir: str | None) -> int:
         return _run_uvicorn(args, settings, metrics_dir, publisher is not None)
     finally:
         if publisher is not None:
-            publisher.terminate()
-            publisher.wait()
+            publisher.stop()
 
 
 def _run_uvicorn(

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -309,3 +310,47 @@ def test_several_workers_publish_one_stream(tmp_path: Path) -> None:
     announced = [h for m in got for e in events_of(m) for h in e["block_hashes"]]
     expected = {h for seed in range(40) for h in prompt(8, seed=seed)[1]}
     assert len(announced) == 80 and set(announced) == expected
+
+
+def _publisher_pid(server_pid: int) -> int:
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid == server_pid and b"api.kvevents" in cmdline:
+                return int(entry.name)
+    raise AssertionError("no publisher process")
+
+
+@pytest.mark.slow
+def test_a_publisher_that_dies_is_started_again(node: Node) -> None:
+    assert node.server.proc is not None
+    first = _publisher_pid(node.server.proc.pid)
+    os.kill(first, signal.SIGKILL)
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            second = _publisher_pid(node.server.proc.pid)
+            break
+        except AssertionError:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    assert second != first
+    sub = node.subscriber()
+    try:
+        with Client(node.server.url) as c:
+            for seed in range(40):  # until the new publisher is bound and sends
+                ids, hashes, env = prompt(8, seed=seed)
+                c.put(env, tokens=ids)
+                got = recv(sub, 1, timeout=0.5)
+                if got:
+                    break
+        [m] = got
+        assert m.seq == seed and events_of(m)[0]["block_hashes"] == hashes
+        assert [x.seq for x in sub.replay(0)] == list(range(seed + 1))  # none lost
+    finally:
+        sub.close()

@@ -1,16 +1,18 @@
 """KV events benchmarks: puts with the publisher on vs off, events delivered to a
 subscriber, and a router's lookup of an 8,192-token prompt.
 
-- put throughput: ``Store.put`` of 48 prompts of 32 blocks of 128 KiB (geometry 16, 8, 4,
-  64; v1), each with its token ids, into a store (``sync=False``: no fsync, so the puts'
-  own work is what is compared), with the event log on and the real publisher process
-  (``api.kvevents``) following it and sending every batch to a subscriber process, vs the
-  log off and no publisher. Rounds alternate off/on (7 pairs; 2 with --quick); the ratio
-  is the median of the per-pair ratios, their spread printed; and the putting thread's
-  CPU time per put (the work the log adds to a put, apart from the machine's other load).
-  Target: >= 0.95x.
-- the same with the puts over HTTP (``Client.put`` with tokens, one client) to ``tlkv
-  serve`` with ``--kv-events-endpoint`` vs without: what a deployment sees.
+- put throughput: 200 prompts of 32 blocks of 128 KiB (geometry 16, 8, 4, 64; v1), each
+  put with its token ids into two stores side by side (``sync=False``: no fsync, so the
+  puts' own work is what is compared; 64 MiB capacity each, so puts also evict and the
+  log announces the removals): one with the event log on, the real publisher process
+  (``api.kvevents``) following it and a subscriber process receiving every batch, the
+  other with the log off. Each prompt goes to both, one right after the other (the side
+  going first alternating), so the shared machine's load swings hit both alike; the
+  ratio is median put time off / on, and the putting thread's median CPU time per put
+  off / on beside it. Target: >= 0.95x.
+- the same over HTTP (``Client.put`` with tokens) to two ``tlkv serve`` side by side, one
+  with ``--kv-events-endpoint``: wall ratio, and the CPU per put of each server's process
+  tree (the publisher included).
 - events delivered: 2,000 one-block puts (each one batch, one ``BlockStored``) as fast as
   one writer goes; events per second from the first put to the subscriber's last event,
   beside the writer's own put rate (the baseline: the publisher keeps up when equal).
