@@ -39,7 +39,8 @@ class BlockTarget(Protocol):
 
     def put_envelope(self, envelope: bytes, tokens: BlockTokens | None = None) -> int:
         """Store an envelope's full blocks (with their token ids: one row and parent per
-        full block, checked by the target); returns how many were newly stored."""
+        full block, checked by the target); returns how many were newly stored. A target
+        whose ``put_envelope`` has no ``tokens`` parameter is called without them."""
         ...
 
     def prefix_views(self, hashes: Sequence[int]) -> AbstractContextManager[Sequence[BlockView]]:

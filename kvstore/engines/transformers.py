@@ -33,6 +33,7 @@ Choices where an engine has several reasonable answers:
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import numpy as np
@@ -215,10 +216,23 @@ def save_prefix(
     cpu_values = [layer.values.detach().cpu() for layer in layers]
     blocks = blocks_from_layers(cpu_keys, cpu_values, ids, g, tail=False)
     missing = [blk for blk, here in zip(blocks, present) if not here]
+    envelope = encode(g, missing, version)
+    if not _takes_tokens(tgt.put_envelope):  # a target written before token ids
+        return tgt.put_envelope(envelope)
     # Their token ids go with them (the target checks each block's name against them).
     tokens = chain_tokens(ids[: len(hashes) * g.block_tokens], hashes, g.block_tokens)
     rows = np.logical_not(np.asarray(present, dtype=bool))
-    return tgt.put_envelope(encode(g, missing, version), tokens=tokens.take(rows))
+    return tgt.put_envelope(envelope, tokens=tokens.take(rows))
+
+
+def _takes_tokens(put_envelope: Any) -> bool:
+    """Whether a target's ``put_envelope`` takes ``tokens=`` (a duck-typed target from
+    before token ids has only the envelope)."""
+    try:
+        params = inspect.signature(put_envelope).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "tokens" or p.kind is p.VAR_KEYWORD for p in params)
 
 
 def _to_torch(torch: Any, arr: np.ndarray, dtype: Any, device: Any) -> Any:
