@@ -63,7 +63,8 @@ def create(
 ) -> CreateSummary:
     """Archive a snapshot of models of ``store`` (one read transaction per model) into
     ``path``: version 2 for one model, version 3 for several, version 4 (either shape)
-    when a sequence keeps blocks of its own (ARCHIVE.md 1, 1.6).
+    when a sequence keeps blocks of its own, version 5 when blocks carry their token ids
+    (a token member after each such block; ARCHIVE.md 1, 1.6, 1.7).
 
     Written to a sibling temp file, fsynced, then renamed: a crash never leaves a half
     archive under ``path``. A block that fails its CRC is quarantined by the store and
