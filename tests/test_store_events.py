@@ -16,6 +16,7 @@ from kvstore import Store, split
 from kvstore.codec.tokens import BlockTokens
 from kvstore.errors import TokenMismatchError
 from kvstore.events.wire import MEDIUM_STORAGE, MEDIUM_TIER
+from kvstore.store.debug import raw_snapshot
 from kvstore.store.kvevents import DEFAULT_EVENTS_LIMIT
 
 SINGLE = SMALL.envelope_bytes(1)
@@ -87,12 +88,29 @@ def test_a_child_is_announced_only_after_its_parent(tmp_path: Path) -> None:
         s.put(_join(parts[2:]), tokens=ids[8:], parent=hashes[1])
         assert log_events(s) == []
         assert s.block_tokens([hashes[2]])[0][0] == hashes[1]  # type: ignore[index]
-        s.put(_join(parts[:2]), tokens=ids[:8])  # the parents: announced
-        s.put(env, tokens=ids)  # the whole prompt again: its waiting children follow
-        got = [h for _, _, ev in log_events(s) for st in _stored(ev) for h in st[0]]
-        assert got == hashes
+        s.put(_join(parts[:2]), tokens=ids[:8])  # the parents: their waiting children follow
         chains = [st for _, _, ev in log_events(s) for st in _stored(ev)]
-        assert chains == [(hashes[:2], None, ids[:8]), (hashes[2:], hashes[1], ids[8:20])]
+        assert chains == [(hashes, None, ids[:20])]  # one chain, each after its parent
+        s.put(env, tokens=ids)  # nothing new to announce
+        assert s.events_bounds()[1] == 1
+        with raw_snapshot(s) as (txn, dbs):
+            assert txn.stat(dbs.waiting)["entries"] == 0
+
+
+def test_an_orphan_that_leaves_stops_waiting(tmp_path: Path) -> None:
+    ids, hashes, env = prompt(12)
+    parts = split(env)
+    with Store(tmp_path / "s", events=100) as s:
+        s.put(_join(parts[1:]), tokens=ids[4:], parent=hashes[0])
+        with raw_snapshot(s) as (txn, dbs):
+            assert txn.stat(dbs.waiting)["entries"] == 2  # 1 waits for 0, 2 for 1
+        s.delete(hashes[1])
+        with raw_snapshot(s) as (txn, dbs):
+            assert txn.stat(dbs.waiting)["entries"] == 1  # 2 for 1, which may come back
+        s.put(parts[0], tokens=ids[:4])
+        assert [st[0] for _, _, ev in log_events(s) for st in _stored(ev)] == [[hashes[0]]]
+        s.put(parts[1], tokens=ids[4:8], parent=hashes[0])  # 1 is back: 2 follows it
+        assert [st[0] for _, _, ev in log_events(s, 1) for st in _stored(ev)] == [hashes[1:]]
 
 
 def _join(parts: list[bytes]) -> bytes:

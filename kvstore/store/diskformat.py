@@ -25,6 +25,8 @@ refuses it instead of evicting blocks it cannot see.
             token ids of a block written with them (``codec.tokens``), checked against
             its name; ``flags`` say on which media it is announced (``ANNOUNCED_*``).
             Kept while the block is stored here, or announced in the tier.
+``waiting`` parent hash -> (DUPSORT, DUPFIXED) the hashes of its stored children kept
+            with token ids but not announced, waiting for it to be (``tokentxn``).
 ``events``  u64 sequence number (big-endian) -> ``EVENT_MODEL`` (u16 length) + model id
             + one KV event batch in vLLM's wire format (``kvstore.events.wire``): the
             bounded replay log, written in the transaction of the change it records,
@@ -34,9 +36,9 @@ refuses it instead of evicting blocks it cannot see.
 
 Namespaces: the ``default`` model is number 0 and owns the sub-databases above, byte for
 byte as in format 1 (its geometry is ``meta``'s). Model ``n`` > 0 owns its own ``blocks``,
-``index``, ``refs``, ``atime``, ``seqs``, ``pending`` and ``tokens``, named ``<name>@<n>``
-(``blocks@3``), with the same keys and values: every data path is the one of the default
-model over other handles.
+``index``, ``refs``, ``atime``, ``seqs``, ``pending``, ``tokens`` and ``waiting``, named
+``<name>@<n>`` (``blocks@3``), with the same keys and values: every data path is the one
+of the default model over other handles.
 ``meta``, ``lru``, ``models`` and ``events`` are shared: the LRU order is store-wide (its
 value names the model of a non-default entry), the ``bytes``/``evictions``/``corrupt``
 counters are store totals, and model ``n`` > 0 has its own beside them (key ``bytes@`` + ``n`` as a
@@ -75,13 +77,14 @@ DB_SEQS = b"seqs"
 DB_PENDING = b"pending"
 DB_MODELS = b"models"
 DB_TOKENS = b"tokens"
+DB_WAITING = b"waiting"  # DUPSORT | DUPFIXED
 DB_EVENTS = b"events"
 # Two sub-databases never written: what a model not created yet reads (no blocks, no
 # sequences) through the same code as any other.
 DB_EMPTY = b"empty"
 DB_EMPTY_INDEX = b"empty-index"
 # The sub-databases every model has a copy of (model 0: the names above).
-MODEL_DBS = (DB_BLOCKS, DB_INDEX, DB_REFS, DB_ATIME, DB_SEQS, DB_PENDING, DB_TOKENS)
+MODEL_DBS = (DB_BLOCKS, DB_INDEX, DB_REFS, DB_ATIME, DB_SEQS, DB_PENDING, DB_TOKENS, DB_WAITING)
 # Every sub-database of a store holding only the default model.
 SHARED_DBS = (*MODEL_DBS, DB_META, DB_LRU, DB_MODELS, DB_EMPTY, DB_EMPTY_INDEX, DB_EVENTS)
 
@@ -184,6 +187,7 @@ class Dbs(NamedTuple):
     number: int = 0  # the model's number (0: default; -1: a model not created yet)
     tokens: Any = None
     events: Any = None  # shared
+    waiting: Any = None
 
 
 def model_db_name(name: bytes, number: int) -> bytes:

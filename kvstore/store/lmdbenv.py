@@ -45,6 +45,7 @@ from .diskformat import (
     DB_REFS,
     DB_SEQS,
     DB_TOKENS,
+    DB_WAITING,
     MODEL_DBS,
     Dbs,
     max_dbs,
@@ -192,19 +193,22 @@ class LmdbEnv:
                         pending=env.open_db(DB_PENDING, txn=txn),
                         models=env.open_db(DB_MODELS, txn=txn),
                         tokens=env.open_db(DB_TOKENS, txn=txn),
+                        waiting=env.open_db(DB_WAITING, txn=txn, dupsort=True, dupfixed=True),
                         events=env.open_db(DB_EVENTS, txn=txn),
                     )
                     empty = env.open_db(DB_EMPTY, txn=txn)
+                    empty_index = env.open_db(
+                        DB_EMPTY_INDEX, txn=txn, dupsort=True, dupfixed=True, integerdup=True
+                    )
                     nothing = dbs._replace(
                         blocks=empty,
-                        index=env.open_db(
-                            DB_EMPTY_INDEX, txn=txn, dupsort=True, dupfixed=True, integerdup=True
-                        ),
+                        index=empty_index,
                         refs=empty,
                         atime=empty,
                         seqs=empty,
                         pending=empty,
                         tokens=empty,
+                        waiting=empty_index,
                         number=-1,
                     )
                     check(txn, dbs)
@@ -233,6 +237,7 @@ class LmdbEnv:
                 seqs=db(DB_SEQS),
                 pending=db(DB_PENDING),
                 tokens=db(DB_TOKENS),
+                waiting=db(DB_WAITING, dupsort=True, dupfixed=True),
                 number=number,
             )
 

@@ -4,10 +4,11 @@
 A block is announced on the node's disk (``MEDIUM_STORAGE``) once its token ids are known
 and its parent is announced there too (or it starts a sequence): a router then always
 hears of a parent before its children. A block whose tokens are not known is never
-announced (no event can carry its token ids); one whose parent is not announced waits,
-and is announced by a later put that brings it again once its parent is (a client putting
-a prompt's whole prefix does). The flags of its ``tokens`` value say where it is
-announced (``diskformat``); ``WriteTxn`` announces removals.
+announced (no event can carry its token ids); one whose parent is not announced waits
+(``waiting``: parent -> child) and is announced in the transaction that announces its
+parent, whichever order blocks arrive in (an archive restores them in hash order). The
+flags of its ``tokens`` value say where it is announced (``diskformat``); ``WriteTxn``
+announces removals.
 
 Every removal of a block from the disk goes through ``forget_tokens`` (``WriteTxn``
 calls it): a ``BlockRemoved`` when it was announced there, and, for a block evicted while
@@ -62,6 +63,8 @@ def forget_tokens(w: WriteTxn, dbs: Dbs, hk: bytes, h: int, to_tier: bool = Fals
     parent, flags = TOKENS_HEADER.unpack_from(value, 0)
     if flags & ANNOUNCED_STORAGE:
         w.events.removed(dbs.number, h)
+    elif parent != NO_HASH:  # it was waiting for its parent: no more
+        txn.delete(BLOCK_KEY.pack(parent), hk, db=dbs.waiting)
     if to_tier and (flags & ANNOUNCED_TIER or announced(txn, dbs, parent, ANNOUNCED_TIER)):
         ids = unpack_tokens(value)[2]
         flags |= ANNOUNCED_TIER  # (again, after a read-through: it is only in the tier now)
@@ -83,8 +86,9 @@ def keep_tokens(
     """After a put stored the full blocks of ``hashes`` (an envelope's, 0 for a partial
     block): keep their token ids (``tokens``: one row per full block, verified against
     the hashes; None: only blocks with ids kept already are looked at, those ``new``
-    here coming back from the object tier) and announce the blocks that now may be, in
-    chained runs, each run one ``BlockStored``."""
+    here coming back from the object tier) and announce the blocks that now may be, and
+    the stored children that were waiting for them, in chained runs, each run one
+    ``BlockStored``."""
     txn, dbs = w.txn, w.dbs
     db = dbs.tokens
     records = None if tokens is None else _records(tokens)  # each row's value, flags 0
@@ -98,6 +102,16 @@ def keep_tokens(
         if run:
             w.events.stored(dbs.number, run, run_parent, np.stack(rows), MEDIUM_STORAGE)
             run, rows = [], []
+
+    def emit(h: int, parent: int, ids: np.ndarray) -> None:
+        nonlocal run_parent
+        done.add(h)
+        if run and run[-1] != parent:
+            flush()
+        if not run:
+            run_parent = parent
+        run.append(h)
+        rows.append(ids)
 
     row = -1
     for i, h in enumerate(hashes):
@@ -116,29 +130,47 @@ def keep_tokens(
             parent, flags, ids = int(tokens.parents[row]), 0, tokens.ids[row]
             record = records[row]
         else:
-            flush()
             continue
         if flags & ANNOUNCED_STORAGE or h in done:
-            flush()
             continue
         if not (parent in done or announced(txn, dbs, parent, ANNOUNCED_STORAGE)):
-            flush()  # its parent is not announced: kept, announced by a later put
-            if record is not None:
+            if record is not None:  # kept; announced as soon as its parent is
                 txn.put(hk, record.tobytes(), db=db)
+                txn.put(BLOCK_KEY.pack(parent), hk, db=dbs.waiting)
             continue
         if record is not None:
             record["flags"] = ANNOUNCED_STORAGE
             txn.put(hk, record.tobytes(), db=db)
         else:
             txn.put(hk, pack_tokens(parent, flags | ANNOUNCED_STORAGE, ids), db=db)
-        done.add(h)
-        if run and run[-1] != parent:
-            flush()
-        if not run:
-            run_parent = parent
-        run.append(h)
-        rows.append(ids)
+        emit(h, parent, ids)
+        _announce_waiting(txn, dbs, h, emit)
     flush()
+
+
+def _announce_waiting(txn: Any, dbs: Dbs, h: int, emit: Any) -> None:
+    """Announce the stored children waiting for ``h`` (just announced), and theirs, each
+    after its parent; their waiting entries go."""
+    stack = [h]
+    while stack:
+        parent = stack.pop()
+        pk = BLOCK_KEY.pack(parent)
+        cursor = txn.cursor(db=dbs.waiting)
+        if not cursor.set_key(pk):
+            continue
+        children = [bytes(v) for v in cursor.iternext_dup(keys=False)]
+        txn.delete(pk, db=dbs.waiting)  # every child's entry
+        for ck in children:
+            value = txn.get(ck, None, dbs.tokens)
+            if value is None or txn.get(ck, None, dbs.blocks) is None:
+                continue  # gone since
+            p, flags, ids = unpack_tokens(value)
+            if flags & ANNOUNCED_STORAGE or p != parent:
+                continue
+            txn.put(ck, pack_tokens(p, flags | ANNOUNCED_STORAGE, ids), db=dbs.tokens)
+            child = BLOCK_KEY.unpack(ck)[0]
+            emit(child, p, ids)
+            stack.append(child)
 
 
 def _records(tokens: BlockTokens) -> np.ndarray:
