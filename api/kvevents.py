@@ -3,8 +3,10 @@
 The workers (and any other process writing to the store) write their event batches into
 the store's log in the transactions that change it (``kvstore/store/eventlog.py``), under
 sequence numbers LMDB allocates; this process follows the log and sends each batch once,
-in order, on a ZMQ PUB socket as ``[topic, seq, payload]`` (``kvstore.events.wire``), and
-answers vLLM's replay protocol on a ROUTER socket from the same log. So several workers
+in order, on a ZMQ PUB socket as ``[topic, seq, payload]`` (``kvstore.events.wire``; an
+XPUB, which is a PUB to subscribers), and answers vLLM's replay protocol on a ROUTER
+socket from the same log; a writer wakes it after each commit that logged batches
+(``eventlog.wake``, one datagram). So several workers
 publish one stream with no gap, the numbers survive a restart or a ``kill -9`` (they are
 in LMDB), and a put never waits for the network: publishing is a read of the log here,
 outside every write. A subscriber that is slow or away loses live batches (PUB
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -32,10 +35,13 @@ import zmq
 
 from kvstore.events.wire import END_SEQ, SEQ, topic_for
 from kvstore.store import Store
+from kvstore.store.eventlog import wake_address
 
-# Seconds between two looks at the log (one LMDB read transaction each): the first after
-# a batch, doubled after each look that found nothing, up to the second: the latency a
-# batch may wait for, traded against the CPU an idle server spends looking (~0.5 %).
+# The publisher looks at the log when a writer wakes it after a commit (``eventlog.wake``)
+# and every IDLE_SECONDS besides. Where it cannot be woken (no AF_UNIX abstract socket),
+# it looks POLL_SECONDS after a batch, doubling the wait after each look that found
+# nothing, up to POLL_IDLE_SECONDS: the latency a batch may wait for then.
+IDLE_SECONDS = 0.25
 POLL_SECONDS = 0.002
 POLL_IDLE_SECONDS = 0.025
 READ_BATCHES = 1024  # batches read from the log at once
@@ -78,7 +84,8 @@ class Publisher:
         self.template = topic
         self._topics: dict[str, bytes] = {}
         self._ctx = zmq.Context()
-        self.pub = self._ctx.socket(zmq.PUB)
+        # XPUB: a PUB (SUB sockets cannot tell) that hands new subscriptions to the loop
+        self.pub = self._ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.SNDHWM, PUB_HWM)
         _bind(self.pub, endpoint)
         self.replay = None
@@ -106,6 +113,10 @@ class Publisher:
         sent = 0
         while True:
             batches = self.store.read_events(self.next, READ_BATCHES)
+            if batches:
+                # libzmq takes in a (re)connected subscriber and its subscription only
+                # inside a call on the socket: before sending, not after the first send.
+                self.pub.getsockopt(zmq.EVENTS)
             for seq, model, payload in batches:
                 self.pub.send_multipart([self._topic(model), SEQ.pack(seq), payload])
                 self.next = seq + 1
@@ -132,27 +143,60 @@ class Publisher:
             at = batches[-1][0] + 1
         self.replay.send_multipart([client, b"", b"", END_SEQ, b""])
 
+    def _listen_for_wakes(self) -> socket.socket | None:
+        """The datagram socket writers wake this publisher on (``eventlog.wake``); None
+        where it cannot be bound (then the log is looked at every few ms instead)."""
+        try:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            sock.bind(wake_address(self.store.path))
+        except (OSError, AttributeError):
+            return None
+        sock.setblocking(False)
+        return sock
+
     def run(self, alive: Callable[[], bool] = lambda: True) -> None:
-        """Publish until ``alive()`` is false (asked every 50 ms)."""
+        """Publish until ``alive()`` is false (asked at least every ``IDLE_SECONDS``)."""
+        wakes = self._listen_for_wakes()
+        poller = zmq.Poller()
+        poller.register(self.pub, zmq.POLLIN)  # XPUB: a subscription arriving
+        if self.replay is not None:
+            poller.register(self.replay, zmq.POLLIN)
+        if wakes is not None:
+            poller.register(wakes.fileno(), zmq.POLLIN)
         last_check = time.monotonic()
         wait = POLL_SECONDS
+        try:
+            while True:
+                sent = self.publish_new()
+                if wakes is not None:
+                    wait = IDLE_SECONDS  # a commit wakes us; the look is a safety net
+                else:
+                    wait = POLL_SECONDS if sent else min(2 * wait, POLL_IDLE_SECONDS)
+                ready = dict(poller.poll(max(1, int(wait * 1000))))
+                if self.pub in ready:  # libzmq takes subscriptions in only on a call
+                    _drain(lambda: self.pub.recv(zmq.NOBLOCK), zmq.Again)
+                if wakes is not None and wakes.fileno() in ready:
+                    _drain(lambda: wakes.recv(16), BlockingIOError)
+                if self.replay is not None and self.replay in ready:
+                    self.publish_new()  # a replay answers up to the log's end: published first
+                    self.serve_replay()
+                now = time.monotonic()
+                if now - last_check > 0.05:
+                    last_check = now
+                    if not alive():
+                        return
+        finally:
+            if wakes is not None:
+                wakes.close()
+
+
+def _drain(receive: Callable[[], object], empty: type[Exception]) -> None:
+    """Receive until nothing is left."""
+    try:
         while True:
-            sent = self.publish_new()
-            wait = POLL_SECONDS if sent else min(2 * wait, POLL_IDLE_SECONDS)
-            # libzmq takes in new subscriptions only inside a call on the socket: without
-            # one while idle, the first batch after a subscriber (re)connects would go out
-            # before its subscription is known, and be lost to it.
-            self.pub.getsockopt(zmq.EVENTS)
-            if self.replay is None:
-                time.sleep(wait)
-            elif self.replay.poll(max(1, int(wait * 1000))):  # the wait between looks
-                self.publish_new()  # a replay answers up to the log's end: published first
-                self.serve_replay()
-            now = time.monotonic()
-            if now - last_check > 0.05:
-                last_check = now
-                if not alive():
-                    return
+            receive()
+    except empty:
+        pass
 
 
 def _parent_alive(parent: int) -> bool:

@@ -261,6 +261,9 @@ def test_numbers_survive_kill_9_and_replay_has_no_gap(tmp_path: Path) -> None:
         n.server.proc.wait()
         n.server.proc = None
         n.server.start()  # the same ports: the publisher of the killed server is gone
+        # A subscriber reconnects (and subscribes again) inside its own calls, as a router
+        # that keeps receiving does: a batch sent before that would be lost to it.
+        assert sub.recv(0.5) is None
         with Client(n.server.url) as c:
             ids, _, env = prompt(8, seed=9)
             c.put(env, tokens=ids)
