@@ -5,11 +5,10 @@ the store's log in the transactions that change it (``kvstore/store/eventlog.py`
 sequence numbers LMDB allocates; this process follows the log and sends each batch once,
 in order, on a ZMQ PUB socket as ``[topic, seq, payload]`` (``kvstore.events.wire``; an
 XPUB, which is a PUB to subscribers), and answers vLLM's replay protocol on a ROUTER
-socket from the same log; a writer wakes it after each commit that logged batches
-(``eventlog.wake``, one datagram). So several workers
-publish one stream with no gap, the numbers survive a restart or a ``kill -9`` (they are
-in LMDB), and a put never waits for the network: publishing is a read of the log here,
-outside every write. A subscriber that is slow or away loses live batches (PUB
+socket from the same log. So several workers publish one stream with no gap, the numbers
+survive a restart or a ``kill -9`` (they are in LMDB), and a put never waits for the
+network: publishing is a read of the log here, outside every write, at a lower priority
+than the workers. A subscriber that is slow or away loses live batches (PUB
 semantics: at most ``PUB_HWM`` queued for it) and catches up by replay, within the log's
 bound (``--kv-events-replay-batches``).
 
@@ -22,8 +21,8 @@ batches written while no publisher ran are served by replay only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -35,19 +34,19 @@ import zmq
 
 from kvstore.events.wire import END_SEQ, SEQ, topic_for
 from kvstore.store import Store
-from kvstore.store.eventlog import wake_address
 
-# The publisher looks at the log when a writer wakes it after a commit (``eventlog.wake``)
-# and every IDLE_SECONDS besides. Where it cannot be woken (no AF_UNIX abstract socket),
-# it looks POLL_SECONDS after a batch, doubling the wait after each look that found
-# nothing, up to POLL_IDLE_SECONDS: the latency a batch may wait for then.
-IDLE_SECONDS = 0.25
+# Seconds between two looks at the log (one LMDB read transaction each): the first after
+# a batch, doubled after each look that found nothing, up to the second: the latency a
+# batch may wait for, traded against the CPU an idle server spends looking (~0.5 %).
+# (Waking it from the writers after each commit was tried: published the instant after a
+# commit, it preempted the next put on a busy 2-core machine, 0.45-0.97x.)
 POLL_SECONDS = 0.002
 POLL_IDLE_SECONDS = 0.025
 READ_BATCHES = 1024  # batches read from the log at once
 PUB_HWM = 100_000  # batches queued for one slow subscriber before it loses live ones
 BIND_WAIT_SECONDS = 10.0  # a port still held by a publisher that is exiting: retry this long
 READY = "ready"  # the line the publisher prints once its sockets are bound
+PUBLISHER_NICENESS = 10
 
 
 def _bind(sock: zmq.Socket, endpoint: str) -> None:
@@ -143,51 +142,28 @@ class Publisher:
             at = batches[-1][0] + 1
         self.replay.send_multipart([client, b"", b"", END_SEQ, b""])
 
-    def _listen_for_wakes(self) -> socket.socket | None:
-        """The datagram socket writers wake this publisher on (``eventlog.wake``); None
-        where it cannot be bound (then the log is looked at every few ms instead)."""
-        try:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-            sock.bind(wake_address(self.store.path))
-        except (OSError, AttributeError):
-            return None
-        sock.setblocking(False)
-        return sock
-
     def run(self, alive: Callable[[], bool] = lambda: True) -> None:
-        """Publish until ``alive()`` is false (asked at least every ``IDLE_SECONDS``)."""
-        wakes = self._listen_for_wakes()
+        """Publish until ``alive()`` is false (asked at least every 50 ms)."""
         poller = zmq.Poller()
         poller.register(self.pub, zmq.POLLIN)  # XPUB: a subscription arriving
         if self.replay is not None:
             poller.register(self.replay, zmq.POLLIN)
-        if wakes is not None:
-            poller.register(wakes.fileno(), zmq.POLLIN)
         last_check = time.monotonic()
         wait = POLL_SECONDS
-        try:
-            while True:
-                sent = self.publish_new()
-                if wakes is not None:
-                    wait = IDLE_SECONDS  # a commit wakes us; the look is a safety net
-                else:
-                    wait = POLL_SECONDS if sent else min(2 * wait, POLL_IDLE_SECONDS)
-                ready = dict(poller.poll(max(1, int(wait * 1000))))
-                if self.pub in ready:  # libzmq takes subscriptions in only on a call
-                    _drain(lambda: self.pub.recv(zmq.NOBLOCK), zmq.Again)
-                if wakes is not None and wakes.fileno() in ready:
-                    _drain(lambda: wakes.recv(16), BlockingIOError)
-                if self.replay is not None and self.replay in ready:
-                    self.publish_new()  # a replay answers up to the log's end: published first
-                    self.serve_replay()
-                now = time.monotonic()
-                if now - last_check > 0.05:
-                    last_check = now
-                    if not alive():
-                        return
-        finally:
-            if wakes is not None:
-                wakes.close()
+        while True:
+            sent = self.publish_new()
+            wait = POLL_SECONDS if sent else min(2 * wait, POLL_IDLE_SECONDS)
+            ready = dict(poller.poll(max(1, int(wait * 1000))))  # the wait between looks
+            if self.pub in ready:  # libzmq takes subscriptions in only on a call
+                _drain(lambda: self.pub.recv(zmq.NOBLOCK), zmq.Again)
+            if self.replay is not None and self.replay in ready:
+                self.publish_new()  # a replay answers up to the log's end: published first
+                self.serve_replay()
+            now = time.monotonic()
+            if now - last_check > 0.05:
+                last_check = now
+                if not alive():
+                    return
 
 
 def _drain(receive: Callable[[], object], empty: type[Exception]) -> None:
@@ -213,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--topic", required=True)
     p.add_argument("--parent", type=int, required=True)
     args = p.parse_args(argv)
+    with contextlib.suppress(OSError):
+        # Publishing yields to the workers' puts on a busy machine.
+        os.nice(PUBLISHER_NICENESS)
     store = Store(args.data)
     try:
         publisher = Publisher(

@@ -7,8 +7,7 @@ commit, ``write`` turns each model's notes into one batch in vLLM's wire format
 to its bound. The batch commits with the change, or not at all: the sequence number is
 allocated by LMDB's one writer, so the processes and workers sharing a store write one
 stream with no gap and no repeat, and it survives any crash of a process (``kill -9``).
-``api.kvevents`` publishes the log; ``read`` serves its publisher and the replay socket;
-``wake`` tells the publisher after a commit that wrote batches (it also looks by itself).
+``api.kvevents`` publishes the log; ``read`` serves its publisher and the replay socket.
 
 Nothing is written while ``meta``'s ``events_limit`` is absent or 0 (``set_limit``:
 ``Store(events=...)``, ``tlkv serve --kv-events-endpoint``); the sequence number only
@@ -17,9 +16,6 @@ grows either way. Sub-database and keys: ``diskformat`` (``events``, ``EVENT_KEY
 
 from __future__ import annotations
 
-import hashlib
-import os
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -165,29 +161,6 @@ class EventLog:
             if len(key) != EVENT_KEY.size or EVENT_KEY.unpack(key)[0] >= below:
                 return
             ok = cursor.delete()
-
-
-def wake_address(store_path: str) -> bytes:
-    """The Unix datagram address (Linux's abstract namespace: no file) a store's publisher
-    listens on for ``wake``: named by the store directory's real path."""
-    digest = hashlib.sha256(os.path.realpath(store_path).encode()).hexdigest()[:24]
-    return b"\0tlkv-kv-events-" + digest.encode()
-
-
-_wake_socket: socket.socket | None = None
-
-
-def wake(store_path: str) -> None:
-    """Tell the store's publisher, if one listens, that batches were committed (one
-    datagram, never waiting: a publisher away or busy finds them by its own look)."""
-    global _wake_socket
-    try:
-        if _wake_socket is None:
-            _wake_socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-            _wake_socket.setblocking(False)
-        _wake_socket.sendto(b"\0", wake_address(store_path))
-    except (OSError, AttributeError):  # none listens, its queue is full, or no AF_UNIX
-        pass
 
 
 def set_limit(txn: Any, meta: Any, events: Any, limit: int) -> None:

@@ -51,7 +51,7 @@ from .diskformat import (
     counter,
     model_counter_key,
 )
-from .eventlog import EventLog, wake
+from .eventlog import EventLog
 from .eviction import LruOrder
 from .tokentxn import forget_tokens, keep_tokens
 
@@ -161,9 +161,7 @@ class WriteTxn:
 
     def save(self) -> None:
         """Write back the counters that changed and the event batches (before commit)."""
-        if self.events.write():
-            path = self.path
-            self.after_commit.append(lambda: wake(path))
+        self.events.write()
         values = (self.bytes, self.lru.tick, self.evictions, self.corrupt)
         for key, old, new in zip(COUNTER_KEYS, self._loaded, values):
             if old != new:
