@@ -13,27 +13,17 @@ pytestmark = [pytest.mark.hf, pytest.mark.slow]
 torch = pytest.importorskip("torch", reason="the hf extra (torch, transformers) is not installed")
 transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
 
+from test_engine_transformers import _model, _prefill, _prompt  # noqa: E402
+
 from kvstore import Store, chain_hashes  # noqa: E402
 from kvstore.engines.transformers import save_prefix  # noqa: E402
 
 
 @torch.no_grad()
 def test_save_prefix_keeps_and_announces_the_prompts_token_ids(tmp_path: Path) -> None:
-    config = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=128,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(torch.float16).eval()
-    ids = torch.randint(0, 96, (1, 45), generator=torch.Generator().manual_seed(1))
-    out = model(ids, use_cache=True)
-    cache = getattr(out, "cache", None) or out.past_key_values
+    model = _model(torch.float16)
+    ids = _prompt()  # 45 tokens: two full blocks of 16
+    cache = _prefill(model, ids)
     prompt = ids[0].tolist()
     hashes = chain_hashes(prompt, 16)
     with Store(tmp_path / "s", events=100) as store:
