@@ -32,7 +32,7 @@ from .metrics import Metrics, MetricsMiddleware
 from .middleware import GuardMiddleware
 from .modelscope import ModelScope
 from .openapi import install_openapi, route_name
-from .routes import blocks, models, sequences, service, status
+from .routes import blocks, lookup, models, sequences, service, status
 from .settings import Settings
 
 DESCRIPTION = (
@@ -124,7 +124,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.known_models = {DEFAULT_MODEL}  # api.modelscope's models seen to exist
     install_error_handlers(app)
     install_openapi(app, token=settings.tokens is not None)
-    for module in (service, models, blocks, sequences, status):
+    for module in (service, models, lookup, blocks, sequences, status):
         app.include_router(module.router)
     app.add_middleware(blocks.BlockReadFastPath)
     app.add_middleware(ModelScope)

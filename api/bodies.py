@@ -39,7 +39,8 @@ from fastapi import Request
 
 from kvstore.codec.envelope import check_header
 from kvstore.codec.geometry import Geometry
-from kvstore.codec.layout import HEADER_SIZE, SUPPORTED_VERSIONS
+from kvstore.codec.layout import HEADER, HEADER_SIZE, SUPPORTED_VERSIONS
+from kvstore.codec.tokens import record_bytes
 from kvstore.errors import BusyError, InvalidRequestError, RequestTimeoutError, TooLargeError
 
 log = logging.getLogger("tlkv.api")
@@ -327,6 +328,7 @@ async def read_envelope(
     geometry: Geometry | None,
     max_body: int,
     versions: tuple[int, ...] = SUPPORTED_VERSIONS,
+    token_records: int = 0,
 ) -> bytes | bytearray:
     """An envelope body, refused by its header before the rest is read.
 
@@ -334,7 +336,9 @@ async def read_envelope(
     the store's, None while it has none), the exact length included; then the body's first
     ``EARN_BYTES`` are read before the rest of the size the header implies is reserved
     and read into one buffer, at the minimum rate. A body shorter than a header is
-    returned as it is (the store's ``decode`` refuses it).
+    returned as it is (the store's ``decode`` refuses it). ``token_records``: that many
+    token records (``kvstore.codec.tokens``, ``8 + 4*B`` bytes each, B from the header)
+    follow the envelope in the body, read into the same buffer after it.
 
     Raises:
         EnvelopeError: a header rule failed (the format's own error and message).
@@ -352,24 +356,27 @@ async def read_envelope(
         if size < HEADER_SIZE:
             return b"".join(got)
         head = memoryview(got[0] if len(got[0]) >= HEADER_SIZE else b"".join(got))[:HEADER_SIZE]
-        expected = check_header(head, length, geometry, versions)
-        if expected > max_body:
+        extra = token_records * record_bytes(HEADER.unpack_from(head)[4]) if token_records else 0
+        envelope_length = None if length is None else length - extra
+        expected = check_header(head, envelope_length, geometry, versions)
+        total = expected + extra
+        if total > max_body:
             raise TooLargeError(
-                f"the envelope's header announces {expected} bytes, over the limit of "
-                f"{max_body} bytes"
+                f"the envelope's header announces {expected} bytes, and {extra} bytes of "
+                f"token records follow: over the limit of {max_body} bytes"
             )
-        if size <= expected:
-            size = await _gather(ticket, chunks, got, size, min(expected, EARN_BYTES))
-        if size > expected:
-            _refuse_length(head, size, geometry, versions)
-        await ticket.take(expected - size)
-        buf = _joined(got, size, expected)
+        if size <= total:
+            size = await _gather(ticket, chunks, got, size, min(total, EARN_BYTES))
+        if size > total:
+            _refuse_length(head, size - extra, geometry, versions)
+        await ticket.take(total - size)
+        buf = _joined(got, size, total)
         del got
-        pos = size if size == expected and length is not None else None
+        pos = size if size == total and length is not None else None
         if pos is None:
             pos = await _fill(buf, size, chunks, ticket.pace)
-    if pos > expected or (pos < expected and length is None):
-        _refuse_length(memoryview(buf)[:HEADER_SIZE], pos, geometry, versions)
-    if pos != expected:  # shorter than its Content-Length: the client went away
-        raise InvalidRequestError(f"request body ended after {pos} of {expected} bytes")
+    if pos > total or (pos < total and length is None):
+        _refuse_length(memoryview(buf)[:HEADER_SIZE], pos - extra, geometry, versions)
+    if pos != total:  # shorter than its Content-Length: the client went away
+        raise InvalidRequestError(f"request body ended after {pos} of {total} bytes")
     return buf

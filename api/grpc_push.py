@@ -19,10 +19,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from kvstore import Store, decode
 from kvstore.codec.envelope import Envelope
 from kvstore.codec.layout import NO_HASH
-from kvstore.errors import NotFoundError
+from kvstore.codec.tokens import BlockTokens
+from kvstore.errors import InvalidRequestError, NotFoundError
 from kvstore.store import transcode_stored
 from kvstore.transfer import Checked, PushStream, join_checked
 from kvstore.transfer._tlkv_v1 import kv_pb2
@@ -42,6 +45,8 @@ class PushCommit:
     def __init__(self, store: Store, formats: Sequence[int], max_stream: int) -> None:
         self.store = store
         self.stream = PushStream(formats, geometry=store.geometry, max_bytes=max_stream)
+        # per entry: (parent hash, token ids) of a full block's chunk that carried them
+        self.tokens: list[tuple[int, list[int]] | None] = []
 
     def note(self, chunk: Any) -> int:
         """The order-dependent rules of the next chunk; returns its index."""
@@ -53,8 +58,9 @@ class PushCommit:
 
     def take(self, checked: Sequence[Checked], chunks: Sequence[Any]) -> None:
         """The rules across the stream's checked chunks (one geometry, full references,
-        one format per sequence)."""
+        one format per sequence); keeps each chunk's token ids."""
         self.stream.take(checked, chunks)
+        self.tokens = [(c.parent_hash, c.token_ids) if len(c.token_ids) else None for c in chunks]
 
     def commit(self) -> kv_pb2.PushKvResponse:
         """Store the stream in one transaction (all or nothing)."""
@@ -83,10 +89,12 @@ class PushCommit:
                     raise _missing(h)
         # The envelopes check_chunk decoded: the store fits them to the model without
         # decoding them again, and checks each CRC again as it copies the bytes.
-        blocks = [env for h, env, _ in entries if env is not None and h != NO_HASH]
-        if not blocks:
+        sent_at = [i for i, (h, env, _) in enumerate(entries) if env is not None and h != NO_HASH]
+        if not sent_at:
             return 0, 0
-        result = self.store.import_batch(blocks=blocks)  # the store's write: one transaction
+        blocks = [entries[i][1] for i in sent_at]
+        tokens = [_one_block(self.tokens[i]) for i in sent_at]
+        result = self.store.import_batch(blocks=blocks, tokens=tokens)  # one transaction
         return result.stored, result.duplicate
 
     def _commit_sequence(self, name: str) -> tuple[int, int]:
@@ -112,10 +120,39 @@ class PushCommit:
             # every part's CRC was checked: on arrival, by Store.get_many, or made by
             # transcode (the store checks the joined envelope's as it copies it)
             envelope = join_checked([p.data if isinstance(p, Envelope) else p for p in parts])
-        result = self.store.put_sequence(name, envelope)  # the store's write: one transaction
+        tokens = _sequence_tokens(entries, self.tokens)
+        result = self.store.put_sequence(name, envelope, tokens=tokens)  # one transaction
         # put_sequence counts the referenced blocks as duplicates (they were held).
         full_refs = sum(1 for h, env, _ in entries if env is None)
         return result.stored, max(0, result.duplicate - full_refs)
+
+
+def _one_block(found: tuple[int, list[int]] | None) -> BlockTokens | None:
+    """The ``BlockTokens`` of one chunk's block (None when it carried no token ids)."""
+    if found is None:
+        return None
+    parent, ids = found
+    return BlockTokens(np.array([parent], "<u8"), np.array([ids], "<u4"))
+
+
+def _sequence_tokens(
+    entries: Sequence[tuple[int, Any, int]], found: Sequence[tuple[int, list[int]] | None]
+) -> BlockTokens | None:
+    """The token ids of a named sequence's full blocks: every full chunk's, or none.
+
+    Raises:
+        InvalidRequestError: some full chunks carry token ids and others do not.
+    """
+    full = [f for (h, _, _), f in zip(entries, found) if h != NO_HASH]
+    if all(f is None for f in full):
+        return None
+    if any(f is None for f in full):
+        raise InvalidRequestError(
+            "rule 'a sequence's full chunks carry token ids all or none' failed: "
+            f"{sum(f is None for f in full)} of {len(full)} carry none"
+        )
+    parents = np.array([f[0] for f in full if f is not None], "<u8")
+    return BlockTokens(parents, np.array([f[1] for f in full if f is not None], "<u4"))
 
 
 def _missing(h: int) -> NotFoundError:

@@ -68,6 +68,7 @@ from kvstore.transfer._tlkv_v1 import kv_pb2, kv_pb2_grpc
 from .access import EVERYTHING, Access, TokenTable, check_access
 from .formats import read_version
 from .grpc_push import PushCommit
+from .lookup import LookupQuery, lookup
 from .metrics import Metrics
 from .middleware import bearer_access
 from .modelscope import handle_of
@@ -167,24 +168,15 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
         return code  # not reached: abort raises
 
     @contextlib.asynccontextmanager
-    async def _call(
-        self,
-        method: str,
-        context: grpc.aio.ServicerContext,
-        write: bool = False,
-        *,
-        service: str = SERVICE_NAME,
-        select: Callable[[Access], Store] | None = None,
-    ) -> AsyncIterator[Store]:
-        """One RPC's frame: authorize, select the model (the ``x-tlkv-model`` metadata's,
-        or what ``select`` makes of the caller's access), map a failure to its status
-        (aborting the call), and count the call with its code and duration in ``/metrics``
-        (under ``service``)."""
+    async def _frame(
+        self, method: str, context: grpc.aio.ServicerContext, service: str = SERVICE_NAME
+    ) -> AsyncIterator[None]:
+        """One RPC's frame: map a failure to its status (aborting the call), and count the
+        call with its code and duration in ``/metrics`` (under ``service``)."""
         code = grpc.StatusCode.OK
         started = time.perf_counter()
         try:
-            access = self._authorize(context)
-            yield self._store_for(context, access, write) if select is None else select(access)
+            yield
         except asyncio.CancelledError:
             code = grpc.StatusCode.CANCELLED
             raise
@@ -196,6 +188,22 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
             raise  # not reached: _fail aborts
         finally:
             self._observe(method, code, started, service)
+
+    @contextlib.asynccontextmanager
+    async def _call(
+        self,
+        method: str,
+        context: grpc.aio.ServicerContext,
+        write: bool = False,
+        *,
+        service: str = SERVICE_NAME,
+        select: Callable[[Access], Store] | None = None,
+    ) -> AsyncIterator[Store]:
+        """``_frame`` of an RPC on one model: authorize, select the model (the
+        ``x-tlkv-model`` metadata's, or what ``select`` makes of the caller's access)."""
+        async with self._frame(method, context, service):
+            access = self._authorize(context)
+            yield self._store_for(context, access, write) if select is None else select(access)
 
     async def _unary(
         self,
@@ -252,6 +260,25 @@ class KvTransferService(kv_pb2_grpc.KvTransferServicer):
             return await loop.run_in_executor(None, push.commit)
 
         return await self._unary("PushKv", context, body, write=True)
+
+    async def Lookup(  # the generated servicer names the RPCs
+        self, request: kv_pb2.LookupRequest, context: grpc.aio.ServicerContext
+    ) -> kv_pb2.LookupResponse:
+        """tlkv's extension: the longest stored prefix per model (``api.lookup``)."""
+        async with self._frame("Lookup", context):
+            access = self._authorize(context)
+            tokens = np.asarray(request.tokens, np.uint32) if len(request.tokens) else None
+            hashes = np.asarray(request.block_hashes, np.uint64) if tokens is None else None
+            query = LookupQuery(tokens, hashes, list(request.models) or None)
+            loop = asyncio.get_running_loop()
+            found = await loop.run_in_executor(None, lookup, self.store, access, query)
+            return kv_pb2.LookupResponse(
+                models=[
+                    kv_pb2.ModelPrefix(**{**m, "block_tokens": m["block_tokens"] or 0})
+                    for m in found
+                ]
+            )
+        raise AssertionError("unreachable: _frame re-raises")  # for type checkers
 
     async def FetchKv(  # the generated servicer names the RPCs
         self, request: kv_pb2.FetchKvRequest, context: grpc.aio.ServicerContext
@@ -359,6 +386,11 @@ def _add_service(service: KvTransferService, server: grpc.aio.Server) -> None:
             service.FetchKv,
             request_deserializer=kv_pb2.FetchKvRequest.FromString,
             response_serializer=serialize_chunk,
+        ),
+        "Lookup": grpc.unary_unary_rpc_method_handler(
+            service.Lookup,
+            request_deserializer=kv_pb2.LookupRequest.FromString,
+            response_serializer=kv_pb2.LookupResponse.SerializeToString,
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

@@ -29,9 +29,10 @@ MODEL_KEY = "tlkv.model"  # the ASGI scope key of the model a request addresses
 MODELS_PREFIX = "/v1/models/"
 MODELS_PATH = "/v1/models"
 STATUS_PATH = "/v1/status"  # like the models list: about every model the token may read
-UNSCOPED = frozenset({MODELS_PATH, STATUS_PATH})  # /v1 routes served for no one model
+LOOKUP_PATH = "/v1/lookup"  # unprefixed: about the models its body names (or every one)
+UNSCOPED = frozenset({MODELS_PATH, STATUS_PATH, LOOKUP_PATH})  # served for no one model
 # POST routes that only read.
-READ_POSTS = frozenset({"/v1/has-blocks", "/v1/prefix"})
+READ_POSTS = frozenset({"/v1/has-blocks", "/v1/prefix", LOOKUP_PATH})
 _READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 

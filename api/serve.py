@@ -11,13 +11,16 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import socket
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from kvstore.cli.common import EXIT_OK, geometry_arg, positive_int, rate_arg
+from kvstore.cli.common import EXIT_FAILURE, EXIT_OK, geometry_arg, positive_int, rate_arg
+from kvstore.events.wire import TOPIC_TEMPLATE
 from kvstore.protocol import MAX_MODELS, MAX_MODELS_LIMIT
+from kvstore.store.eventlog import DEFAULT_EVENTS_LIMIT
 
 from . import settings as s
 from .bodies import DEFAULT_BODY_TIMEOUT, DEFAULT_MIN_BODY_RATE
@@ -79,8 +82,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace, metrics_dir: str | None) -> int:
-    import uvicorn  # imported by the command only: `tlkv --help` stays fast
-
     env = {
         s.ENV_DATA: str(Path(args.data).resolve()),
         s.ENV_MAX_BODY: str(args.max_body),
@@ -125,12 +126,44 @@ def _serve(args: argparse.Namespace, metrics_dir: str | None) -> int:
     # unusable directory is reported here instead of by every worker in a restart loop.
     from kvstore.store import Store
 
+    # The KV event log is a setting of the store (kvstore/store/eventlog.py): on while this
+    # server publishes it, off (and emptied) otherwise.
+    events = args.kv_events_replay_batches if args.kv_events_endpoint else 0
     Store(
         settings.data,
         geometry=settings.geometry,
         capacity_bytes=settings.capacity_bytes,
         max_models=settings.max_models,
+        events=events,
     ).close()
+    publisher = None
+    if args.kv_events_endpoint:
+        from .kvevents import PublisherProcess
+
+        node = args.node_id or socket.gethostname()
+        try:
+            publisher = PublisherProcess(
+                str(settings.data),
+                args.kv_events_endpoint,
+                args.kv_events_replay_endpoint,
+                node,
+                args.kv_events_topic,
+            )
+        except RuntimeError as exc:
+            print(f"tlkv serve: {exc}", file=sys.stderr)
+            return EXIT_FAILURE
+    try:
+        return _run_uvicorn(args, settings, metrics_dir, publisher is not None)
+    finally:
+        if publisher is not None:
+            publisher.stop()
+
+
+def _run_uvicorn(
+    args: argparse.Namespace, settings: s.Settings, metrics_dir: str | None, events: bool
+) -> int:
+    import uvicorn  # imported by the command only: `tlkv --help` stays fast
+
     auth = "on" if settings.tokens is not None else "off"
     grpc = f", grpc://{settings.grpc_address}" if settings.grpc_address else ""
     http, warning = http_protocol()  # the fast path, unless this uvicorn lacks its parts
@@ -138,9 +171,10 @@ def _serve(args: argparse.Namespace, metrics_dir: str | None) -> int:
         print(f"tlkv serve: warning: {warning}", file=sys.stderr)
     metrics = "" if metrics_dir is None else f"metrics {metrics_dir}, "
     tier = f", tier {settings.tier}" if settings.tier else ""
+    kv_events = f", KV events {args.kv_events_endpoint}" if events else ""
     print(
         f"tlkv serve: data {settings.data}{tier}, auth {auth}, {args.workers} worker(s), "
-        f"{metrics}http://{args.host}:{args.port}{grpc}",
+        f"{metrics}http://{args.host}:{args.port}{grpc}{kv_events}",
         file=sys.stderr,
     )
     uvicorn.run(
@@ -259,5 +293,31 @@ def register(sub: Any) -> None:
         type=_seconds_arg,
         default=24 * 3600.0,
         help="seconds from one scrub pass's start to the next (86400)",
+    )
+    p.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        metavar="ZMQ",
+        help="publish KV events (vLLM's format) on this ZMQ PUB endpoint, e.g. tcp://*:5557",
+    )
+    p.add_argument(
+        "--kv-events-replay-endpoint",
+        default=None,
+        metavar="ZMQ",
+        help="answer vLLM's replay protocol on this ROUTER endpoint, e.g. tcp://*:5558",
+    )
+    p.add_argument(
+        "--kv-events-topic",
+        default=TOPIC_TEMPLATE,
+        help=f"the topic of a model's events; {{node}} and {{model}} filled in ({TOPIC_TEMPLATE})",
+    )
+    p.add_argument(
+        "--node-id", default=None, help="this node's id in the KV event topic (the host name)"
+    )
+    p.add_argument(
+        "--kv-events-replay-batches",
+        type=positive_int,
+        default=DEFAULT_EVENTS_LIMIT,
+        help=f"event batches the store keeps for replay ({DEFAULT_EVENTS_LIMIT})",
     )
     p.set_defaults(func=_cmd_serve)

@@ -32,7 +32,9 @@ import httpx
 import numpy as np
 
 from .codec.envelope import decode, join, split
+from .codec.hashing import TokenInput
 from .codec.layout import NO_HASH
+from .codec.tokens import BlockTokens, pack_records, split_records, tokens_for
 from .errors import (
     NotFoundError,
     ServiceError,
@@ -43,6 +45,7 @@ from .protocol import (
     ERROR_KINDS,
     HASHES_MEDIA_TYPE,
     JSON_MEDIA_TYPE,
+    TOKEN_RECORDS_HEADER,
     check_model_id,
     check_sequence_name,
     error_for_kind,
@@ -53,7 +56,8 @@ from .results import HasResult, PutReport
 __all__ = ["Client", "HasResult", "PutReport", "error_from_response"]
 
 HashLike = int | str | np.integer
-_MODELS_PATH = "/v1/models"  # the one /v1 route no model prefixes
+_MODELS_PATH = "/v1/models"  # /v1 routes no model prefixes
+_LOOKUP_PATH = "/v1/lookup"
 
 
 def error_from_response(response: httpx.Response) -> TlkvError:
@@ -84,6 +88,19 @@ def _u64(hashes: Iterable[HashLike]) -> np.ndarray:
             raise ValueError(f"hashes must be u64 values, found dtype {hashes.dtype}")
         return np.ascontiguousarray(hashes.reshape(-1), dtype="<u8")
     return np.array([int(hash_hex(h), 16) for h in hashes], dtype="<u8")
+
+
+def _with_records(
+    envelope: Any, tokens: TokenInput | BlockTokens | None, parent: int
+) -> tuple[Any, dict[str, str] | None]:
+    """A put's body and headers: the envelope alone, or with ``tokens`` (checked here
+    against its full blocks' hashes) as token records after it."""
+    if tokens is None:
+        return envelope, None
+    env = decode(envelope)
+    kept = tokens_for(env.hashes, env.geometry.block_tokens, tokens, parent)
+    body = b"".join([bytes(env.data), pack_records(kept)])
+    return body, {TOKEN_RECORDS_HEADER: str(kept.n_blocks)}
 
 
 _Origin = tuple[str, str, int]
@@ -320,9 +337,10 @@ class Client:
         params: dict[str, Any] | None = None,
         missing_ok: bool = False,
         into: Any = None,
+        headers: dict[str, str] | None = None,
     ) -> httpx.Response | None:
-        headers = {"content-type": body_type} if body_type else None
-        if self._prefix and url.startswith("/v1/") and url != _MODELS_PATH:
+        headers = {**({"content-type": body_type} if body_type else {}), **(headers or {})}
+        if self._prefix and url.startswith("/v1/") and url not in (_MODELS_PATH, _LOOKUP_PATH):
             url = self._prefix + url[3:]
         if content is not None and not isinstance(content, bytes):
             content = bytes(content)
@@ -378,9 +396,23 @@ class Client:
 
     # --- blocks ---------------------------------------------------------------------
 
-    def put(self, envelope: Any) -> PutReport:
-        """Store every full block of ``envelope`` (any buffer) on the server."""
-        reply = self._ok("PUT", "/v1/blocks", content=envelope, body_type=ENVELOPE_MEDIA_TYPE)
+    def put(
+        self,
+        envelope: Any,
+        *,
+        tokens: TokenInput | BlockTokens | None = None,
+        parent: int = 0,
+    ) -> PutReport:
+        """Store every full block of ``envelope`` (any buffer) on the server.
+
+        ``tokens`` (and ``parent``): the full blocks' token ids, as ``Store.put`` takes
+        them; checked here first, sent as token records after the envelope and checked
+        again by the server (``TokenMismatchError``, nothing stored).
+        """
+        content, headers = _with_records(envelope, tokens, parent)
+        reply = self._ok(
+            "PUT", "/v1/blocks", content=content, body_type=ENVELOPE_MEDIA_TYPE, headers=headers
+        )
         data = reply.json()
         return PutReport(
             [int(h, 16) for h in data["stored"]],
@@ -393,6 +425,19 @@ class Client:
         params = {"format": format} if format is not None else None
         reply = self._request("GET", f"/v1/blocks/{hash_hex(hash)}", params=params, missing_ok=True)
         return None if reply is None else reply.content
+
+    def get_with_tokens(self, hash: HashLike) -> tuple[bytes, tuple[int, np.ndarray] | None] | None:
+        """The block's envelope and its ``(parent hash, token ids)`` when the server keeps
+        them (None in their place otherwise); None when the block is absent."""
+        url = f"/v1/blocks/{hash_hex(hash)}"
+        reply = self._request("GET", url, params={"tokens": 1}, missing_ok=True)
+        if reply is None:
+            return None
+        records = 1 if reply.headers.get(TOKEN_RECORDS_HEADER) == "1" else 0
+        envelope, found = split_records(reply.content, records)
+        if found is None:
+            return reply.content, None
+        return bytes(envelope), (int(found.parents[0]), found.ids[0].copy())
 
     def delete(self, hash: HashLike) -> bool:
         """Delete a block; False when absent. Raises PinnedError when a sequence pins it."""
@@ -428,6 +473,28 @@ class Client:
         data = self._query("/v1/has-blocks", hashes, tokens, params=params).json()
         return HasResult([bool(p) for p in data["present"]], int(data["prefix"]))
 
+    def lookup(
+        self,
+        tokens: Sequence[int] | None = None,
+        hashes: Iterable[HashLike] | None = None,
+        models: Sequence[str] | None = None,
+    ) -> list[dict[str, Any]]:
+        """The longest prefix of the prompt each model holds (``POST /v1/lookup``): per
+        model ``{"model", "block_tokens", "local_blocks", "local_tokens", "tier_blocks",
+        "tier_tokens"}``; ``models`` default to every model the token may read."""
+        if (hashes is None) == (tokens is None):
+            raise ValueError("pass exactly one of hashes= or tokens=")
+        query: dict[str, Any] = (
+            {"tokens": [int(t) for t in tokens or ()]}
+            if tokens is not None
+            else {"hashes": [hash_hex(h) for h in hashes or ()]}
+        )
+        if models is not None:
+            query["models"] = [check_model_id(m) for m in models]
+        body = json.dumps(query).encode()
+        reply = self._ok("POST", _LOOKUP_PATH, content=body, body_type=JSON_MEDIA_TYPE)
+        return list(reply.json()["models"])
+
     def prefix(
         self,
         hashes: Iterable[HashLike] | None = None,
@@ -456,11 +523,19 @@ class Client:
         filled = response.extensions.get(_INTO)
         return response.content if filled is None else filled
 
-    def push(self, envelope: Any) -> int:
+    def push(
+        self,
+        envelope: Any,
+        *,
+        tokens: TokenInput | BlockTokens | None = None,
+        parent: int = 0,
+    ) -> int:
         """Send only the full blocks the server lacks (the spec's transfer rule).
 
         Asks has-blocks for the envelope's full-block hashes, then PUTs the missing full
         blocks as one envelope. Partial blocks are never sent (the store keeps none).
+        ``tokens`` (and ``parent``), as ``put`` takes them: the missing blocks' token
+        records travel with them (not counted in the bytes returned).
 
         Returns:
             Body bytes sent: ``geometry.envelope_bytes(missing, version)``, 0 (and no PUT)
@@ -489,14 +564,30 @@ class Client:
         expected = env.geometry.envelope_bytes(len(missing), env.version)
         if len(body) != expected:  # pragma: no cover - guards the accounting invariant
             raise AssertionError(f"push body is {len(body)} bytes, expected {expected}")
-        self.put(body)
+        kept = None
+        if tokens is not None:  # the rows of the blocks that travel, each with its parent
+            kept = tokens_for(hashes, env.geometry.block_tokens, tokens, parent)
+            rows = np.cumsum(hashes != NO_HASH) - 1
+            kept = kept.take(rows[missing])
+        self.put(body, tokens=kept)
         return len(body)
 
     # --- sequences ------------------------------------------------------------------
 
-    def put_sequence(self, name: str, envelope: Any) -> None:
-        """Store (or replace) the named sequence: its blocks in order, partial tail last."""
-        self._ok("PUT", _name_path(name), content=envelope, body_type=ENVELOPE_MEDIA_TYPE)
+    def put_sequence(
+        self,
+        name: str,
+        envelope: Any,
+        *,
+        tokens: TokenInput | BlockTokens | None = None,
+        parent: int = 0,
+    ) -> None:
+        """Store (or replace) the named sequence: its blocks in order, partial tail last
+        (``tokens`` and ``parent`` as ``put`` takes them)."""
+        content, headers = _with_records(envelope, tokens, parent)
+        self._ok(
+            "PUT", _name_path(name), content=content, body_type=ENVELOPE_MEDIA_TYPE, headers=headers
+        )
 
     def get_sequence(self, name: str) -> bytes | None:
         """The sequence's envelope, byte-identical to what was put; None when absent."""

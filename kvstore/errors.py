@@ -180,6 +180,18 @@ class InvalidRequestError(TlkvError, ValueError):
     grpc_default_for = ("INVALID_ARGUMENT",)
 
 
+class TokenMismatchError(InvalidRequestError):
+    """Token ids given with a block do not hash to its name (``hash == H(parent, tokens)``,
+    FORMAT.md 1), or do not cover its envelope's full blocks: refused, nothing stored.
+    ``block_hash`` names the first block that failed (None for a count mismatch)."""
+
+    kind = "token_mismatch"
+
+    def __init__(self, message: str, *, block_hash: int | None = None) -> None:
+        super().__init__(message)
+        self.block_hash = block_hash
+
+
 class MethodNotAllowedError(InvalidRequestError):
     """The route exists but does not take this HTTP method."""
 

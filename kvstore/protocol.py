@@ -27,6 +27,10 @@ JSON_MEDIA_TYPE = "application/json"  # request bodies of tokens, every error, l
 PROMETHEUS_MEDIA_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TEXT_MEDIA_TYPE = "text/plain"  # the OpenAPI content key of /metrics
 PREFIX_HEADER = "x-tlkv-prefix-blocks"  # number of blocks in a /v1/prefix answer
+# Token records (``kvstore.codec.tokens``, FORMAT.md 6) after the envelope in a body: a put
+# of blocks or of a sequence may send one per full block, in order (the server checks each
+# block's hash against them); a block read with ``?tokens=1`` answers its one (or none).
+TOKEN_RECORDS_HEADER = "x-tlkv-token-records"
 
 HASH_HEX_DIGITS = 16
 HASH_HEX_REGEX = "[0-9a-f]{16}"

@@ -60,7 +60,7 @@ def test_authorization_sent_twice_is_refused_by_both_doors(tmp_path: Path) -> No
     data = make_envelope(SMALL, 8, seed=1)
     block = f"{int(decode(data).hashes[0]):016x}"
     grpc_port = free_port()
-    args = ("--geometry", GEOMETRY, "--token-file", str(_tokens(tmp_path)))
+    args: tuple[str, ...] = ("--geometry", GEOMETRY, "--token-file", str(_tokens(tmp_path)))
     args += ("--grpc-port", str(grpc_port))
     with ServerProcess(tmp_path / "store", *args, token=ADMIN) as srv:
         with srv.client() as http:

@@ -116,7 +116,7 @@ def test_exit_codes(archive_file: Path, tmp_path: Path, capsys: pytest.CaptureFi
     # a future archive version: exit 5
     m, b, seqs = valid_members()
     future = craft(
-        tmp_path / "v5.tar.zst", [manifest_member(SMALL, 5, 1, archive_version=5), b, seqs]
+        tmp_path / "v6.tar.zst", [manifest_member(SMALL, 5, 1, archive_version=6), b, seqs]
     )
     assert tlkv(capsys, "verify", str(future))[0] == 5
     # an unsafe member: exit 3, and extract --all writes nothing

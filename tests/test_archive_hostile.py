@@ -243,7 +243,7 @@ def _cases() -> dict[str, tuple[Callable[[], list[list[Raw] | bytes]], type[Base
         "tail of a block": (lambda: [m, [*b, Raw(s[1].name, tail_raw)], s], ArchiveError),
         "count mismatch": (lambda: [manifest_member(SMALL, 9, 1), b, s], ArchiveError),
         "future archive version": (
-            lambda: [manifest_member(SMALL, 5, 1, archive_version=5), b, s],
+            lambda: [manifest_member(SMALL, 5, 1, archive_version=6), b, s],
             UnsupportedVersionError,
         ),
         "unknown manifest key": (

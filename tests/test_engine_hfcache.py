@@ -295,7 +295,7 @@ def test_a_source_without_geometry_or_token_lookups_is_told_what_is_missing() ->
         def has(self, hashes: Any) -> list[bool]:
             return [False] * len(hashes)
 
-        def put(self, envelope: Any) -> int:
+        def put(self, envelope: Any, tokens: Any = None) -> int:
             return 0
 
         @contextlib.contextmanager

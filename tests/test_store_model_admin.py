@@ -104,6 +104,7 @@ def test_a_deleted_model_is_gone_and_its_number_reused(tmp_path: Path) -> None:
         number = a._h.dbs.number
         before_default = s.stats()
         held = s.delete_model("org/a@1")
+        assert held is not None
         assert held == {"blocks": 6 + 2, "bytes": held["bytes"], "sequences": 1}
         assert held["bytes"] > 6 * len(blocks[0])
         assert s.models() == ["default", "org/b@1"]

@@ -1,6 +1,7 @@
 """Benchmarks with ratios against baselines measured in the same run.
 
-Usage: python tools/bench.py {codec,store,http,archive,client,engine,grpc,tier,vllm,sglang}
+Usage: python tools/bench.py
+       {codec,store,http,archive,client,engine,grpc,tier,vllm,sglang,events}
        [--quick] [--markdown]
 
 Each suite lives in tools/bench_<suite>.py and exposes ``run(args) -> list[Row]``;
@@ -19,7 +20,19 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # the repo, whe
 
 from bench_common import print_table
 
-SUITES = ("codec", "store", "http", "archive", "client", "engine", "grpc", "tier", "vllm", "sglang")
+SUITES = (
+    "codec",
+    "store",
+    "http",
+    "archive",
+    "client",
+    "engine",
+    "grpc",
+    "tier",
+    "vllm",
+    "sglang",
+    "events",
+)
 
 
 def main(argv: list[str] | None = None) -> int:

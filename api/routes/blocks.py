@@ -34,8 +34,9 @@ from kvstore.codec.builder import BytesBuilder
 from kvstore.codec.envelope import decode, encode, join
 from kvstore.codec.geometry import Geometry
 from kvstore.codec.layout import VERSION_V1
+from kvstore.codec.tokens import BlockTokens, pack_records, split_records
 from kvstore.errors import NotFoundError, StoreBusyError, StoreError, TlkvError
-from kvstore.protocol import PREFIX_HEADER, parse_hash_hex
+from kvstore.protocol import PREFIX_HEADER, TOKEN_RECORDS_HEADER, parse_hash_hex
 from kvstore.store import Store, transcode_stored
 
 from ..blockread import (
@@ -51,6 +52,7 @@ from ..bodywatch import watch_body_of
 from ..errors import send_error
 from ..formats import read_version, require_formats
 from ..modelscope import model_store
+from ..tokenbody import token_records_of
 from .common import (
     ENVELOPE_BODY,
     ENVELOPE_MEDIA_TYPE,
@@ -74,6 +76,10 @@ PREFIX_BUFFER_BYTES = 64 * 1024 * 1024
 HashPath = Annotated[str, Path(pattern=HASH_PATTERN, description="16 lowercase hex digits")]
 FormatQuery = Annotated[
     int | None, Query(ge=1, le=2, description="transcode to this format version")
+]
+TokensQuery = Annotated[
+    int | None,
+    Query(ge=0, le=1, description="1: the block's token record follows its envelope, if kept"),
 ]
 TierQuery = Annotated[
     int | None,
@@ -99,22 +105,25 @@ async def _read(store: Store, h: int, version: int | None) -> bytes | None:
 
 @router.put("/v1/blocks", openapi_extra=ENVELOPE_BODY)
 async def put_blocks(request: Request) -> Response:
-    """Store every full block of an envelope under its hash (partial blocks are counted)."""
+    """Store every full block of an envelope under its hash (partial blocks are counted);
+    with ``x-tlkv-token-records``, their token records follow the envelope (checked)."""
     require_envelope_type(request)
     store = store_of(request)
-    body = await read_envelope(request, store.geometry, max_body_of(request))
-    checked = require_formats(body, request.app.state.settings.formats)
-    stored, duplicate, partial = await run_in_threadpool(_put, store, checked)
+    records = token_records_of(request)
+    body = await read_envelope(request, store.geometry, max_body_of(request), token_records=records)
+    envelope, tokens = split_records(body, records)
+    checked = require_formats(envelope, request.app.state.settings.formats)
+    stored, duplicate, partial = await run_in_threadpool(_put, store, checked, tokens)
     return json_response(
         {"stored": hex_list(stored), "duplicate": hex_list(duplicate), "partial": partial}
     )
 
 
-def _put(store: Store, body: Any) -> tuple[list[int], list[int], int]:
+def _put(store: Store, body: Any, tokens: BlockTokens | None) -> tuple[list[int], list[int], int]:
     """``store.put`` of the body (or of the envelope ``require_formats`` decoded) with the
     hashes it stored and those already present (from its own write transaction, exact
     under concurrent puts)."""
-    report = store.put_report(body)
+    report = store.put_report(body, tokens=tokens)
     return report.stored, report.duplicate, report.partial
 
 
@@ -128,13 +137,34 @@ class _Answer(Response):
 
 
 @router.api_route(ROUTE, methods=["GET", "HEAD"], responses={**ENVELOPE_RESPONSE, 304: {}})
-async def get_block(request: Request, hash: HashPath, format: FormatQuery = None) -> Response:
-    """The stored single-block envelope, verbatim (or transcoded with ``?format=``)."""
+async def get_block(
+    request: Request, hash: HashPath, format: FormatQuery = None, tokens: TokensQuery = None
+) -> Response:
+    """The stored single-block envelope, verbatim (or transcoded with ``?format=``); with
+    ``?tokens=1`` followed by its token record when it was stored with one
+    (``x-tlkv-token-records``: 1, else 0)."""
     version = read_version(format, request.app.state.settings.formats)
     h = parse_hash_hex(hash)
-    data = await _read(store_of(request), h, version)
+    store = store_of(request)
+    data = await _read(store, h, version)
+    if tokens and data is not None:
+        return _with_tokens(store, h, data)
     # The body goes with a HEAD too: the server drops it, as for every route.
     return _Answer(block_answer(h, [] if data is None else [data], request.scope["headers"]))
+
+
+def _with_tokens(store: Store, h: int, data: bytes) -> Response:
+    """A block's envelope and, when it has one, its token record after it."""
+    found = store.block_tokens([h])[0]
+    records = b""
+    if found is not None:
+        parent, ids = found
+        records = pack_records(BlockTokens(np.array([parent], "<u8"), ids.reshape(1, -1)))
+    return Response(
+        data + records,
+        media_type=ENVELOPE_MEDIA_TYPE,
+        headers={TOKEN_RECORDS_HEADER: "1" if records else "0"},
+    )
 
 
 class _Parts(Response):

@@ -191,7 +191,12 @@ def require_envelope_type(request: Request) -> None:
         )
 
 
-def _tokens(items: Any) -> list[int]:
+def parse_tokens(items: Any) -> list[int]:
+    """Token ids from a JSON list of integers in 0..2^32-1.
+
+    Raises:
+        InvalidRequestError: not a list, or an item that is not such an integer.
+    """
     if not isinstance(items, list):
         raise InvalidRequestError(f"'tokens' must be a list, found {type(items).__name__}")
     for i, t in enumerate(items):
@@ -246,7 +251,7 @@ async def request_hashes(request: Request, store: Store) -> np.ndarray:
         )
     if "hashes" in obj:
         return parse_hash_list(obj["hashes"])
-    tokens = _tokens(obj["tokens"])
+    tokens = parse_tokens(obj["tokens"])
     if geometry is None:
         raise InvalidRequestError(NO_GEOMETRY)
     return chain_hashes_array(np.asarray(tokens, dtype=np.uint32), geometry.block_tokens)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Request
@@ -9,11 +10,13 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from kvstore.codec.layout import SUPPORTED_VERSIONS
+from kvstore.codec.tokens import split_records
 from kvstore.errors import InvalidRequestError, NotFoundError
 from kvstore.protocol import SEQUENCE_NAME_PATTERN, check_sequence_name
 
 from ..bodies import read_envelope
 from ..formats import require_formats, served
+from ..tokenbody import token_records_of
 from .common import (
     ENVELOPE_BODY,
     ENVELOPE_MEDIA_TYPE,
@@ -46,13 +49,16 @@ async def list_sequences(request: Request) -> Response:
 
 @router.put("/v1/sequences/{name}", status_code=201, openapi_extra=ENVELOPE_BODY)
 async def put_sequence(request: Request, name: NamePath) -> Response:
-    """Store (or replace) a sequence: its blocks in order, the partial tail last."""
+    """Store (or replace) a sequence: its blocks in order, the partial tail last; with
+    ``x-tlkv-token-records``, its full blocks' token records follow (checked)."""
     _check_name(name)
     require_envelope_type(request)
     store = store_of(request)
-    body = await read_envelope(request, store.geometry, max_body_of(request))
-    envelope = require_formats(body, request.app.state.settings.formats)
-    await run_in_threadpool(store.put_sequence, name, envelope)
+    records = token_records_of(request)
+    body = await read_envelope(request, store.geometry, max_body_of(request), token_records=records)
+    part, tokens = split_records(body, records)
+    envelope = require_formats(part, request.app.state.settings.formats)
+    await run_in_threadpool(functools.partial(store.put_sequence, name, envelope, tokens=tokens))
     return json_response({"name": name}, status_code=201)
 
 

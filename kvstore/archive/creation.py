@@ -63,7 +63,8 @@ def create(
 ) -> CreateSummary:
     """Archive a snapshot of models of ``store`` (one read transaction per model) into
     ``path``: version 2 for one model, version 3 for several, version 4 (either shape)
-    when a sequence keeps blocks of its own (ARCHIVE.md 1, 1.6).
+    when a sequence keeps blocks of its own, version 5 when blocks carry their token ids
+    (a token member after each such block; ARCHIVE.md 1, 1.6, 1.7).
 
     Written to a sibling temp file, fsynced, then renamed: a crash never leaves a half
     archive under ``path``. A block that fails its CRC is quarantined by the store and
@@ -140,12 +141,13 @@ class _Snapshot:
     kept: dict[str, int]  # name -> how many blocks it keeps of its own
     block_hashes: list[int] | None  # the blocks the kept sequences use (with --sequence)
     named: set[str]  # the sequences asked for that the model has (kept or not)
+    tokens: bool  # whether some block has its token ids (archived with it, version 5)
 
     def content(self) -> ModelContent:
         """The model's blocks (each checked as it is written) and kept records."""
         store, r, geometry = self.store, self.reader, self.store.geometry
 
-        def blocks() -> Iterator[tuple[int, Any]]:
+        def blocks() -> Iterator[tuple[int, Any, Any]]:
             source: Iterable[tuple[int, Any]]
             if self.block_hashes is None:
                 source = r.iter_blocks()
@@ -157,7 +159,7 @@ class _Snapshot:
                     decode(env, geometry)
                 except ChecksumError:
                     raise CorruptBlock(h, store) from None
-                yield h, env
+                yield h, env, r.token_record(h) if self.tokens else None
 
         def records() -> Iterator[SequenceRecord]:
             for seq in r.iter_sequence_parts():
@@ -167,7 +169,14 @@ class _Snapshot:
         n_blocks = len(self.keys) if self.block_hashes is None else len(self.block_hashes)
         n_own = sum(self.kept.values())
         return ModelContent(
-            store.model_id, geometry, blocks(), records(), n_blocks, len(self.kept), n_own
+            store.model_id,
+            geometry,
+            blocks(),
+            records(),
+            n_blocks,
+            len(self.kept),
+            n_own,
+            self.tokens,
         )
 
 
@@ -203,7 +212,7 @@ def _snapshot(
     block_hashes = None
     if wanted is not None:
         block_hashes = sorted(used)
-    return _Snapshot(store, r, keys, kept, block_hashes, named)
+    return _Snapshot(store, r, keys, kept, block_hashes, named, r.has_tokens())
 
 
 def _create_once(

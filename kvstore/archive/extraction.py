@@ -12,6 +12,9 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from ..codec.tokens import BlockTokens, pack_records
 from ..errors import UnsafeArchiveError
 from ..fileio import atomic_file, current_umask
 from .manifest import (
@@ -21,9 +24,10 @@ from .manifest import (
     sequence_block_member,
     sequence_member,
     tail_member,
+    tokens_member,
 )
 from .reader import ArchiveReader
-from .scan import ArchiveBlock, ArchiveSequence
+from .scan import ArchiveBlock, ArchiveSequence, ArchiveTokens
 
 
 def extract(
@@ -113,13 +117,16 @@ def extract_all(path: str | os.PathLike[str], directory: str | os.PathLike[str])
                     f.write(data)
                 count += 1
 
-            def prefix(item: ArchiveBlock | ArchiveSequence) -> str:
+            def prefix(item: ArchiveBlock | ArchiveTokens | ArchiveSequence) -> str:
                 return ar.sections[item.section].prefix
 
             put(MANIFEST_NAME, ar.manifest.to_json())
             for item in ar.scan():
                 if isinstance(item, ArchiveBlock):
                     put(block_member(item.hash, prefix(item)), item.envelope)
+                elif isinstance(item, ArchiveTokens):
+                    row = BlockTokens(np.array([item.parent], "<u8"), item.ids.reshape(1, -1))
+                    put(tokens_member(item.hash, prefix(item)), pack_records(row))
                 elif isinstance(item, ArchiveSequence):
                     record = SequenceRecord(item.name, item.hashes, item.tail, item.own)
                     put(sequence_member(item.name, prefix(item)), record.to_json())

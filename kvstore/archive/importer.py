@@ -23,6 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ..codec.assembly import (
     assemble,
     crc_matches,
@@ -31,11 +33,12 @@ from ..codec.assembly import (
     record_of,
 )
 from ..codec.envelope import decode
+from ..codec.tokens import BlockTokens
 from ..errors import ArchiveError, TlkvError
 from ..pipeline import OrderedPipeline
 from ..store.protocols import RestoreTarget
 from .reader import ArchiveReader
-from .scan import ArchiveBlock, ArchiveSequence, Problem
+from .scan import ArchiveBlock, ArchiveSequence, ArchiveTokens, Problem
 
 # Restore commits blocks in transactions of about this many envelope bytes: LMDB holds a
 # transaction's dirty pages in memory until it commits. One batch commits (on its own
@@ -83,6 +86,7 @@ class Importer:
         self.report = report
         self.blocks: list[ArchiveBlock] = []
         self.block_bytes = 0
+        self.tokens: dict[int, BlockTokens] = {}  # the batch's blocks' token ids
         self.sequences: list[tuple[str, bytes]] = []
         self.sequence_bytes = 0
         self.journal = store.begin_restore()
@@ -91,20 +95,30 @@ class Importer:
         self._pool: ThreadPoolExecutor | None = None
         self._commits: OrderedPipeline[None] | None = None
 
-    def _commit_blocks(self, batch: list[ArchiveBlock]) -> None:
+    def _commit_blocks(self, batch: list[ArchiveBlock], tokens: dict[int, BlockTokens]) -> None:
         present = self.store.has([b.hash for b in batch])
         new = [b for b, p in zip(batch, present) if not p]
         if new:
             envelopes = [b.envelope if b.decoded is None else b.decoded for b in new]
-            self.store.import_batch(blocks=envelopes, journal=self.journal)
+            kept = [tokens.get(b.hash) for b in new]
+            self.store.import_batch(blocks=envelopes, journal=self.journal, tokens=kept)
         self.report.blocks += len(batch)
         self.report.new_blocks += len(new)
 
     def add_block(self, item: ArchiveBlock) -> None:
-        self.blocks.append(item)
-        self.block_bytes += len(item.envelope)
+        # A full batch is sent before the next block joins it: the last block stays until
+        # its token member (version 5), which comes right after it, has joined it too.
         if self.block_bytes >= COMMIT_BATCH_BYTES:
             self._send_blocks()
+        self.blocks.append(item)
+        self.block_bytes += len(item.envelope)
+
+    def add_tokens(self, item: ArchiveTokens) -> None:
+        """The token ids of the block added last (checked by the scan)."""
+        if not self.blocks or self.blocks[-1].hash != item.hash:
+            raise ArchiveError(f"token member of block {item.hash:016x} without its block")
+        ids = item.ids.reshape(1, -1)
+        self.tokens[item.hash] = BlockTokens(np.array([item.parent], "<u8"), ids)
 
     def _send_blocks(self) -> None:
         if not self.blocks:
@@ -114,8 +128,8 @@ class Importer:
             self._commits = OrderedPipeline[None](self._pool, max_pending=1)
         while not self._commits.has_room():
             self._commits.take()  # the previous batch's failure is raised here
-        self._commits.submit(None, self._commit_blocks, self.blocks)
-        self.blocks, self.block_bytes = [], 0
+        self._commits.submit(None, self._commit_blocks, self.blocks, self.tokens)
+        self.blocks, self.block_bytes, self.tokens = [], 0, {}
 
     def _join(self) -> None:
         """Wait until every block batch is committed (raising the first failure)."""

@@ -18,7 +18,7 @@ from ..protocol import DEFAULT_MODEL, hash_hex
 from .manifest import Manifest
 from .progress import Progress
 from .reader import ArchiveReader
-from .scan import ArchiveBlock
+from .scan import ArchiveBlock, ArchiveSequence
 
 
 @dataclass
@@ -79,7 +79,7 @@ def verify(
                 done += len(item.envelope)
                 if progress is not None:
                     progress.update(blocks, done)
-            else:
+            elif isinstance(item, ArchiveSequence):
                 sequences += 1
         return VerifyReport(
             ar.manifest,

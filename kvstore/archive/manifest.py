@@ -41,9 +41,13 @@ ARCHIVE_VERSION_MODELS = 3  # what the writer writes for several models
 # What the writer writes when a sequence keeps blocks of its own (ARCHIVE.md 1.6): the
 # manifest of version 2 or 3 with ``own_blocks`` counts, and sequence block members.
 ARCHIVE_VERSION_OWN = 4
-ARCHIVE_VERSIONS = (1, 2, 3, 4)  # what the reader reads
+# What the writer writes when blocks carry their token ids (ARCHIVE.md 1.7): version 4's
+# manifest (``own_blocks`` may be 0), and a token member after each such block member.
+ARCHIVE_VERSION_TOKENS = 5
+ARCHIVE_VERSIONS = (1, 2, 3, 4, 5)  # what the reader reads
 MANIFEST_NAME = "manifest.json"
 BLOCK_NAME = re.compile(rf"blocks/({HASH_HEX_REGEX})\.tlkv")
+TOKENS_NAME = re.compile(rf"blocks/({HASH_HEX_REGEX})\.tokens")  # version 5
 SEQUENCE_JSON_NAME = re.compile(rf"sequences/({SEQUENCE_NAME_REGEX})\.json")
 SEQUENCE_TAIL_NAME = re.compile(rf"sequences/({SEQUENCE_NAME_REGEX})\.tail\.tlkv")
 # Version 4: a block a sequence keeps of its own, at a position of its record's hashes.
@@ -111,6 +115,11 @@ def _is_int(value: Any, low: int, high: int) -> bool:
 def block_member(block_hash: int, prefix: str = "") -> str:
     """Member name of a block: ``[prefix]blocks/<16 lowercase hex>.tlkv``."""
     return f"{prefix}blocks/{block_hash:016x}.tlkv"
+
+
+def tokens_member(block_hash: int, prefix: str = "") -> str:
+    """Member name of a block's token record (version 5): ``[prefix]blocks/<hex>.tokens``."""
+    return f"{prefix}blocks/{block_hash:016x}.tokens"
 
 
 def sequence_member(name: str, prefix: str = "") -> str:
@@ -182,15 +191,19 @@ class Manifest:
     own_blocks: int = 0
 
     @classmethod
-    def of_models(cls, sections: Sequence[Section], tool: str | None = None) -> Manifest:
+    def of_models(
+        cls, sections: Sequence[Section], tool: str | None = None, tokens: bool = False
+    ) -> Manifest:
         """The manifest of an archive of ``sections`` (ascending model ids): version 2 for
         one model, version 3 (members under ``models/<n>/``) for several; version 4 in
-        either shape when a sequence keeps blocks of its own."""
+        either shape when a sequence keeps blocks of its own, 5 when ``tokens`` (token
+        members follow blocks)."""
         own = sum(x.own_blocks for x in sections)
         tool = tool or tool_version()
+        with_own = ARCHIVE_VERSION_TOKENS if tokens else ARCHIVE_VERSION_OWN
         if len(sections) == 1:
             one = sections[0]
-            version = ARCHIVE_VERSION_OWN if own else ARCHIVE_VERSION
+            version = with_own if own or tokens else ARCHIVE_VERSION
             return cls(
                 one.geometry, one.blocks, one.sequences, tool, version, one.model, own_blocks=own
             )
@@ -200,7 +213,7 @@ class Manifest:
         )
         blocks = sum(x.blocks for x in parts)
         sequences = sum(x.sequences for x in parts)
-        version = ARCHIVE_VERSION_OWN if own else ARCHIVE_VERSION_MODELS
+        version = with_own if own or tokens else ARCHIVE_VERSION_MODELS
         return cls(None, blocks, sequences, tool, version, parts=parts, own_blocks=own)
 
     def sections(self) -> tuple[Section, ...]:
@@ -251,7 +264,7 @@ class Manifest:
             raise UnsupportedVersionError(
                 f"manifest: archive_version {version!r}; this reader reads {ARCHIVE_VERSIONS}"
             )
-        own = version == ARCHIVE_VERSION_OWN
+        own = version >= ARCHIVE_VERSION_OWN
         several = version == ARCHIVE_VERSION_MODELS or (own and "models" in obj)
         keys = {1: MANIFEST_KEYS_V1, 2: MANIFEST_KEYS}.get(version, MANIFEST_KEYS_V3)
         if own:
@@ -261,7 +274,7 @@ class Manifest:
         for key in ("blocks", "sequences", *((OWN_KEY,) if own else ())):
             if not _is_int(obj[key], 0, U32_MAX):
                 raise ArchiveError(f"manifest: {key} must be an integer in 0..{U32_MAX}")
-        if own and not obj[OWN_KEY]:
+        if version == ARCHIVE_VERSION_OWN and not obj[OWN_KEY]:
             raise ArchiveError(f"manifest: version {version} has {OWN_KEY} of at least 1")
         if not isinstance(obj["tool"], str) or not TOOL_NAME.fullmatch(obj["tool"]):
             raise ArchiveError("manifest: tool must be 1-64 printable ASCII characters")
@@ -283,7 +296,7 @@ class Manifest:
         models = obj["models"]
         if not isinstance(models, list) or not 2 <= len(models) <= MAX_MODELS:
             raise ArchiveError(f"manifest: models must be a list of 2..{MAX_MODELS} entries")
-        own = version == ARCHIVE_VERSION_OWN
+        own = version >= ARCHIVE_VERSION_OWN
         model_keys = tuple(sorted((*MODEL_KEYS, OWN_KEY))) if own else MODEL_KEYS
         parts: list[Section] = []
         for n, entry in enumerate(models):

@@ -11,14 +11,17 @@ from collections.abc import Iterator
 import numpy as np
 
 from ..codec.geometry import Geometry
+from ..codec.tokens import record_bytes
 from ..errors import (
     ArchiveError,
     EnvelopeError,
+    TokenMismatchError,
     UnsafeArchiveError,
 )
 from .frames import FrameReader
 from .manifest import (
     ARCHIVE_VERSION_OWN,
+    ARCHIVE_VERSION_TOKENS,
     BLOCK_NAME,
     FRAME_TARGET,
     MANIFEST_NAME,
@@ -28,6 +31,7 @@ from .manifest import (
     SEQUENCE_BLOCK_NAME,
     SEQUENCE_JSON_NAME,
     SEQUENCE_TAIL_NAME,
+    TOKENS_NAME,
     Manifest,
     Section,
     block_member,
@@ -38,6 +42,7 @@ from .manifest import (
     sequence_member,
     split_member,
     tail_member,
+    tokens_member,
 )
 from .scan import Item, Problem, Scan, SequenceParts
 from .tar import END_OF_ARCHIVE, TAR_BLOCK, iter_members, member_size, padded
@@ -80,6 +85,7 @@ class ArchiveReader:
             raise ArchiveError(f"frame 0 must hold exactly {MANIFEST_NAME}")
         manifest = Manifest.from_json(members[0].data)
         self.own_ok = manifest.archive_version >= ARCHIVE_VERSION_OWN
+        self.tokens_ok = manifest.archive_version >= ARCHIVE_VERSION_TOKENS
         self.sections: tuple[Section, ...] = manifest.sections()
         self._env_max = [x.max_envelope() for x in self.sections]
         env_max = manifest.max_envelope()
@@ -109,6 +115,9 @@ class ArchiveReader:
             )
             longest = sequence_block_member("x" * 128, 10**10 - 1, x.prefix)
             bound += x.own_blocks * member_size(longest, env)
+            if self.tokens_ok and x.geometry is not None:
+                size = record_bytes(x.geometry.block_tokens)
+                bound += x.blocks * member_size(tokens_member(1, x.prefix), size)
         if index.data_bytes > bound:
             raise UnsafeArchiveError(
                 f"index declares {index.data_bytes} decompressed bytes, more than the "
@@ -133,6 +142,9 @@ class ArchiveReader:
             return self._env_max[n]
         if self.own_ok and SEQUENCE_BLOCK_NAME.fullmatch(rest):
             return self._env_max[n]
+        geometry = self.sections[n].geometry
+        if self.tokens_ok and geometry is not None and TOKENS_NAME.fullmatch(rest):
+            return record_bytes(geometry.block_tokens)
         if SEQUENCE_JSON_NAME.fullmatch(rest):
             return MAX_SEQUENCE_BYTES
         if escapes(name):
@@ -342,7 +354,7 @@ class ArchiveReader:
                 for member in iter_members(memoryview(data), i, self._limit):
                     try:
                         item = state.member(member)
-                    except (ArchiveError, EnvelopeError) as exc:
+                    except (ArchiveError, EnvelopeError, TokenMismatchError) as exc:
                         if not partial:
                             raise
                         yield from state.take_problems()

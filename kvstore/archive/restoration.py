@@ -18,7 +18,7 @@ from .importer import Importer, RestoreReport
 from .inspection import check_geometry
 from .progress import Progress
 from .reader import ArchiveReader
-from .scan import ArchiveBlock, ArchiveSequence
+from .scan import ArchiveBlock, ArchiveSequence, ArchiveTokens
 
 
 def _fits_without_eviction(store: RestoreTarget, ar: ArchiveReader) -> bool:
@@ -122,12 +122,14 @@ def restore(
             # The store checks every CRC again while it writes: a second pass need not.
             for item in ar.scan(partial=partial, verify_crc=partial or one_pass):
                 tick(item)
-                if isinstance(item, ArchiveBlock | ArchiveSequence):
+                if isinstance(item, ArchiveBlock | ArchiveTokens | ArchiveSequence):
                     if item.section != current:  # one model's commits at a time
                         importers[current].flush_blocks()
                         current = item.section
                     if isinstance(item, ArchiveBlock):
                         importers[current].add_block(item)
+                    elif isinstance(item, ArchiveTokens):
+                        importers[current].add_tokens(item)
                     else:
                         importers[current].add_sequence(item)
                 else:

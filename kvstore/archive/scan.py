@@ -15,10 +15,12 @@ import numpy as np
 from ..codec.envelope import Envelope, check_finite
 from ..codec.geometry import Geometry
 from ..codec.layout import NO_HASH
-from ..errors import ArchiveError, EnvelopeError, FormatError
+from ..codec.tokens import record_bytes, unpack_records, verify_tokens
+from ..errors import ArchiveError, EnvelopeError, FormatError, TokenMismatchError
 from .manifest import (
     BLOCK_NAME,
     SEQUENCE_JSON_NAME,
+    TOKENS_NAME,
     check_member_envelope,
     find_positions,
     parse_sequence_json,
@@ -81,6 +83,17 @@ class ArchiveBlock:
 
 
 @dataclass(frozen=True)
+class ArchiveTokens:
+    """A validated token member (version 5): the block just before it, its parent's hash
+    and token ids (checked: they hash to the block's name)."""
+
+    hash: int
+    parent: int
+    ids: np.ndarray = field(compare=False, repr=False)
+    section: int = 0
+
+
+@dataclass(frozen=True)
 class ArchiveSequence:
     """A validated sequence: name, ordered hashes (all archived), the tail envelope, and
     the format version its blocks and tail share, the number of its model, and the
@@ -105,7 +118,7 @@ class Problem:
         return f"{self.where}: {type(self.error).__name__}: {self.error}"
 
 
-Item = ArchiveBlock | ArchiveSequence | Problem
+Item = ArchiveBlock | ArchiveTokens | ArchiveSequence | Problem
 
 
 class Scan:
@@ -179,6 +192,8 @@ class _ScanState:
         self.present_versions = np.zeros(0, dtype=np.uint8)
         self.last_name = ""
         self.own_ok = reader.own_ok
+        self.tokens_ok = reader.tokens_ok
+        self.last_block: int | None = None  # the block member just before, if valid
         # A record whose own block or tail members come next.
         self.pending: _Pending | None = None
         self.sequences_seen = 0
@@ -186,11 +201,15 @@ class _ScanState:
 
     def member(self, m: Member, rest: str) -> Item | None:
         """Check the member ``m`` (``rest``: its name inside its model's directory)."""
+        last, self.last_block = self.last_block, None
         if self.pending is not None:
             return self._part(m)
         found = BLOCK_NAME.fullmatch(rest)
         if found:
             return self._block(m, int(found.group(1), 16))
+        found = TOKENS_NAME.fullmatch(rest) if self.tokens_ok else None
+        if found:
+            return self._tokens(m, int(found.group(1), 16), last)
         found = SEQUENCE_JSON_NAME.fullmatch(rest)
         if found:
             return self._sequence(m, found.group(1))
@@ -217,7 +236,25 @@ class _ScanState:
         self._check_finite(env, m.name)
         self.valid.append(block_hash)
         self.valid_versions.append(env.version)
+        self.last_block = block_hash
         return ArchiveBlock(block_hash, m.data, self.section, env)
+
+    def _tokens(self, m: Member, block_hash: int, last: int | None) -> Item:
+        """A block's token member: right after the block, one record that hashes to it."""
+        if block_hash != last:
+            raise ArchiveError(f"token member {m.name!r} does not follow its block member")
+        assert self.geometry is not None
+        if len(m.data) != record_bytes(self.geometry.block_tokens):
+            raise ArchiveError(
+                f"{m.name}: a token member is one record of "
+                f"{record_bytes(self.geometry.block_tokens)} bytes, found {len(m.data)}"
+            )
+        tokens = unpack_records(m.data, self.geometry.block_tokens)
+        try:
+            verify_tokens([block_hash], tokens)
+        except TokenMismatchError as exc:
+            raise TokenMismatchError(f"{m.name}: {exc}", block_hash=block_hash) from None
+        return ArchiveTokens(block_hash, int(tokens.parents[0]), tokens.ids[0], self.section)
 
     def _check_finite(self, env: Envelope, what: str) -> None:
         if not self.finite:

@@ -15,6 +15,7 @@ import numpy as np
 
 from ..codec.geometry import Geometry
 from ..codec.layout import NO_HASH, U64_MAX
+from ..codec.tokens import unpack_records, verify_tokens
 from ..protocol import DEFAULT_MODEL, check_model_id, check_sequence_name
 from .frames import FrameWriter
 from .manifest import (
@@ -32,6 +33,7 @@ from .manifest import (
     sequence_member,
     sequence_version,
     tail_member,
+    tokens_member,
 )
 from .tar import END_OF_ARCHIVE
 
@@ -56,11 +58,14 @@ class ModelContent:
 
     model: str
     geometry: Geometry | None
-    blocks: Iterable[tuple[int, Any]]
+    blocks: Iterable[tuple[int, Any] | tuple[int, Any, Any]]
     sequences: Iterable[SequenceRecord | tuple[str, Sequence[int], Any]]
     n_blocks: int
     n_sequences: int
     n_own_blocks: int = 0  # the blocks the sequences keep of their own (ARCHIVE.md 1.6)
+    # Whether some block comes as ``(hash, envelope, token record or None)``: its token
+    # record is written after it (ARCHIVE.md 1.7, version 5).
+    tokens: bool = False
 
 
 def write_archive(
@@ -124,7 +129,11 @@ def write_models(
         if part.geometry is None and (part.n_blocks or part.n_sequences):
             raise ValueError("an archive with blocks or sequences needs a geometry")
     manifest = Manifest.of_models(
-        [Section(p.model, p.geometry, p.n_blocks, p.n_sequences, "", p.n_own_blocks) for p in parts]
+        [
+            Section(p.model, p.geometry, p.n_blocks, p.n_sequences, "", p.n_own_blocks)
+            for p in parts
+        ],
+        tokens=any(p.tokens for p in parts),
     )
     done = [0, 0]
 
@@ -157,13 +166,20 @@ def _write_model(writer: FrameWriter, part: ModelContent, prefix: str) -> None:
     written = array("Q")
     versions = array("B")
     previous = NO_HASH
-    for block_hash, envelope in part.blocks:
+    for entry in part.blocks:
+        block_hash, envelope = entry[0], entry[1]
+        record = entry[2] if len(entry) > 2 else None
         if not NO_HASH < block_hash <= U64_MAX or block_hash <= previous:
             raise ValueError(f"block hashes must be ascending and non-zero: {block_hash:#x}")
         assert geometry is not None
         name = block_member(block_hash, prefix)
         env = check_member_envelope(envelope, geometry, name, block_hash)
         writer.add(name, envelope, block_hash)
+        if record is not None:
+            if not part.tokens:
+                raise ValueError("a token record given for a model without tokens=True")
+            verify_tokens([block_hash], unpack_records(record, geometry.block_tokens))
+            writer.add(tokens_member(block_hash, prefix), record)
         written.append(block_hash)
         versions.append(env.version)
         previous = block_hash

@@ -1,12 +1,13 @@
 """What every ``tlkv`` command shares: the exit-code table and argument types.
 
 Exit codes: 0 success; 1 any other failure (e.g. a block not found); 2 usage; 3 a format
-error (of an envelope or an archive); 4 shape mismatch; 5 unsupported version; 6 done, but
-the input is inconsistent where the command looked (``archive extract`` wrote a valid block
-from an archive whose index or manifest disagrees with it); 7 incomplete (``archive
-create`` would leave a sequence or a corrupt block out, and ``--allow-skipped`` was not
-given: no archive is written); 141 the reader of the output closed it (``tlkv archive ls A
-| head``: the command stops quietly, the shell's code for a tool ended by SIGPIPE).
+error (of an envelope or an archive, or token ids not hashing to their block); 4 shape
+mismatch; 5 unsupported version; 6 done, but the input is inconsistent where the command
+looked (``archive extract`` wrote a valid block from an archive whose index or manifest
+disagrees with it); 7 incomplete (``archive create`` would leave a sequence or a corrupt
+block out, and ``--allow-skipped`` was not given: no archive is written); 141 the reader of
+the output closed it (``tlkv archive ls A | head``: the command stops quietly, the shell's
+code for a tool ended by SIGPIPE).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ..errors import (
     EnvelopeError,
     IncompleteArchiveError,
     ShapeError,
+    TokenMismatchError,
     UnsupportedVersionError,
 )
 from ..protocol import check_model_id, parse_versions
@@ -86,14 +88,15 @@ def rate_arg(text: str) -> int:
 
 def exit_code_for(error: BaseException) -> int:
     """The exit code of an error: 4 shape, 5 version, 7 an incomplete archive, 3 any other
-    envelope or archive error, else 1."""
+    envelope or archive error (token ids that do not hash to their block's name too),
+    else 1."""
     if isinstance(error, IncompleteArchiveError):
         return EXIT_INCOMPLETE
     if isinstance(error, ShapeError):
         return EXIT_SHAPE
     if isinstance(error, UnsupportedVersionError):
         return EXIT_VERSION
-    if isinstance(error, (EnvelopeError, ArchiveError)):
+    if isinstance(error, (EnvelopeError, ArchiveError, TokenMismatchError)):
         return EXIT_FORMAT
     return EXIT_FAILURE
 

@@ -1,9 +1,9 @@
 """The ``tlkv`` command line: one parser, each command group registered by its module.
 
 Groups: ``codec`` (hash, inspect, verify), ``remote`` (put, get, has against a server),
-``archive``, ``scrub``, and those installed packages declare under the ``tlkv.commands`` entry point
-(the service's ``serve``). Exit codes are the table of :mod:`kvstore.cli.common`; an error
-is one line on stderr naming the rule.
+``archive``, ``scrub``, ``events`` (a node's KV events), and those installed packages
+declare under the ``tlkv.commands`` entry point (the service's ``serve``). Exit codes are
+the table of :mod:`kvstore.cli.common`; an error is one line on stderr naming the rule.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import Any
 from .._version import __version__
 from ..codec.checksum import KERNEL
 from ..errors import TlkvError
-from . import archive, codec, remote, scrub
+from . import archive, codec, events, remote, scrub
 from .common import EXIT_CLOSED_PIPE, EXIT_FAILURE, EXIT_USAGE, exit_code_for
 
-GROUPS = (codec, remote, archive, scrub)
+GROUPS = (codec, remote, archive, scrub, events)
 # Entry-point group under which installed packages add commands (the service adds `serve`).
 PLUGIN_GROUP = "tlkv.commands"
 

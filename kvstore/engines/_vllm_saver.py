@@ -19,23 +19,24 @@ _SAVE_QUEUE_BYTES = 1 << 30  # gathered blocks waiting for the saver; beyond, sa
 
 
 class Saver:
-    """One thread that runs ``save(model, hashes, blocks)`` for queued saves, in order.
+    """One thread that runs ``save(model, hashes, blocks, *rest)`` for queued saves, in order.
 
     At most ``_SAVE_QUEUE_BYTES`` wait (``submit`` returns False beyond: the save is
     dropped); ``close`` (called by the connector's ``shutdown`` and at interpreter exit)
     finishes what is queued.
     """
 
-    def __init__(self, save: Callable[[str, list[int], Any], None]) -> None:
+    def __init__(self, save: Callable[..., None]) -> None:
         self._save = save
         self._queue: queue.Queue[Any] = queue.Queue()
         self._bytes = 0
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
-    def submit(self, model: str, hashes: list[int], blocks: Any) -> bool:
-        """Queue a save of ``blocks`` (an array with ``nbytes``); False: the queue is full
-        and the save is dropped."""
+    def submit(self, model: str, hashes: list[int], blocks: Any, *rest: Any) -> bool:
+        """Queue a save of ``blocks`` (an array with ``nbytes``; ``rest``: what else the
+        save function takes, such as the blocks' token ids); False: the queue is full and
+        the save is dropped."""
         with self._lock:
             if self._bytes + blocks.nbytes > _SAVE_QUEUE_BYTES:
                 return False
@@ -44,7 +45,7 @@ class Saver:
                 self._thread = threading.Thread(target=self._run, name="tlkv-saver", daemon=True)
                 self._thread.start()
                 _at_exit(self.close)
-        self._queue.put((model, hashes, blocks))
+        self._queue.put((model, hashes, blocks, *rest))
         return True
 
     def _run(self) -> None:

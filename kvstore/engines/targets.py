@@ -51,6 +51,7 @@ from ..codec.envelope import BlockView, decode
 from ..codec.geometry import Geometry
 from ..codec.hashing import chain_hashes
 from ..codec.layout import VERSION_V1
+from ..codec.tokens import BlockTokens
 from ..errors import InvalidRequestError, NotFoundError
 from ..fileio import populate_mapped_pages
 from ..results import HasResult
@@ -114,8 +115,10 @@ class Target(abc.ABC):
         """Whether each hash is held."""
 
     @abc.abstractmethod
-    def put(self, envelope: Any) -> int:
-        """Store an envelope's blocks; returns how many were newly stored."""
+    def put(self, envelope: Any, tokens: BlockTokens | None = None) -> int:
+        """Store an envelope's blocks with their token ids when given (one row and parent
+        per full block, checked by the target against each block's name); returns how many
+        were newly stored."""
 
     @abc.abstractmethod
     def held_views(self, hashes: Sequence[int]) -> AbstractContextManager[Sequence[BlockView]]:
@@ -220,8 +223,8 @@ class StoreTarget(Target):
             return 0
         return int(self.store.longest_prefix(list(hashes), tier=self.store.tier is not None))
 
-    def put(self, envelope: Any) -> int:
-        return int(self.store.put(envelope).stored)
+    def put(self, envelope: Any, tokens: BlockTokens | None = None) -> int:
+        return int(self.store.put(envelope, tokens=tokens).stored)
 
     def _read_through(self, hashes: Sequence[int]) -> None:
         if self.store.tier is not None and len(hashes):
@@ -308,8 +311,8 @@ class HttpTarget(Target):
     def has(self, hashes: Sequence[int]) -> list[bool]:
         return _asked(self.client, hashes).present
 
-    def put(self, envelope: Any) -> int:
-        return len(self.client.put(envelope).stored)
+    def put(self, envelope: Any, tokens: BlockTokens | None = None) -> int:
+        return len(self.client.put(envelope, tokens=tokens).stored)
 
     def prepare(self, max_bytes: int = 0) -> None:
         """Open a keep-alive connection (one ``/healthz``) and map a receive buffer of
@@ -400,8 +403,8 @@ class GrpcTarget(Target):
     def has(self, hashes: Sequence[int]) -> list[bool]:
         return _asked(self.client, hashes).present
 
-    def put(self, envelope: Any) -> int:
-        return int(self.client.push(envelope).stored)
+    def put(self, envelope: Any, tokens: BlockTokens | None = None) -> int:
+        return int(self.client.push(envelope, tokens=tokens).stored)
 
     def prepare(self, max_bytes: int = 0) -> None:
         """Connect the channel (a fetch's chunks arrive in gRPC's own buffers)."""

@@ -33,6 +33,7 @@ Choices where an engine has several reasonable answers:
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,7 @@ import numpy as np
 from ..codec.envelope import encode
 from ..codec.geometry import Geometry
 from ..codec.hashing import chain_hashes
+from ..codec.tokens import chain_tokens
 from ..errors import CacheLayoutError, ShapeError
 from ..kvlayout import blocks_from_layers, fill_layers, layers_from_views
 from .hfcache import (
@@ -163,7 +165,8 @@ def save_prefix(
 
     Returns:
         The number of blocks newly stored (0 when all were there: nothing is encoded
-        or sent).
+        or sent). Their token ids go with them (the target checks each block's name
+        against them and keeps them: KV events announce them, ``docs/events.md``).
 
     Raises:
         SlidingWindowError: a sliding-window layer no longer holds the prompt's first
@@ -213,7 +216,23 @@ def save_prefix(
     cpu_values = [layer.values.detach().cpu() for layer in layers]
     blocks = blocks_from_layers(cpu_keys, cpu_values, ids, g, tail=False)
     missing = [blk for blk, here in zip(blocks, present) if not here]
-    return tgt.put(encode(g, missing, version))
+    envelope = encode(g, missing, version)
+    if not _takes_tokens(tgt.put):  # a target written before token ids
+        return tgt.put(envelope)
+    # Their token ids go with them (the target checks each block's name against them).
+    tokens = chain_tokens(ids[: len(hashes) * g.block_tokens], hashes, g.block_tokens)
+    rows = np.logical_not(np.asarray(present, dtype=bool))
+    return tgt.put(envelope, tokens=tokens.take(rows))
+
+
+def _takes_tokens(put: Any) -> bool:
+    """Whether a target's ``put`` takes ``tokens=`` (a ``Target`` subclass
+    written before token ids takes the envelope alone)."""
+    try:
+        params = inspect.signature(put).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "tokens" or p.kind is p.VAR_KEYWORD for p in params)
 
 
 def _to_torch(torch: Any, arr: np.ndarray, dtype: Any, device: Any) -> Any:

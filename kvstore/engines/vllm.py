@@ -22,8 +22,10 @@ Choices:
   holds are loaded, always leaving one prompt token to compute. Saved: the prompt's full
   blocks, once computed, that were not loaded. The worker copies them out of the paged
   cache at the end of the step and a saver thread asks the target which it lacks, encodes
-  only those and puts them: the engine never waits on a store or a server (a save is
-  visible to other engines a moment after its step; queued saves finish at shutdown).
+  only those and puts them with their token ids (checked against each block's name and
+  kept by the target: its KV events announce them to routers): the engine never waits
+  on a store or a server (a save is visible to other engines a moment after its step;
+  queued saves finish at shutdown).
 - Loads are checked before the forward uses them: from a store directory each block's
   reader rules are checked, then one pass copies it into its paged block and checks its
   CRC-32C; a block that fails (and the ones after it) is reported as not loaded before
@@ -64,6 +66,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..codec.hashing import chain_hashes
+from ..codec.tokens import chain_tokens
 from ..errors import ShapeError
 from ._vllm_names import namespace, salted
 from ._vllm_paged import PagedCache, UnsupportedLayoutError, check_config
@@ -146,6 +149,8 @@ class _Save:
     model: str
     hashes: list[int]
     block_ids: list[int]
+    tokens: list[int] = field(default_factory=list)  # the blocks' token ids, in order
+    parent: int = 0  # the hash of the block before the first (0: the prompt's start)
 
 
 @dataclass
@@ -160,6 +165,7 @@ class TlkvMetadata(KVConnectorMetadata):  # type: ignore[misc]
 class _Req:
     model: str
     hashes: list[int]  # every full block of the prompt
+    tokens: list[int] = field(default_factory=list)  # the prompt's token ids
     block_ids: list[int] = field(default_factory=list)
     saved: int = 0  # leading blocks saved, loaded or known held: never saved again
     load_start: int = 0  # first block to load (vLLM holds those before it)
@@ -295,7 +301,7 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         model = salted(self._model, getattr(request, "cache_salt", None))
         req = self._reqs.get(request.request_id)
         if req is None or req.model != model:
-            req = _Req(model, chain_hashes(prompt, b))
+            req = _Req(model, chain_hashes(prompt, b), list(prompt))
             self._reqs[request.request_id] = req
         start = num_computed_tokens // b
         usable = (len(prompt) - 1) // b  # at least one prompt token left to compute
@@ -355,9 +361,14 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 req = self._reqs[req_id]
                 full = min(done // b, len(req.hashes), len(req.block_ids))
                 if full > req.saved:
+                    s = req.saved
                     meta.saves.append(
                         _Save(
-                            req.model, req.hashes[req.saved : full], req.block_ids[req.saved : full]
+                            req.model,
+                            req.hashes[s:full],
+                            req.block_ids[s:full],
+                            req.tokens[s * b : full * b],
+                            req.hashes[s - 1] if s else 0,
                         )
                     )
                     req.saved = full
@@ -454,14 +465,18 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for save in meta.saves:
             try:
                 blocks = self._paged.gather(save.block_ids)
-                if not self._saver.submit(save.model, save.hashes, blocks):
+                args = (save.model, save.hashes, blocks, save.tokens, save.parent)
+                if not self._saver.submit(*args):
                     raise BufferError("the save queue is full: blocks dropped")
             except Exception as exc:
                 self._failed("save", exc)
                 self._count("save_errors", 1)
 
-    def _save(self, model: str, hashes: list[int], blocks: Any) -> None:
-        """On the saver thread: store the blocks the target lacks (ask first)."""
+    def _save(
+        self, model: str, hashes: list[int], blocks: Any, tokens: list[int], parent: int
+    ) -> None:
+        """On the saver thread: store the blocks the target lacks (ask first), with their
+        token ids (the target checks each block's name against them)."""
         try:
             target = self._target(model)
             missing = [i for i, here in enumerate(target.has(hashes)) if not here]
@@ -470,7 +485,9 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 env = self._paged.encode(
                     blocks[missing], [hashes[i] for i in missing], self._version
                 )
-                target.put(env)
+                b = self._geometry.block_tokens
+                rows = chain_tokens(tokens, hashes, b, parent).take(missing)
+                target.put(env, tokens=rows)
                 self._count("blocks_saved", len(missing))
                 self._count("bytes_saved", len(env))
         except Exception as exc:

@@ -22,17 +22,27 @@ refuses it instead of evicting blocks it cannot see.
             blocks stored here and not yet uploaded to the object-store tier (kept
             only while the store runs with a tier; never evicted meanwhile).
 ``models``  model id (UTF-8) -> ``MODEL_VALUE``: the namespace's number and geometry.
+``tokens``  hash -> ``TOKENS_HEADER`` (u64 parent, u32 flags) then B u32 token ids: the
+            token ids of a block written with them (``codec.tokens``), checked against
+            its name; ``flags`` say on which media it is announced (``ANNOUNCED_*``).
+            Kept while the block is stored here, or announced in the tier.
+``waiting`` parent hash -> (DUPSORT, DUPFIXED) the hashes of its stored children kept
+            with token ids but not announced, waiting for it to be (``tokentxn``).
+``events``  u64 sequence number (big-endian) -> ``EVENT_MODEL`` (u16 length) + model id
+            + one KV event batch in vLLM's wire format (``kvstore.events.wire``): the
+            bounded replay log, written in the transaction of the change it records,
+            only while ``meta``'s ``events_limit`` is set (``store/eventlog.py``).
 ``empty``   and ``empty-index``: never written (what a model not created yet reads).
 ==========  =====================================================================
 
 Namespaces: the ``default`` model is number 0 and owns the sub-databases above, byte for
 byte as in format 1 (its geometry is ``meta``'s). Model ``n`` > 0 owns its own ``blocks``,
-``index``, ``refs``, ``atime``, ``seqs`` and ``pending``, named ``<name>@<n>``
-(``blocks@3``), with the same keys and values: every data path is the one of the default
-model over other handles.
-``meta``, ``lru`` and ``models`` are shared: the LRU order is store-wide (its value names
-the model of a non-default entry), the ``bytes``/``evictions``/``corrupt`` counters are
-store totals, and model ``n`` > 0 has its own beside them (key ``bytes@`` + ``n`` as a
+``index``, ``refs``, ``atime``, ``seqs``, ``pending``, ``tokens`` and ``waiting``, named
+``<name>@<n>`` (``blocks@3``), with the same keys and values: every data path is the one
+of the default model over other handles.
+``meta``, ``lru``, ``models`` and ``events`` are shared: the LRU order is store-wide (its
+value names the model of a non-default entry), the ``bytes``/``evictions``/``corrupt``
+counters are store totals, and model ``n`` > 0 has its own beside them (key ``bytes@`` + ``n`` as a
 big-endian u32, ``model_counter_key``); the default model's are the totals minus the
 others'. A model's number is the next one after ``last_model``; its sub-databases are
 created before the write that registers it (``models`` entry and ``last_model`` in that
@@ -68,14 +78,17 @@ DB_LRU = b"lru"
 DB_SEQS = b"seqs"
 DB_PENDING = b"pending"
 DB_MODELS = b"models"
+DB_TOKENS = b"tokens"
+DB_WAITING = b"waiting"  # DUPSORT | DUPFIXED
+DB_EVENTS = b"events"
 # Two sub-databases never written: what a model not created yet reads (no blocks, no
 # sequences) through the same code as any other.
 DB_EMPTY = b"empty"
 DB_EMPTY_INDEX = b"empty-index"
 # The sub-databases every model has a copy of (model 0: the names above).
-MODEL_DBS = (DB_BLOCKS, DB_INDEX, DB_REFS, DB_ATIME, DB_SEQS, DB_PENDING)
+MODEL_DBS = (DB_BLOCKS, DB_INDEX, DB_REFS, DB_ATIME, DB_SEQS, DB_PENDING, DB_TOKENS, DB_WAITING)
 # Every sub-database of a store holding only the default model.
-SHARED_DBS = (*MODEL_DBS, DB_META, DB_LRU, DB_MODELS, DB_EMPTY, DB_EMPTY_INDEX)
+SHARED_DBS = (*MODEL_DBS, DB_META, DB_LRU, DB_MODELS, DB_EMPTY, DB_EMPTY_INDEX, DB_EVENTS)
 
 
 def max_dbs(models: int) -> int:
@@ -141,6 +154,19 @@ QUARANTINE_PREFIX = b"quarantine:"
 QUARANTINE_BLOCK = b"B"
 QUARANTINE_SEQUENCE = b"S"
 QUARANTINED_AT = struct.Struct(">Q")
+# The event log (``eventlog``): meta ``events_limit`` (u64, COUNTER) is the most batches
+# the log keeps (absent or 0: no log is written); ``events_next`` (u64) the sequence number
+# of the next batch (it only grows, whether the log is on or not).
+META_EVENTS_LIMIT = b"events_limit"
+META_EVENTS_NEXT = b"events_next"
+EVENT_KEY = struct.Struct(">Q")
+EVENT_MODEL = struct.Struct("<H")  # the model id's length, before the id and the batch
+# tokens value: u64 parent hash, u32 flags, then B u32 token ids (little-endian).
+TOKENS_HEADER = struct.Struct("<QI")
+TOKEN_PARENT_SIZE = 8  # the u64 parent at the value's start
+TOKEN_ID_DTYPE = np.dtype("<u4")
+ANNOUNCED_STORAGE = 1  # a BlockStored on this node's disk ("STORAGE") is in the stream
+ANNOUNCED_TIER = 2  # a BlockStored on the object tier is in the stream
 # Counters a model > 0 keeps beside the totals (``model_counter_key``).
 MODEL_COUNTER_KEYS = (META_BYTES, META_EVICTIONS, META_CORRUPT)
 META_LAST_MODEL = b"last_model"  # u64: the highest model number given
@@ -183,6 +209,9 @@ class Dbs(NamedTuple):
     pending: Any
     models: Any = None
     number: int = 0  # the model's number (0: default; -1: a model not created yet)
+    tokens: Any = None
+    events: Any = None  # shared
+    waiting: Any = None
 
 
 def model_db_name(name: bytes, number: int) -> bytes:
@@ -219,6 +248,49 @@ def unpack_model(value: Any) -> tuple[int, Geometry | None]:
     """A ``models`` value as (model number, geometry or None)."""
     number, *g = MODEL_VALUE.unpack(value)
     return number, (Geometry(*g) if g[0] else None)
+
+
+def tokens_dtype(block_tokens: int) -> np.dtype:
+    """A ``tokens`` value as a numpy record (packed: ``TOKENS_HEADER``, then the ids)."""
+    return np.dtype([("parent", "<u8"), ("flags", "<u4"), ("ids", TOKEN_ID_DTYPE, (block_tokens,))])
+
+
+def pack_tokens(parent: int, flags: int, ids: Any) -> bytes:
+    """A ``tokens`` value."""
+    return TOKENS_HEADER.pack(parent, flags) + np.asarray(ids, dtype=TOKEN_ID_DTYPE).tobytes()
+
+
+def unpack_tokens(value: Any) -> tuple[int, int, np.ndarray]:
+    """A ``tokens`` value as (parent, flags, token ids as a ``<u4`` copy)."""
+    parent, flags = TOKENS_HEADER.unpack_from(value, 0)
+    ids = np.frombuffer(value, TOKEN_ID_DTYPE, offset=TOKENS_HEADER.size).copy()
+    return int(parent), int(flags), ids
+
+
+def tokens_record(value: Any) -> bytes:
+    """A ``tokens`` value as a token record (``codec.tokens``: u64 parent, the ids), its
+    flags left out."""
+    mv = memoryview(value)
+    return bytes(mv[:TOKEN_PARENT_SIZE]) + bytes(mv[TOKENS_HEADER.size :])
+
+
+def tokens_flags(value: Any) -> int:
+    """The flags of a ``tokens`` value."""
+    return int(TOKENS_HEADER.unpack_from(value, 0)[1])
+
+
+def pack_event(model: str, payload: bytes) -> bytes:
+    """An ``events`` value: the model id and one encoded batch."""
+    raw = model.encode("utf-8")
+    return EVENT_MODEL.pack(len(raw)) + raw + payload
+
+
+def unpack_event(value: Any) -> tuple[str, bytes]:
+    """An ``events`` value as (model id, encoded batch)."""
+    mv = memoryview(value)
+    (n,) = EVENT_MODEL.unpack_from(mv, 0)
+    at = EVENT_MODEL.size + n
+    return bytes(mv[EVENT_MODEL.size : at]).decode("utf-8"), bytes(mv[at:])
 
 
 def counter(value: Any) -> int:

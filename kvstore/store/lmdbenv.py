@@ -36,6 +36,7 @@ from .diskformat import (
     DB_BLOCKS,
     DB_EMPTY,
     DB_EMPTY_INDEX,
+    DB_EVENTS,
     DB_INDEX,
     DB_LRU,
     DB_META,
@@ -43,6 +44,8 @@ from .diskformat import (
     DB_PENDING,
     DB_REFS,
     DB_SEQS,
+    DB_TOKENS,
+    DB_WAITING,
     MODEL_DBS,
     Dbs,
     max_dbs,
@@ -221,17 +224,23 @@ class LmdbEnv:
                         seqs=env.open_db(DB_SEQS, txn=txn),
                         pending=env.open_db(DB_PENDING, txn=txn),
                         models=env.open_db(DB_MODELS, txn=txn),
+                        tokens=env.open_db(DB_TOKENS, txn=txn),
+                        waiting=env.open_db(DB_WAITING, txn=txn, dupsort=True, dupfixed=True),
+                        events=env.open_db(DB_EVENTS, txn=txn),
                     )
                     empty = env.open_db(DB_EMPTY, txn=txn)
+                    empty_index = env.open_db(
+                        DB_EMPTY_INDEX, txn=txn, dupsort=True, dupfixed=True, integerdup=True
+                    )
                     nothing = dbs._replace(
                         blocks=empty,
-                        index=env.open_db(
-                            DB_EMPTY_INDEX, txn=txn, dupsort=True, dupfixed=True, integerdup=True
-                        ),
+                        index=empty_index,
                         refs=empty,
                         atime=empty,
                         seqs=empty,
                         pending=empty,
+                        tokens=empty,
+                        waiting=empty_index,
                         number=-1,
                     )
                     check(txn, dbs)
@@ -259,6 +268,8 @@ class LmdbEnv:
                 atime=db(DB_ATIME),
                 seqs=db(DB_SEQS),
                 pending=db(DB_PENDING),
+                tokens=db(DB_TOKENS),
+                waiting=db(DB_WAITING, dupsort=True, dupfixed=True),
                 number=number,
             )
 

@@ -145,7 +145,8 @@ def delete_model(h: Handle, model_id: str) -> dict[str, int] | None:
     Its sub-databases are emptied, not dropped (another process may hold their handles),
     and its number freed for the next new model; handles on it, here and in other
     processes, read it from then on as a model not created yet (``Handle.begin_read``),
-    and a put through one creates it again. The tier's objects of its namespace stay.
+    and a put through one creates it again. The KV event log announces AllBlocksCleared
+    for it. The tier's objects of its namespace stay.
     """
     if model_id == DEFAULT_MODEL:
         raise InvalidRequestError(
@@ -194,6 +195,7 @@ def delete_model(h: Handle, model_id: str) -> dict[str, int] | None:
                 found = cursor.delete()
         for name in MODEL_DBS:
             txn.drop(getattr(dbs, name.decode()), delete=False)
+        w.events.cleared(number)  # routers drop the model's blocks (AllBlocksCleared)
         env.registry.release(txn, model_id, number)
         return held
 

@@ -44,7 +44,7 @@ from ..codec.layout import (
     VERSION_V1,
 )
 from ..errors import EnvelopeError, StoreError, ViewClosedError
-from .diskformat import BLOCK_KEY, SequenceRecord, parse_sequence
+from .diskformat import BLOCK_KEY, SequenceRecord, parse_sequence, tokens_record
 
 log = logging.getLogger("tlkv.store")
 
@@ -211,6 +211,7 @@ class ReadSnapshot(NamedTuple):
     blocks_db: Any
     seqs_db: Any
     touch: Callable[[int], Any]  # records a hit for the LRU order
+    tokens_db: Any = None  # the token ids kept per block (``diskformat``)
 
 
 class ReadHandle(Protocol):
@@ -269,6 +270,7 @@ class Reader:
         self._version_of, self._specs = snap.version_of, snap.specs
         self._get = snap.txn.get
         self._blocks, self._seqs = snap.blocks_db, snap.seqs_db
+        self._tokens = snap.tokens_db
         self._touch = snap.touch
         return self
 
@@ -369,6 +371,21 @@ class Reader:
         self._alive()
         for key, value in self._txn.cursor(db=self._blocks):
             yield BLOCK_KEY.unpack(key)[0], self._export(value)
+
+    def token_record(self, block_hash: int) -> bytes | None:
+        """The stored block's token record (FORMAT.md 6: u64 parent, B u32 token ids), or
+        None when it was stored without its token ids."""
+        self._alive()
+        key = BLOCK_KEY.pack(block_hash)
+        if self._tokens is None or self._get(key, None, self._blocks) is None:
+            return None
+        value = self._get(key, None, self._tokens)
+        return None if value is None else bytes(tokens_record(value))
+
+    def has_tokens(self) -> bool:
+        """Whether any token ids are kept (of a stored block or of one in the tier)."""
+        self._alive()
+        return self._tokens is not None and bool(self._txn.stat(self._tokens)["entries"])
 
     def _records(self) -> Iterator[tuple[str, SequenceRecord | None]]:
         self._alive()

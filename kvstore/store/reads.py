@@ -67,7 +67,9 @@ class _ReadHandle:
             h.end_read(txn)
             raise
         version_of, specs = _reader_consts(h, g) if g is not None else ({}, {})
-        return ReadSnapshot(txn, g, version_of, specs, h.dbs.blocks, h.dbs.seqs, h.recency.touch)
+        return ReadSnapshot(
+            txn, g, version_of, specs, h.dbs.blocks, h.dbs.seqs, h.recency.touch, h.dbs.tokens
+        )
 
     def close_snapshot(self, txn: Any, escaped: list[Any]) -> None:
         if escaped:

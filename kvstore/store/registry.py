@@ -23,7 +23,7 @@ from typing import Any
 
 from ..codec.geometry import Geometry
 from ..errors import ModelLimitError
-from ..protocol import MAX_MODELS
+from ..protocol import DEFAULT_MODEL, MAX_MODELS
 from .diskformat import (
     COUNTER,
     FREE_MODEL_PREFIX,
@@ -124,6 +124,15 @@ class Registry:
         value = META_MAX_MODELS_VALUE.pack(limit)
         if txn.get(META_MAX_MODELS, None, self._shared.meta) != value:
             txn.put(META_MAX_MODELS, value, db=self._shared.meta)
+
+    def name_of(self, txn: Any, number: int) -> str:
+        """The id of the model numbered ``number`` (its number as text if none has it)."""
+        if number == 0:
+            return DEFAULT_MODEL
+        for key, value in txn.cursor(db=self._shared.models):
+            if unpack_model(value)[0] == number:
+                return bytes(key).decode("utf-8")
+        return str(number)
 
     def exists(self, txn: Any, model: str) -> bool:
         """Whether ``model`` is registered."""

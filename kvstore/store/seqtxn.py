@@ -13,6 +13,7 @@ from ..codec.assembly import holds_record, same_bytes, single_block
 from ..codec.envelope import Envelope
 from ..codec.geometry import Geometry
 from ..codec.layout import NO_HASH
+from ..codec.tokens import BlockTokens
 from .diskformat import (
     BLOCK_KEY,
     QUARANTINE_SEQUENCE,
@@ -20,10 +21,13 @@ from .diskformat import (
     pack_sequence,
     parse_sequence,
 )
+from .tokentxn import keep_tokens
 from .writetxn import WriteTxn, log
 
 
-def put_sequence(w: WriteTxn, key: bytes, env: Envelope) -> tuple[int, int, int]:
+def put_sequence(
+    w: WriteTxn, key: bytes, env: Envelope, tokens: BlockTokens | None = None
+) -> tuple[int, int, int]:
     """Store a sequence (replacing ``key``): ``(stored, duplicate, partial)``.
 
     Full blocks go to the block space (deduplicated) and are pinned; a block whose
@@ -71,6 +75,7 @@ def put_sequence(w: WriteTxn, key: bytes, env: Envelope) -> tuple[int, int, int]
     w.protect.update(first)
     w.make_room(stored * c.single_len + len(sequence))
     w.write_records(env, hashes, new)
+    keep_tokens(w, hashes, new, tokens)
     txn.put(key, sequence, db=w.dbs.seqs)
     w.bytes += len(sequence)
     w.count(w.dbs.number, 0, len(sequence))

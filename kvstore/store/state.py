@@ -296,6 +296,9 @@ class Handle:
                 env.path,
                 quota=self.quota,
                 dbs_of=env.registry.opened,
+                model_name=lambda n: (
+                    self.model if n == w.dbs.number else env.registry.name_of(txn, n)
+                ),
             )
             if self.pending is not None:
                 env.registry.claim(txn, self.model, self.pending)

@@ -38,8 +38,11 @@ from typing import Any, cast
 import numpy as np
 
 from ..codec.geometry import Geometry
+from ..codec.hashing import TokenInput
+from ..codec.tokens import BlockTokens
 from ..protocol import DEFAULT_MODEL
 from ..tier import Tier
+from . import kvevents as _kvevents
 from . import models as _models
 from . import reads as _reads
 from . import restores as _restores
@@ -93,6 +96,9 @@ class Store:
             the same limit in the write that registers a model, and opens every model any
             of them made; a store holding more already (registered under a higher limit)
             opens and serves them all.
+        events: the KV event log (``set_events``): a bound in batches turns it on, 0 off,
+            None (default) keeps the store's setting. It is a setting of the store, so
+            every process writing to it logs its changes while it is on.
 
     Raises:
         ShapeError: the store exists with another geometry.
@@ -115,6 +121,7 @@ class Store:
         tier: str | Tier | None = None,
         tier_endpoint: str | None = None,
         max_models: int | None = None,
+        events: int | None = None,
     ) -> None:
         check_open(geometry, capacity_bytes, map_bytes, max_models)
         h = open_root(
@@ -131,6 +138,8 @@ class Store:
         self._h = h
         h.facade = self
         _restores.roll_back_killed_restores(h)
+        if events is not None:
+            _kvevents.set_events(h, events)
         if h.tier is not None:
             for model in self.models():  # every model's uploads resume (their handles)
                 self.model(model)
@@ -389,7 +398,9 @@ class Store:
 
     # --- writes ------------------------------------------------------------------------
 
-    def put(self, envelope: Any) -> PutResult:
+    def put(
+        self, envelope: Any, *, tokens: TokenInput | BlockTokens | None = None, parent: int = 0
+    ) -> PutResult:
         """Store every full block of ``envelope`` under its hash, in one transaction.
 
         The envelope is validated by every reader rule against the store's geometry; the
@@ -397,20 +408,35 @@ class Store:
         returns. Hashes already present are not rewritten (the first put wins); partial
         blocks (hash 0) are not stored.
 
+        ``tokens``: the full blocks' token ids, one chain from ``parent`` (0: a sequence's
+        start; B ids per block, then at most B - 1 of a tail), or a ``BlockTokens`` (a
+        row and parent per block): each hash is checked to be ``H(parent, tokens)``
+        first; the ids are kept (``block_tokens``) and announced (``docs/events.md``).
+
         Raises:
             EnvelopeError: a reader rule failed (nothing stored).
+            TokenMismatchError: ``tokens`` do not hash to the blocks (nothing stored).
             StoreFullError: the blocks do not fit even after eviction (nothing stored).
         """
-        return _writes.put_report(self._h, envelope).counts()
+        return _writes.put_report(self._h, envelope, tokens, parent).counts()
 
-    def put_report(self, envelope: Any) -> PutReport:
+    def put_report(
+        self, envelope: Any, *, tokens: TokenInput | BlockTokens | None = None, parent: int = 0
+    ) -> PutReport:
         """``put``, reporting the hashes stored and already present (the HTTP reply).
 
         ``envelope``: bytes (any buffer), or the ``Envelope`` that ``decode`` returned for
         them (not decoded again; the CRC is checked while the blocks are copied)."""
-        return _writes.put_report(self._h, envelope)
+        return _writes.put_report(self._h, envelope, tokens, parent)
 
-    def put_sequence(self, name: str, envelope: Any) -> PutResult:
+    def put_sequence(
+        self,
+        name: str,
+        envelope: Any,
+        *,
+        tokens: TokenInput | BlockTokens | None = None,
+        parent: int = 0,
+    ) -> PutResult:
         """Store a named KV state, replacing any sequence of that name.
 
         Its full blocks are stored content-addressed (deduplicated) and pinned; its partial
@@ -423,8 +449,9 @@ class Store:
                 envelope has no block.
             FormatError: a partial block (hash 0) is not the last block.
             EnvelopeError: a reader rule failed.  StoreFullError: it does not fit.
+            TokenMismatchError: ``tokens`` (as ``put``'s) do not hash to the blocks.
         """
-        return _writes.put_named_sequence(self._h, name, envelope)
+        return _writes.put_named_sequence(self._h, name, envelope, tokens, parent)
 
     def import_batch(
         self,
@@ -432,6 +459,7 @@ class Store:
         sequences: Iterable[tuple[str, Any]] = (),
         *,
         journal: RestoreJournal | None = None,
+        tokens: Iterable[BlockTokens | None] | None = None,
     ) -> PutResult:
         """Put many block envelopes, then sequences ``(name, envelope)``, in ONE write
         transaction: all or nothing (the archive restore path).
@@ -440,9 +468,10 @@ class Store:
         the ``Envelope`` that ``decode`` returned for them (not decoded again). LMDB holds
         the batch's dirty pages in memory until it commits: size batches accordingly. With
         a ``journal`` (``begin_restore``), what the batch adds and replaces is noted in the
-        same commit.
+        same commit. ``tokens``: one entry per block envelope, its full blocks' token ids
+        (checked as ``put`` checks them) or None.
         """
-        return _writes.import_batch(self._h, blocks, sequences, journal)
+        return _writes.import_batch(self._h, blocks, sequences, journal, tokens)
 
     def delete(self, block_hash: int) -> bool:
         """Remove a block; False when absent.
@@ -455,6 +484,27 @@ class Store:
     def delete_sequence(self, name: str) -> bool:
         """Drop a sequence and its pins; False when absent."""
         return _writes.delete_sequence(self._h, name)
+
+    def block_tokens(self, hashes: Iterable[int]) -> list[tuple[int, np.ndarray] | None]:
+        """For each hash, ``(parent hash, token ids)`` of the stored block when it was
+        written with its token ids (verified then); None otherwise."""
+        return _kvevents.block_tokens(self._h, hashes)
+
+    # --- the KV event log ---------------------------------------------------------------
+
+    def set_events(self, limit: int) -> None:
+        """Keep the KV event log (``docs/events.md``), its oldest batches dropped beyond
+        ``limit``; 0 turns it off (emptied). A setting of the store, for every process."""
+        _kvevents.set_events(self._h, limit)
+
+    def read_events(self, start: int = 0, limit: int = 1024) -> list[tuple[int, str, bytes]]:
+        """Up to ``limit`` logged ``(seq, model id, payload)`` from ``start`` on, in order
+        (payload: ``msgpack(KVEventBatch)``, ``kvstore.events.wire``)."""
+        return _kvevents.read_events(self._h, start, limit)
+
+    def events_bounds(self) -> tuple[int, int, int]:
+        """``(first, next, limit)``: the log holds ``first .. next - 1``; bound 0 is off."""
+        return _kvevents.events_bounds(self._h)
 
     # --- restores ----------------------------------------------------------------------
 

@@ -16,7 +16,9 @@ from typing import Any, TypeVar
 from ..codec.decoding import check_crc
 from ..codec.envelope import Envelope, check_finite, decode
 from ..codec.geometry import Geometry
+from ..codec.hashing import TokenInput
 from ..codec.layout import NO_HASH
+from ..codec.tokens import BlockTokens, tokens_for
 from ..errors import ChecksumError, PinnedError
 from .checks import check_hash, check_sequence_blocks, seq_key
 from .diskformat import BLOCK_KEY
@@ -48,6 +50,20 @@ def validate(h: Handle, data: Any, geometry: Geometry | None = None) -> Envelope
     return env
 
 
+def check_tokens(
+    env: Envelope, tokens: TokenInput | BlockTokens | None, parent: int
+) -> BlockTokens | None:
+    """The verified token ids of ``env``'s full blocks (None without ``tokens``).
+
+    Raises:
+        TokenMismatchError: they do not cover the full blocks, or a block's do not hash
+            to its name (nothing is stored).
+    """
+    if tokens is None:
+        return None
+    return tokens_for(env.hashes, env.geometry.block_tokens, tokens, parent)
+
+
 def _run(h: Handle, body: Callable[[WriteTxn], T], need: int) -> T:
     """Run a put-like transaction; a CRC mismatch found while writing raises the codec's
     ``ChecksumError``."""
@@ -61,28 +77,38 @@ def _run(h: Handle, body: Callable[[WriteTxn], T], need: int) -> T:
     return result
 
 
-def put_report(h: Handle, envelope: Any) -> PutReport:
+def put_report(
+    h: Handle, envelope: Any, tokens: TokenInput | BlockTokens | None = None, parent: int = 0
+) -> PutReport:
     """``Store.put_report``: store every full block of ``envelope``, by hash."""
     env = validate(h, envelope)
+    kept = check_tokens(env, tokens, parent)
     h.resolve(create=True)
 
     def body(w: WriteTxn) -> PutReport:
         h.adopt_geometry(w, env.geometry)
-        return PutReport(*w.put_blocks(env))
+        return PutReport(*w.put_blocks(env, kept))
 
     return _run(h, body, len(env.data))
 
 
-def put_named_sequence(h: Handle, name: str, envelope: Any) -> PutResult:
+def put_named_sequence(
+    h: Handle,
+    name: str,
+    envelope: Any,
+    tokens: TokenInput | BlockTokens | None = None,
+    parent: int = 0,
+) -> PutResult:
     """``Store.put_sequence``: store a named KV state, replacing any of that name."""
     key = seq_key(name)
     env = validate(h, envelope)
     check_sequence_blocks(env)
+    kept = check_tokens(env, tokens, parent)
     h.resolve(create=True)
 
     def body(w: WriteTxn) -> PutResult:
         h.adopt_geometry(w, env.geometry)
-        return PutResult(*put_sequence(w, key, env))
+        return PutResult(*put_sequence(w, key, env, kept))
 
     return _run(h, body, len(env.data))
 
@@ -92,6 +118,7 @@ def import_batch(
     blocks: Iterable[Any],
     sequences: Iterable[tuple[str, Any]],
     journal: RestoreJournal | None,
+    tokens: Iterable[BlockTokens | None] | None = None,
 ) -> PutResult:
     """``Store.import_batch``: many blocks, then sequences, in ONE write transaction."""
     geometry = h.geometry
@@ -99,6 +126,12 @@ def import_batch(
     for data in blocks:
         envs.append(validate(h, data, geometry))
         geometry = geometry or envs[-1].geometry
+    kept: list[BlockTokens | None] = [None] * len(envs)
+    if tokens is not None:
+        given = list(tokens)
+        if len(given) != len(envs):
+            raise ValueError(f"tokens: one entry per envelope, {len(envs)}, found {len(given)}")
+        kept = [check_tokens(e, t, 0) for e, t in zip(envs, given)]
     seqs: list[tuple[bytes, Envelope]] = []
     for name, data in sequences:
         key = seq_key(name)
@@ -112,7 +145,7 @@ def import_batch(
     def body(w: WriteTxn) -> PutResult:
         if geometry is not None:
             h.adopt_geometry(w, geometry)
-        reports = [PutReport(*w.put_blocks(e)) for e in envs]
+        reports = [PutReport(*w.put_blocks(e, t)) for e, t in zip(envs, kept)]
         results = [r.counts() for r in reports]
         added = [x for r in reports for x in r.stored]
         for k, e in seqs:

@@ -9,6 +9,11 @@ A transaction writes one model's sub-databases (``dbs``); capacity eviction may 
 any model's blocks (the LRU order is store-wide), a quota's only its own model's. Each
 change is counted in the store totals and, for a model other than the default, in that
 model's own counters too (``diskformat``).
+
+Every removal of a block (eviction, delete, quarantine, a restore undone) also drops its
+token ids and, when it was announced on the node's disk, notes a ``BlockRemoved`` on the
+transaction's ``events`` (``eventlog``), written with the commit; ``tokentxn`` keeps the
+token ids a put brings and announces its blocks.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from ..codec.layout import (
     NO_HASH,
     TRAILER_SIZE,
 )
+from ..codec.tokens import BlockTokens
 from ..errors import StoreFullError
 from ..pipeline import OrderedPipeline
 from .diskformat import (
@@ -48,7 +54,9 @@ from .diskformat import (
     model_counter_key,
     quarantine_key,
 )
+from .eventlog import EventLog
 from .eviction import LruOrder
+from .tokentxn import forget_tokens, keep_tokens
 
 log = logging.getLogger("tlkv.store")
 
@@ -94,6 +102,7 @@ class WriteTxn:
         *,
         quota: int | None = None,
         dbs_of: Callable[[int], Dbs] | None = None,
+        model_name: Callable[[int], str] = str,
     ) -> None:
         self.txn = txn
         self.dbs = dbs
@@ -115,6 +124,7 @@ class WriteTxn:
         self.after_commit: list[Callable[[], None]] = []
         # model number -> changes of its (bytes, evictions, corrupt) in this transaction
         self._deltas: dict[int, list[int]] = {}
+        self.events = EventLog(txn, dbs.meta, dbs.events, model_name)
 
     def _atime_of(self, model: int) -> Any:
         return self._other(model).atime
@@ -153,7 +163,8 @@ class WriteTxn:
         return 0 if deltas is None else deltas[field]
 
     def save(self) -> None:
-        """Write back the counters that changed (before commit)."""
+        """Write back the counters that changed and the event batches (before commit)."""
+        self.events.write()
         values = (self.bytes, self.lru.tick, self.evictions, self.corrupt)
         for key, old, new in zip(COUNTER_KEYS, self._loaded, values):
             if old != new:
@@ -192,6 +203,7 @@ class WriteTxn:
         self.lru.remove(hk, h)
         self.bytes -= size
         self.count(self.dbs.number, 0, -size)
+        forget_tokens(self, self.dbs, hk, h)
 
     def pin(self, h: int, count: int) -> None:
         hk = BLOCK_KEY.pack(h)
@@ -280,6 +292,7 @@ class WriteTxn:
         self.evictions += 1
         self.count(model, 0, -size)
         self.count(model, 1, 1)
+        forget_tokens(self, dbs, hk, h, to_tier=self.keep_pending)
         return size
 
     def quarantine(self, h: int, still_bad: Callable[[Any], bool]) -> bool:
@@ -366,8 +379,11 @@ class WriteTxn:
                 if staging is not None:
                     self.insert_block(hashes[i], staging.buf)
 
-    def put_blocks(self, env: Envelope) -> tuple[list[int], list[int], int]:
-        """Store every new full block of ``env``.
+    def put_blocks(
+        self, env: Envelope, tokens: BlockTokens | None = None
+    ) -> tuple[list[int], list[int], int]:
+        """Store every new full block of ``env``; keep and announce their token ids
+        (``tokens``, verified: one row per full block; ``tokentxn``).
 
         Returns ``(stored, duplicate, partial)``: the hashes written by this transaction,
         the hashes already present (or repeated within ``env``), in envelope order, and
@@ -397,4 +413,5 @@ class WriteTxn:
         self.protect |= seen
         self.make_room(len(stored) * single_block(env.geometry, env.version).single_len)
         self.write_records(env, hashes, new)
+        keep_tokens(self, hashes, new, tokens)
         return stored, duplicate, partial

@@ -21,7 +21,9 @@ from ..codec.checksum import crc32c
 from ..codec.crcmath import crc_combine
 from ..codec.envelope import Envelope, decode
 from ..codec.geometry import Geometry
+from ..codec.hashing import TokenInput
 from ..codec.layout import HEADER_SIZE, NO_HASH, TRAILER, U64_MAX
+from ..codec.tokens import BlockTokens, tokens_for
 from ..errors import NotFoundError, TlkvError
 from ..protocol import MODEL_HEADER, check_model_id, parse_hash_hex
 from ..results import HasResult, PushReport
@@ -35,6 +37,16 @@ from .status import error_from_status
 from .wirechunk import parse_chunk
 
 __all__ = ["TransferClient"]
+
+# A Lookup answer's fields per model (``ModelPrefix``, the JSON keys of ``/v1/lookup``).
+LOOKUP_FIELDS = (
+    "model",
+    "block_tokens",
+    "local_blocks",
+    "local_tokens",
+    "tier_blocks",
+    "tier_tokens",
+)
 
 
 def _fetch_request(
@@ -163,7 +175,35 @@ class TransferClient:
             raise error_from_status(exc) from None
         return HasResult(list(reply.present), int(reply.prefix_blocks))
 
-    def push(self, envelope: Any, sequence: str | None = None) -> PushReport:
+    def lookup(
+        self,
+        tokens: Sequence[int] | None = None,
+        hashes: Iterable[Any] | None = None,
+        models: Sequence[str] | None = None,
+    ) -> list[dict[str, Any]]:
+        """tlkv's ``Lookup``: as ``Client.lookup`` (``block_tokens`` 0 for a model the
+        server does not have, or the token may not read)."""
+        if (tokens is None) == (hashes is None):
+            raise ValueError("pass exactly one of tokens= or hashes=")
+        request = kv_pb2.LookupRequest(models=list(models or ()))
+        if hashes is not None:
+            request.block_hashes.extend(_u64_list(hashes))
+        else:
+            request.tokens.extend(int(t) for t in tokens or ())
+        try:
+            reply = self._stub.Lookup(request, timeout=self._timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise error_from_status(exc) from None
+        return [{f: getattr(m, f) for f in LOOKUP_FIELDS} for m in reply.models]
+
+    def push(
+        self,
+        envelope: Any,
+        sequence: str | None = None,
+        *,
+        tokens: TokenInput | BlockTokens | None = None,
+        parent: int = 0,
+    ) -> PushReport:
         """Send a KV state: HasBlocks, then one PushKv with payloads only where needed.
 
         Full blocks the server holds travel as empty-payload references; every other
@@ -173,14 +213,21 @@ class TransferClient:
         every payload: a model the server does not have yet is created by the push (as by
         a first HTTP ``PUT``). When a referenced block was evicted meanwhile
         (FAILED_PRECONDITION naming it), the push is sent once more with every payload.
+        ``tokens`` (and ``parent``), as ``Store.put`` takes them: checked here, then each
+        full block's chunk carries its token ids and parent hash (tlkv's extension
+        fields), which the server checks and keeps (for blocks it stores by the push).
 
         Raises:
             EnvelopeError: ``envelope`` breaks a reader rule (nothing is sent).
+            TokenMismatchError: ``tokens`` do not hash to the blocks (nothing is sent).
             InvalidRequestError: ``sequence`` is not a sequence name (nothing is sent).
             TlkvError: the server refused the stream (nothing stored).
         """
         env = decode(envelope)
         hashes = env.hashes
+        kept = None
+        if tokens is not None:
+            kept = tokens_for(hashes, env.geometry.block_tokens, tokens, parent)
         full = np.flatnonzero(hashes != NO_HASH)
         held: set[int] = set()
         if len(full):
@@ -190,17 +237,19 @@ class TransferClient:
                 present = [False] * len(full)
             held = {int(hashes[i]) for i, here in zip(full.tolist(), present) if here}
         try:
-            return self._push(env, held, sequence)
+            return self._push(env, held, sequence, kept)
         except TlkvError as exc:
             code = getattr(exc, "grpc_code", None)
             if not held or code != grpc.StatusCode.FAILED_PRECONDITION:
                 raise
             if not isinstance(exc, NotFoundError):
                 raise
-            return self._push(env, set(), sequence)
+            return self._push(env, set(), sequence, kept)
 
-    def _push(self, env: Envelope, held: set[int], sequence: str | None) -> PushReport:
-        plan = plan_push(env, held, sequence)  # refused here as the server would refuse it
+    def _push(
+        self, env: Envelope, held: set[int], sequence: str | None, tokens: BlockTokens | None
+    ) -> PushReport:
+        plan = plan_push(env, held, sequence, tokens)  # refused as the server would refuse it
 
         def chunks() -> Iterator[kv_pb2.KvChunk]:
             for i, (c, reference) in enumerate(plan):
@@ -210,6 +259,8 @@ class TransferClient:
                         n_tokens=c.n_tokens,
                         kv_format=c.kv_format,
                         sequence=c.sequence,
+                        parent_hash=c.parent_hash,
+                        token_ids=c.token_ids,
                     )
                     continue
                 payload = bytes(env.data) if len(env) == 1 else env.single(i)
@@ -220,6 +271,8 @@ class TransferClient:
                     payload=payload,
                     crc32c=envelope_crc_to_chunk_crc(payload),
                     sequence=c.sequence,
+                    parent_hash=c.parent_hash,
+                    token_ids=c.token_ids,
                 )
 
         try:

@@ -8,9 +8,11 @@ anything travels. The rules, in the order they are applied:
 1. ``note`` (in stream order, as each chunk arrives): the sequence name is given on the
    first chunk only (a later chunk may repeat it) and is a valid name; the stream's
    payload bytes stay within the receiver's limit.
-2. ``check`` (any thread, each chunk alone): an empty payload is a reference to a full
-   block: it names a format the receiver reads, its ``crc32c`` is 0 and its hash is not 0
-   (the partial tail always carries its payload); a payload obeys every rule of
+2. ``check`` (any thread, each chunk alone): token ids (tlkv's extension) are absent, or
+   exactly ``n_tokens`` of them on a full block (hash not 0; the store checks that they
+   hash to it); an empty payload is a reference to a full block: it names a format the
+   receiver reads, its ``crc32c`` is 0 and its hash is not 0 (the partial tail always
+   carries its payload); a payload obeys every rule of
    :func:`~kvstore.transfer.chunks.check_chunk` against the receiver's geometry.
 3. ``take`` (once the stream has ended, the checked chunks in stream order): one geometry
    per stream, a referenced block is full (``n_tokens`` is the geometry's
@@ -28,6 +30,7 @@ from typing import Any, NamedTuple
 from ..codec.envelope import Envelope
 from ..codec.geometry import Geometry
 from ..codec.layout import NO_HASH, SUPPORTED_VERSIONS
+from ..codec.tokens import BlockTokens
 from ..errors import (
     FormatError,
     InvalidRequestError,
@@ -132,6 +135,12 @@ class PushStream:
             TlkvError: a payload failed ``check_chunk`` (its message names the chunk).
         """
         h, fmt, payload = chunk.block_hash, chunk.kv_format, chunk.payload
+        if len(chunk.token_ids) and (h == NO_HASH or len(chunk.token_ids) != chunk.n_tokens):
+            raise InvalidRequestError(
+                f"chunk {index}: rule 'token_ids are those of a full block, n_tokens of them' "
+                f"failed: block_hash {h:016x}, n_tokens {chunk.n_tokens}, found "
+                f"{len(chunk.token_ids)} token ids"
+            )
         if not len(payload):
             if not fmt:  # proto3's unset value: a reference names its format too
                 raise InvalidRequestError(
@@ -212,7 +221,10 @@ class PushStream:
 
 
 def plan_push(
-    env: Envelope, held: Container[int], sequence: str | None
+    env: Envelope,
+    held: Container[int],
+    sequence: str | None,
+    tokens: BlockTokens | None = None,
 ) -> list[tuple[WireChunk, bool]]:
     """The chunks that send ``env``, without their payloads, checked by :class:`PushStream`;
     each with whether it is a reference.
@@ -220,7 +232,8 @@ def plan_push(
     A full block in ``held`` travels as a reference (an empty payload, ``crc32c`` 0);
     every other block, the partial tail included, carries its single-block envelope (the
     sender fills ``payload`` and ``crc32c`` in as it sends: the decoded envelope's blocks
-    are checked already). ``sequence`` goes on the first chunk only.
+    are checked already). ``sequence`` goes on the first chunk only. ``tokens`` (one row
+    per full block, checked already) go on every full block's chunk, with its parent.
 
     Raises:
         InvalidRequestError: ``sequence`` is not a valid sequence name.
@@ -228,10 +241,15 @@ def plan_push(
     stream = PushStream((env.version,), geometry=env.geometry)
     chunks: list[WireChunk] = []
     checked: list[Checked] = []
+    row = 0
     for i, block in enumerate(env):
         h = block.hash
         name = sequence if i == 0 and sequence else ""
         chunk = WireChunk(h, block.n_tokens, env.version, sequence=name)
+        if tokens is not None and h != NO_HASH:
+            chunk.parent_hash = int(tokens.parents[row])
+            chunk.token_ids = tokens.ids[row].tolist()
+            row += 1
         index = stream.note(chunk)
         if h != NO_HASH and h in held:
             checked.append(stream.check(index, chunk))

@@ -26,9 +26,20 @@ _MASK64 = 0xFFFFFFFFFFFFFFFF
 
 
 class WireChunk:
-    """A parsed ``KvChunk``: the generated message's fields, ``payload`` a memoryview."""
+    """A parsed ``KvChunk``: the generated message's fields, ``payload`` a memoryview,
+    ``token_ids`` a list (tlkv's extension fields 7 and 8: a full block's parent hash and
+    token ids)."""
 
-    __slots__ = ("block_hash", "crc32c", "kv_format", "n_tokens", "payload", "sequence")
+    __slots__ = (
+        "block_hash",
+        "crc32c",
+        "kv_format",
+        "n_tokens",
+        "parent_hash",
+        "payload",
+        "sequence",
+        "token_ids",
+    )
 
     def __init__(
         self,
@@ -38,6 +49,8 @@ class WireChunk:
         payload: bytes | memoryview = b"",
         crc32c: int = 0,
         sequence: str = "",
+        parent_hash: int = 0,
+        token_ids: list[int] | None = None,
     ) -> None:
         self.block_hash = block_hash
         self.n_tokens = n_tokens
@@ -45,6 +58,8 @@ class WireChunk:
         self.payload = memoryview(payload)
         self.crc32c = crc32c
         self.sequence = sequence
+        self.parent_hash = parent_hash
+        self.token_ids = [] if token_ids is None else token_ids
 
 
 def _varint(buf: bytes, pos: int) -> tuple[int, int]:
@@ -83,11 +98,15 @@ def parse_chunk(raw: bytes) -> WireChunk:
                 chunk.n_tokens = value & _MASK32
             elif field == 3:
                 chunk.kv_format = value & _MASK32
+            elif field == 8:  # a repeated uint32 sent unpacked
+                chunk.token_ids.append(value & _MASK32)
         elif wire == _I64:
             if pos + 8 > end:
                 raise ValueError("KvChunk: truncated fixed64")
             if field == 1:
                 (chunk.block_hash,) = _U64.unpack_from(raw, pos)
+            elif field == 7:
+                (chunk.parent_hash,) = _U64.unpack_from(raw, pos)
             pos += 8
         elif wire == _I32:
             if pos + 4 > end:
@@ -103,6 +122,13 @@ def parse_chunk(raw: bytes) -> WireChunk:
                 chunk.payload = view[pos : pos + length]
             elif field == 6:
                 chunk.sequence = bytes(view[pos : pos + length]).decode("utf-8")
+            elif field == 8:  # packed repeated uint32
+                at, stop = pos, pos + length
+                while at < stop:
+                    value, at = _varint(raw, at)
+                    chunk.token_ids.append(value & _MASK32)
+                if at != stop:
+                    raise ValueError("KvChunk: packed token_ids overrun their length")
             pos += length
         else:  # groups (3, 4) are not proto3; 6 and 7 are not wire types
             raise ValueError(f"KvChunk: unsupported wire type {wire}")
@@ -123,6 +149,8 @@ _TAG_NTOKENS = bytes([2 << 3 | _VARINT])
 _TAG_FORMAT = bytes([3 << 3 | _VARINT])
 _TAG_PAYLOAD = bytes([4 << 3 | _LEN])
 _TAG_CRC = bytes([5 << 3 | _I32])
+_TAG_PARENT = bytes([7 << 3 | _I64])
+_TAG_TOKENS = bytes([8 << 3 | _LEN])
 
 
 def serialize_chunk(chunk: WireChunk) -> bytes:
@@ -139,4 +167,9 @@ def serialize_chunk(chunk: WireChunk) -> bytes:
         parts += [_TAG_PAYLOAD, _varint_bytes(len(chunk.payload)), chunk.payload]
     if chunk.crc32c:
         parts += [_TAG_CRC, _U32.pack(chunk.crc32c)]
+    if chunk.parent_hash:
+        parts += [_TAG_PARENT, _U64.pack(chunk.parent_hash)]
+    if chunk.token_ids:
+        packed = b"".join(_varint_bytes(t) for t in chunk.token_ids)
+        parts += [_TAG_TOKENS, _varint_bytes(len(packed)), packed]
     return b"".join(parts)

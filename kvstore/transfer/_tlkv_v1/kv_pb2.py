@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11tl/kv/v1/kv.proto\x12\x08tl.kv.v1\"(\n\x10HasBlocksRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x06\";\n\x11HasBlocksResponse\x12\x0f\n\x07present\x18\x01 \x03(\x08\x12\x15\n\rprefix_blocks\x18\x02 \x01(\r\"u\n\x07KvChunk\x12\x12\n\nblock_hash\x18\x01 \x01(\x06\x12\x10\n\x08n_tokens\x18\x02 \x01(\r\x12\x11\n\tkv_format\x18\x03 \x01(\r\x12\x0f\n\x07payload\x18\x04 \x01(\x0c\x12\x0e\n\x06\x63rc32c\x18\x05 \x01(\x07\x12\x10\n\x08sequence\x18\x06 \x01(\t\"n\n\x0ePushKvResponse\x12\x0e\n\x06\x62locks\x18\x01 \x01(\r\x12\x12\n\nreferenced\x18\x02 \x01(\r\x12\x0e\n\x06stored\x18\x03 \x01(\r\x12\x11\n\tduplicate\x18\x04 \x01(\r\x12\x15\n\rpayload_bytes\x18\x05 \x01(\x04\"I\n\x0e\x46\x65tchKvRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x06\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x11\n\tkv_format\x18\x03 \x01(\r2\xc5\x01\n\nKvTransfer\x12\x44\n\tHasBlocks\x12\x1a.tl.kv.v1.HasBlocksRequest\x1a\x1b.tl.kv.v1.HasBlocksResponse\x12\x37\n\x06PushKv\x12\x11.tl.kv.v1.KvChunk\x1a\x18.tl.kv.v1.PushKvResponse(\x01\x12\x38\n\x07\x46\x65tchKv\x12\x18.tl.kv.v1.FetchKvRequest\x1a\x11.tl.kv.v1.KvChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11tl/kv/v1/kv.proto\x12\x08tl.kv.v1\"(\n\x10HasBlocksRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x06\";\n\x11HasBlocksResponse\x12\x0f\n\x07present\x18\x01 \x03(\x08\x12\x15\n\rprefix_blocks\x18\x02 \x01(\r\"\x9d\x01\n\x07KvChunk\x12\x12\n\nblock_hash\x18\x01 \x01(\x06\x12\x10\n\x08n_tokens\x18\x02 \x01(\r\x12\x11\n\tkv_format\x18\x03 \x01(\r\x12\x0f\n\x07payload\x18\x04 \x01(\x0c\x12\x0e\n\x06\x63rc32c\x18\x05 \x01(\x07\x12\x10\n\x08sequence\x18\x06 \x01(\t\x12\x13\n\x0bparent_hash\x18\x07 \x01(\x06\x12\x11\n\ttoken_ids\x18\x08 \x03(\r\"n\n\x0ePushKvResponse\x12\x0e\n\x06\x62locks\x18\x01 \x01(\r\x12\x12\n\nreferenced\x18\x02 \x01(\r\x12\x0e\n\x06stored\x18\x03 \x01(\r\x12\x11\n\tduplicate\x18\x04 \x01(\r\x12\x15\n\rpayload_bytes\x18\x05 \x01(\x04\"I\n\x0e\x46\x65tchKvRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x06\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x11\n\tkv_format\x18\x03 \x01(\r\"E\n\rLookupRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x06\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x0e\n\x06models\x18\x03 \x03(\t\"\x88\x01\n\x0bModelPrefix\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_tokens\x18\x02 \x01(\r\x12\x14\n\x0clocal_blocks\x18\x03 \x01(\r\x12\x14\n\x0clocal_tokens\x18\x04 \x01(\r\x12\x13\n\x0btier_blocks\x18\x05 \x01(\r\x12\x13\n\x0btier_tokens\x18\x06 \x01(\r\"7\n\x0eLookupResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.tl.kv.v1.ModelPrefix2\x82\x02\n\nKvTransfer\x12\x44\n\tHasBlocks\x12\x1a.tl.kv.v1.HasBlocksRequest\x1a\x1b.tl.kv.v1.HasBlocksResponse\x12\x37\n\x06PushKv\x12\x11.tl.kv.v1.KvChunk\x1a\x18.tl.kv.v1.PushKvResponse(\x01\x12\x38\n\x07\x46\x65tchKv\x12\x18.tl.kv.v1.FetchKvRequest\x1a\x11.tl.kv.v1.KvChunk0\x01\x12;\n\x06Lookup\x12\x17.tl.kv.v1.LookupRequest\x1a\x18.tl.kv.v1.LookupResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,12 +35,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HASBLOCKSREQUEST']._serialized_end=71
   _globals['_HASBLOCKSRESPONSE']._serialized_start=73
   _globals['_HASBLOCKSRESPONSE']._serialized_end=132
-  _globals['_KVCHUNK']._serialized_start=134
-  _globals['_KVCHUNK']._serialized_end=251
-  _globals['_PUSHKVRESPONSE']._serialized_start=253
-  _globals['_PUSHKVRESPONSE']._serialized_end=363
-  _globals['_FETCHKVREQUEST']._serialized_start=365
-  _globals['_FETCHKVREQUEST']._serialized_end=438
-  _globals['_KVTRANSFER']._serialized_start=441
-  _globals['_KVTRANSFER']._serialized_end=638
+  _globals['_KVCHUNK']._serialized_start=135
+  _globals['_KVCHUNK']._serialized_end=292
+  _globals['_PUSHKVRESPONSE']._serialized_start=294
+  _globals['_PUSHKVRESPONSE']._serialized_end=404
+  _globals['_FETCHKVREQUEST']._serialized_start=406
+  _globals['_FETCHKVREQUEST']._serialized_end=479
+  _globals['_LOOKUPREQUEST']._serialized_start=481
+  _globals['_LOOKUPREQUEST']._serialized_end=550
+  _globals['_MODELPREFIX']._serialized_start=553
+  _globals['_MODELPREFIX']._serialized_end=689
+  _globals['_LOOKUPRESPONSE']._serialized_start=691
+  _globals['_LOOKUPRESPONSE']._serialized_end=746
+  _globals['_KVTRANSFER']._serialized_start=749
+  _globals['_KVTRANSFER']._serialized_end=1007
 # @@protoc_insertion_point(module_scope)

@@ -49,6 +49,11 @@ class KvTransferStub:
                 request_serializer=tl_dot_kv_dot_v1_dot_kv__pb2.FetchKvRequest.SerializeToString,
                 response_deserializer=tl_dot_kv_dot_v1_dot_kv__pb2.KvChunk.FromString,
                 _registered_method=True)
+        self.Lookup = channel.unary_unary(
+                '/tl.kv.v1.KvTransfer/Lookup',
+                request_serializer=tl_dot_kv_dot_v1_dot_kv__pb2.LookupRequest.SerializeToString,
+                response_deserializer=tl_dot_kv_dot_v1_dot_kv__pb2.LookupResponse.FromString,
+                _registered_method=True)
 
 
 class KvTransferServicer:
@@ -75,6 +80,13 @@ class KvTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Lookup(self, request, context):
+        """tlkv's extension: a router's question, the longest stored prefix per model.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +104,11 @@ def add_KvTransferServicer_to_server(servicer, server):
                     servicer.FetchKv,
                     request_deserializer=tl_dot_kv_dot_v1_dot_kv__pb2.FetchKvRequest.FromString,
                     response_serializer=tl_dot_kv_dot_v1_dot_kv__pb2.KvChunk.SerializeToString,
+            ),
+            'Lookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lookup,
+                    request_deserializer=tl_dot_kv_dot_v1_dot_kv__pb2.LookupRequest.FromString,
+                    response_serializer=tl_dot_kv_dot_v1_dot_kv__pb2.LookupResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +192,33 @@ class KvTransfer:
             '/tl.kv.v1.KvTransfer/FetchKv',
             tl_dot_kv_dot_v1_dot_kv__pb2.FetchKvRequest.SerializeToString,
             tl_dot_kv_dot_v1_dot_kv__pb2.KvChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tl.kv.v1.KvTransfer/Lookup',
+            tl_dot_kv_dot_v1_dot_kv__pb2.LookupRequest.SerializeToString,
+            tl_dot_kv_dot_v1_dot_kv__pb2.LookupResponse.FromString,
             options,
             channel_credentials,
             insecure,
