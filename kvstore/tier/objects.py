@@ -14,7 +14,9 @@ Failures of the server or the network become :class:`~kvstore.errors.TierError`.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
+import contextlib
 import os
 import threading
 from collections.abc import Awaitable, Callable, Sequence
@@ -40,13 +42,22 @@ RETRY = {"max_retries": 2, "retry_timeout": timedelta(seconds=5)}
 ENDPOINT_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ENDPOINT")
 MULTIPART_CHUNK = 16 << 20  # bytes buffered per part of a streamed upload
 MULTIPART_CONCURRENCY = 4  # parts in flight: memory is bounded by chunk x (this + 1)
+_EXIT_DRAIN = 10.0  # seconds the calls in flight get to finish at interpreter exit
 
 
 class _Loop:
-    """One asyncio loop on a daemon thread, shared by every client of the process."""
+    """One asyncio loop on a daemon thread, shared by every client of the process.
+
+    At interpreter exit (``atexit``, which runs while daemon threads still do) the calls in
+    flight get up to ``_EXIT_DRAIN`` seconds to finish, then the loop stops and its thread
+    ends: an obstore future that completed during interpreter finalization would call into
+    a finalizing interpreter from a Rust thread, which aborts the process (SIGABRT, seen at
+    the exit of ``tlkv scrub --repair-from`` with uploads in flight).
+    """
 
     _lock = threading.Lock()
     _loop: asyncio.AbstractEventLoop | None = None
+    _thread: threading.Thread | None = None
     _pid = 0
 
     @classmethod
@@ -54,9 +65,32 @@ class _Loop:
         with cls._lock:
             if cls._loop is None or cls._pid != os.getpid():
                 loop = asyncio.new_event_loop()
-                threading.Thread(target=loop.run_forever, name="tlkv-tier-io", daemon=True).start()
-                cls._loop, cls._pid = loop, os.getpid()
+                thread = threading.Thread(target=loop.run_forever, name="tlkv-tier-io", daemon=True)
+                thread.start()
+                if cls._pid != os.getpid():
+                    atexit.register(cls.shutdown)  # once per process
+                cls._loop, cls._thread, cls._pid = loop, thread, os.getpid()
             return cls._loop
+
+    @classmethod
+    def shutdown(cls) -> None:
+        """Let the calls in flight finish (at most ``_EXIT_DRAIN`` s), stop the loop and
+        join its thread."""
+        with cls._lock:
+            loop, thread = cls._loop, cls._thread
+            if loop is None or thread is None or cls._pid != os.getpid():
+                return
+            cls._loop = cls._thread = None
+
+        async def drain() -> None:
+            tasks = asyncio.all_tasks() - {asyncio.current_task()}
+            if tasks:
+                await asyncio.wait(tasks, timeout=_EXIT_DRAIN)
+
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(drain(), loop).result(_EXIT_DRAIN + 1)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(_EXIT_DRAIN)
 
 
 def _run(coro: Awaitable[T]) -> T:
