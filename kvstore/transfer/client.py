@@ -138,12 +138,25 @@ class TransferClient:
         self._channel.close()
 
     def connect(self) -> None:
-        """Connect the channel now (gRPC connects at the first call otherwise).
+        """Connect the channel now (gRPC connects at the first call otherwise): one
+        HasBlocks of no hashes that waits for the connection; any answer of the server
+        (an error status included) means connected. A call, not ``channel_ready_future``,
+        whose polling thread outlives it and fails if the channel closes within 0.2 s.
 
         Raises:
-            grpc.FutureTimeoutError: not connected within the client's timeout.
+            TlkvError: the server was not reached within the client's timeout (its status
+                mapped as every call's: ``error_from_status``).
         """
-        grpc.channel_ready_future(self._channel).result(timeout=self._timeout)
+        try:
+            self._stub.HasBlocks(
+                kv_pb2.HasBlocksRequest(),
+                timeout=self._timeout,
+                metadata=self._metadata,
+                wait_for_ready=True,
+            )
+        except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise error_from_status(exc) from None
 
     def __enter__(self) -> TransferClient:
         return self
