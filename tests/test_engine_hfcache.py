@@ -1,6 +1,6 @@
 """The transformers bridge on the cache layouts beyond a plain ``DynamicCache``, with real
 (tiny, random-weight) model code: sliding-window layers (Mistral, Gemma2, Qwen2 with some
-sliding layers), ``StaticCache``, one row of a batch, transformers 5's ``cache=`` name,
+sliding layers), ``StaticCache``, one row of a batch, both names of the cache argument,
 and the layouts it refuses by name (quantized, offloaded, encoder-decoder, MLA).
 
 Needs the ``hf`` extra (torch, transformers); without it every test here is skipped.
@@ -18,6 +18,8 @@ torch = pytest.importorskip("torch", reason="the hf extra (torch, transformers) 
 transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
 
 from transformers import cache_utils  # noqa: E402
+
+from hf_names import CACHE_KW, cache_of  # noqa: E402
 
 from kvstore import Store  # noqa: E402
 from kvstore.engines.transformers import load_prefix, save_prefix  # noqa: E402
@@ -64,13 +66,12 @@ def _prompt(n: int, seed: int = 1, batch: int = 1) -> Any:
 
 @torch.no_grad()
 def _prefill(model: Any, ids: Any, cache: Any = None) -> Any:
-    extra = {} if cache is None else {"cache": cache}
-    out = model(ids, use_cache=True, **extra)
-    return out.cache
+    extra = {} if cache is None else {CACHE_KW: cache}
+    return cache_of(model(ids, use_cache=True, **extra))
 
 
 @torch.no_grad()
-def _logits(model: Any, ids: Any, cache: Any, kw: str = "cache") -> Any:
+def _logits(model: Any, ids: Any, cache: Any, kw: str = CACHE_KW) -> Any:
     return model(ids, use_cache=True, **{kw: cache}).logits[0, -1]
 
 
@@ -98,8 +99,8 @@ def test_a_prefix_inside_every_window_round_trips_exactly(tmp_path: Path, family
         _, fresh = load_prefix(store, ids, config=model)
     with torch.no_grad():
         by_hand = _prefill(model, ids[:, :48])
-        want_tokens = model.generate(ids, cache=by_hand, max_new_tokens=12, do_sample=False)
-        warm = model.generate(ids, cache=fresh, max_new_tokens=12, do_sample=False)
+        want_tokens = model.generate(ids, max_new_tokens=12, do_sample=False, **{CACHE_KW: by_hand})
+        warm = model.generate(ids, max_new_tokens=12, do_sample=False, **{CACHE_KW: fresh})
     assert warm.shape[1] == 60 + 12 > WINDOW  # the sliding layers drop positions meanwhile
     assert torch.equal(warm, want_tokens)
 
@@ -154,7 +155,7 @@ def test_cache_keyword_and_past_key_values_both_work(tmp_path: Path) -> None:
         n, a = load_prefix(store, ids, config=model)
         _, b = load_prefix(store, ids, config=model)
     want = _logits(model, ids[:, n:], _prefill(model, ids[:, :n]))
-    assert torch.equal(_logits(model, ids[:, n:], a, "cache"), want)
+    assert torch.equal(_logits(model, ids[:, n:], a, CACHE_KW), want)
     assert torch.equal(_logits(model, ids[:, n:], b, "past_key_values"), want)
 
 
@@ -227,7 +228,7 @@ def test_refused_layouts_are_named(tmp_path: Path) -> None:
         )
     ).eval()
     with torch.no_grad():
-        encdec = t5(input_ids=ids, decoder_input_ids=ids[:, :20], use_cache=True).cache
+        encdec = cache_of(t5(input_ids=ids, decoder_input_ids=ids[:, :20], use_cache=True))
     mla_model = transformers.DeepseekV3ForCausalLM(
         transformers.DeepseekV3Config(
             vocab_size=96,
