@@ -123,7 +123,9 @@ def _cmd_has(args: argparse.Namespace) -> int:
         if args.tokens is not None and not result.present:
             # Only full blocks are hashed: a prompt shorter than one has nothing to look up.
             n = len(args.tokens)
-            print(f"prefix 0/0: {n} token{'s' * (n != 1)} fill no block, nothing to look up")
+            print(
+                f"prefix 0/0: the prompt ({n} tokens) is shorter than a block, nothing to look up"
+            )
         else:
             print(f"prefix {result.prefix}/{len(result.present)}")
         return EXIT_OK
