@@ -1,4 +1,4 @@
-"""How the installed transformers names a model's KV cache, for the ``hf`` tests.
+"""The ``hf`` tests' tiny Llama, and how the installed transformers names a model's KV cache.
 
 From 5.24 on, transformers calls it ``cache`` (the argument of ``model(...)`` and
 ``generate``, and ``out.cache``) and still takes ``past_key_values`` with a FutureWarning
@@ -24,3 +24,18 @@ CACHE_KW = (
 def cache_of(output: Any) -> Any:
     """The KV cache of a model's output, under the installed transformers' name."""
     return getattr(output, CACHE_KW)
+
+
+def tiny_llama_config() -> Any:
+    """The config of the tiny random-weight Llama the bridge's tests run: 2 layers, 2 KV
+    heads of 16, a 96-token vocabulary (its 45-token prompts hold two blocks of 16)."""
+    return transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+    )

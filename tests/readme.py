@@ -19,6 +19,7 @@ BENCHMARKS.md, sections of the README) is read where it is written, once.
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 from typing import NamedTuple
 
@@ -90,3 +91,15 @@ def snippets_run_by(test_file: str, lang: str = "python") -> list[Block]:
     """The blocks of ``lang`` marked as run by ``tests/<test_file>``."""
     marker = f"snippet: run by tests/{test_file}"
     return [b for b in all_blocks() if b.marker == marker and b.lang == lang]
+
+
+def bash(script: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """A shell block run as a reader runs it: bash, stopping at the first failure."""
+    return subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", script],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )

@@ -17,9 +17,8 @@ pytestmark = [pytest.mark.hf, pytest.mark.slow]
 torch = pytest.importorskip("torch", reason="the hf extra (torch, transformers) is not installed")
 transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
 
-from transformers import cache_utils  # noqa: E402
-
 from hf_names import CACHE_KW, cache_of  # noqa: E402
+from transformers import cache_utils  # noqa: E402
 
 from kvstore import Store  # noqa: E402
 from kvstore.engines.transformers import load_prefix, save_prefix  # noqa: E402
@@ -210,11 +209,34 @@ def test_one_row_of_a_batch_is_saved_with_row(tmp_path: Path) -> None:
         assert torch.equal(got.values[0], orig.values[1, :, :32])
 
 
+def _quantized_cache(model: Any, ids: Any) -> Any:
+    """transformers' ``QuantizedCache`` after a prefill, with its ``fp8`` backend (5.21 on).
+    Before 5.21 its backends are quanto and hqq, packages the hf extra does not install:
+    the cache is then made of the base ``QuantizedLayer`` and left empty (the bridge refuses
+    the cache by its kind, before reading a layer)."""
+    try:
+        quantized = cache_utils.QuantizedCache("fp8", model.config)
+    except ValueError:  # "Unknown quantization backend `fp8`"
+
+        class Layer(cache_utils.QuantizedLayer):  # a backend's shape, without its package
+            def _quantize(self, tensor: Any, axis: int) -> Any:
+                return tensor
+
+            def _dequantize(self, qtensor: Any) -> Any:
+                return qtensor
+
+        quantized = cache_utils.QuantizedCache.__new__(cache_utils.QuantizedCache)
+        layers = [Layer() for _ in range(model.config.num_hidden_layers)]
+        cache_utils.Cache.__init__(quantized, layers=layers)
+        return quantized
+    _prefill(model, ids, quantized)
+    return quantized
+
+
 def test_refused_layouts_are_named(tmp_path: Path) -> None:
     model, ids = _model("llama"), _prompt(40)
     config = model.config
-    quantized = cache_utils.QuantizedCache("fp8", config)
-    _prefill(model, ids, quantized)
+    quantized = _quantized_cache(model, ids)
     offloaded = transformers.DynamicCache(config=config, offloading=True)
     t5 = transformers.T5ForConditionalGeneration(
         transformers.T5Config(

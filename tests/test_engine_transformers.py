@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.hf, pytest.mark.slow]  # real model runs: the hf step 
 torch = pytest.importorskip("torch", reason="the hf extra (torch, transformers) is not installed")
 transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
 
-from hf_names import CACHE_KW, cache_of  # noqa: E402
+from hf_names import CACHE_KW, cache_of, tiny_llama_config  # noqa: E402
 
 from kvstore import Geometry, ShapeError, Store, encode  # noqa: E402
 from kvstore.client import Client  # noqa: E402
@@ -31,16 +31,7 @@ F16_MIN_NORMAL = 2.0**-14
 
 
 def _config() -> Any:
-    return transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=128,
-    )
+    return tiny_llama_config()
 
 
 _MODELS: dict[Any, Any] = {}

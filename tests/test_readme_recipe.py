@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from readme import recipe, snippets_run_by
+from readme import bash, recipe, snippets_run_by
 from s3_server import CREDENTIALS, S3Server
 
 pytestmark = [pytest.mark.hf, pytest.mark.slow]
 torch = pytest.importorskip("torch", reason="the hf extra (torch, transformers) is not installed")
 transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
-from hf_names import CACHE_KW, cache_of  # noqa: E402
+from hf_names import CACHE_KW, cache_of, tiny_llama_config  # noqa: E402
 
 PORTS = (8101, 8102)  # the recipe's two nodes
 
@@ -51,17 +51,6 @@ def _ports_free(timeout: float) -> bool:
     return True
 
 
-def _bash(script: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["bash", "-euo", "pipefail", "-c", script],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
 def test_two_nodes_share_a_tier_with_a_scoped_token(tmp_path: Path, s3_server: S3Server) -> None:
     assert _ports_free(15), f"the recipe's ports {PORTS} are in use"
     client: Any = s3_server.client()
@@ -84,16 +73,7 @@ def test_two_nodes_share_a_tier_with_a_scoped_token(tmp_path: Path, s3_server: S
     try:
         assert nodes.wait(timeout=120) == 0, log_path.read_text()
         torch.manual_seed(0)
-        config = transformers.LlamaConfig(
-            vocab_size=96,
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            max_position_embeddings=128,
-        )
+        config = tiny_llama_config()
         model_dir = tmp_path.parent / f"{tmp_path.name}-model"  # MODEL: a local directory
         transformers.LlamaForCausalLM(config).to(torch.float16).save_pretrained(str(model_dir))
         os.environ["MODEL"] = str(model_dir)
@@ -108,7 +88,7 @@ def test_two_nodes_share_a_tier_with_a_scoped_token(tmp_path: Path, s3_server: S
             own = cache_of(model(input_ids[:, :n], use_cache=True))
             want = model(input_ids[:, n:], **{CACHE_KW: own}).logits
         assert torch.equal(namespace["logits"], want)
-        check = _bash(recipe("multi-node", "check"), tmp_path, env)
+        check = bash(recipe("multi-node", "check"), tmp_path, env)
         assert check.returncode == 0, check.stderr
         assert "blocks           2" in check.stdout  # node B holds them now
         assert "NotFoundError: model 'default' not found" in check.stderr  # scoped token

@@ -32,7 +32,7 @@ import httpx
 import pytest
 import tomllib
 from http_server import ServerProcess, free_port
-from readme import README, ROOT, Block, all_blocks, pages
+from readme import README, ROOT, Block, all_blocks, bash, pages
 from s3_server import S3Server
 
 pytestmark = pytest.mark.docs
@@ -117,14 +117,7 @@ def _env(model_dir: Path | None) -> dict[str, str]:
 
 
 def _bash(block: Block, text: str, cwd: Path, env: dict[str, str]) -> str:
-    proc = subprocess.run(
-        ["bash", "-euo", "pipefail", "-c", text],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = bash(text, cwd, env)
     assert proc.returncode == 0, f"{block.where}: exit {proc.returncode}\n{proc.stderr[-3000:]}"
     return proc.stdout + proc.stderr
 
@@ -155,19 +148,20 @@ def _serve(block: Block, text: str, cwd: Path, env: dict[str, str]) -> None:
     port = free_port()
     text = re.sub(r"\b8000\b", str(port), text)
     text = re.sub(r"\b50051\b", str(free_port()), text)
-    proc = subprocess.Popen(
-        ["bash", "-euo", "pipefail", "-c", text],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    log = cwd.parent / f"server-{block.page.stem}-{block.line}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            ["bash", "-euo", "pipefail", "-c", text],
+            cwd=cwd,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + 60
         while True:
-            assert proc.poll() is None, f"{block.where}: exited {proc.returncode}"
+            assert proc.poll() is None, f"{block.where}: exited\n{log.read_text()[-3000:]}"
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
                     break
@@ -194,20 +188,12 @@ def _tokens(block: Block, text: str) -> None:
 
 
 def _tiny_model(path: Path) -> Path:
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=128,
-    )
+    import torch
+    import transformers
+    from hf_names import tiny_llama_config
+
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).to(torch.float16).save_pretrained(str(path))
+    transformers.LlamaForCausalLM(tiny_llama_config()).to(torch.float16).save_pretrained(str(path))
     return path
 
 
