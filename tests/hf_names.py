@@ -3,7 +3,7 @@
 From 5.24 on, transformers calls it ``cache`` (the argument of ``model(...)`` and
 ``generate``, and ``out.cache``) and still takes ``past_key_values`` with a FutureWarning
 until 5.40; before 5.24, ``past_key_values`` is the only name. The ``hf`` tests run on
-4.56 (the ``hf`` extra's minimum), 5.19 (the release vLLM 0.32.0 pins) and 5.25 (the
+5.4 (the ``hf`` extra's minimum), 5.19 (the release vLLM 0.32.0 pins) and 5.25 (the
 newest the extra admits), so they ask the model class which name it has.
 """
 
