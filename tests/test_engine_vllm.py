@@ -410,4 +410,5 @@ def test_readme_vllm_examples_run_as_written(models: Any, tmp_path: Path) -> Non
         timeout=600,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.strip().splitlines()[-1] == "576"
+    printed = [line for line in run.stdout.splitlines() if line.strip().isdigit()]
+    assert printed == ["576"], run.stdout[-3000:]  # vLLM logs to stdout too
