@@ -160,9 +160,7 @@ def register(sub: Any) -> None:
     p.add_argument("--capacity", type=_size_arg, default=None, help="capacity, e.g. 2GiB")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
-    p.add_argument(
-        "--workers", type=positive_int, default=1, help="worker processes (default 1)"
-    )
+    p.add_argument("--workers", type=positive_int, default=1, help="worker processes (default 1)")
     p.add_argument("--token-file", default=None, help="bearer token file (else $TLKV_TOKEN)")
     p.add_argument(
         "--metrics-token-file",

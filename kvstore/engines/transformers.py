@@ -151,9 +151,10 @@ def save_prefix(
             ``row``, ``[batch, T]`` too.
         past_key_values, cache: the model's cache after running it on the prompt, given
             either way (``out.past_key_values`` on every transformers the ``hf`` extra
-            admits; ``cache=out.cache`` from 5.24 on): a ``DynamicCache``, a ``StaticCache`` or the legacy tuple of
-            ``(key, value)`` per layer. It may hold fewer positions than ``input_ids``
-            (after ``generate``, the last token has none): the positions it holds are saved.
+            admits; ``cache=out.cache`` from 5.24 on): a ``DynamicCache``, a
+            ``StaticCache`` or the legacy tuple of ``(key, value)`` per layer. It may
+            hold fewer positions than ``input_ids`` (after ``generate``, the last token
+            has none): the positions it holds are saved.
         row: the batch row to save, for a batched cache (one unpadded sequence per row:
             a left-padded row's KV sits at shifted positions).
         version: 1 (f16: exact for f16 models, and for bf16 ones above f16's normal
