@@ -231,3 +231,13 @@ class SlidingWindowError(CacheLayoutError):
         super().__init__(message)
         self.layer = layer
         self.window = window
+
+
+class PageKeyError(TlkvError, ValueError):
+    """An engine's page key cannot be mapped to a block name (SGLang's HiCache keys are
+    SHA-256 hex strings, ``kvstore.engines.sglang.block_name``): refused, nothing stored
+    or loaded under it."""
+
+    kind = "page_key"
+    http_status = 422
+    grpc_status = "INVALID_ARGUMENT"

@@ -10,7 +10,9 @@ line above a block says who else runs it:
 - ``<!-- recipe: NAME, STEP -->``: the test of that recipe, as written;
 - ``<!-- server: URL -->``: a command that serves; started with its ports moved to free
   ones, asked for ``/healthz``, then stopped (``tests/test_readme_snippets.py``);
-- ``<!-- run by .ci/run -->``: every command of the block appears verbatim in ``.ci/run``.
+- ``<!-- run by .ci/run -->``: every command of the block appears verbatim in ``.ci/run``;
+- ``<!-- not run: needs a GPU (...) -->``: an engine launch that needs a GPU, the one
+  kind of block CI cannot run.
 
 Text a page includes from another file (``--8<-- "FILE"``: FORMAT.md, ARCHITECTURE.md,
 BENCHMARKS.md, sections of the README) is read where it is written, once.

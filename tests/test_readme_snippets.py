@@ -38,6 +38,8 @@ from s3_server import S3Server
 pytestmark = pytest.mark.docs
 TESTS = Path(__file__).resolve().parent
 LANGS = {"python", "sh", "console", "toml", "json"}
+# The one kind of block no test here can run: an engine launch that needs a GPU.
+GPU_ONLY = "not run: needs a GPU (SGLang's engine runs its GPU kernels)"
 _ENGINE = re.compile(r"^\s*(import|from) (torch|transformers)\b", re.M)
 
 
@@ -67,10 +69,12 @@ def test_every_block_is_run_by_a_test_and_every_page_is_in_the_site() -> None:
         if b.marker.startswith("snippet: run by tests/"):
             runner = TESTS / b.marker.removeprefix("snippet: run by tests/")
             assert runner.is_file(), f"{b.where}: {runner.name} does not exist"
-            assert "snippets_run_by" in runner.read_text(), f"{runner.name} does not run it"
+            assert "from readme import" in runner.read_text(), f"{runner.name} does not run it"
         elif b.marker == "run by .ci/run":
             for command in _commands(b.text):
                 assert command in ci, f"{b.where}: .ci/run does not run {command!r}"
+        elif b.marker.startswith("not run: "):
+            assert b.marker == GPU_ONLY, f"{b.where}: not run, and no GPU is why: {b.marker}"
         else:
             assert b.marker in ("",) or b.marker.startswith(("recipe: ", "server: ")), b
 
@@ -159,7 +163,7 @@ def _serve(block: Block, text: str, cwd: Path, env: dict[str, str]) -> None:
             start_new_session=True,
         )
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 120  # a loaded 2-core machine starts it slowly
         while True:
             assert proc.poll() is None, f"{block.where}: exited\n{log.read_text()[-3000:]}"
             try:
@@ -167,7 +171,7 @@ def _serve(block: Block, text: str, cwd: Path, env: dict[str, str]) -> None:
                     break
             except httpx.HTTPError:
                 pass
-            assert time.monotonic() < deadline, f"{block.where}: no /healthz in 60 s"
+            assert time.monotonic() < deadline, f"{block.where}: no /healthz in 120 s"
             time.sleep(0.2)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -228,7 +232,7 @@ def test_the_documentation_runs_in_order(
             namespace: dict[str, Any] = {"__name__": "docs"}
             sessions[page.name] = namespace
             for block in (b for b in all_blocks() if b.page == page):
-                if block.marker.startswith(("snippet: ", "recipe: ", "run by ")):
+                if block.marker.startswith(("snippet: ", "recipe: ", "run by ", "not run: ")):
                     continue  # run by the test (or the .ci/run step) its marker names
                 text = _swap(block.text, endpoints)
                 if block.marker.startswith("server: "):

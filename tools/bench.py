@@ -1,6 +1,6 @@
 """Benchmarks with ratios against baselines measured in the same run.
 
-Usage: python tools/bench.py {codec,store,http,archive,client,engine,grpc,tier,vllm}
+Usage: python tools/bench.py {codec,store,http,archive,client,engine,grpc,tier,vllm,sglang}
        [--quick] [--markdown]
 
 Each suite lives in tools/bench_<suite>.py and exposes ``run(args) -> list[Row]``;
@@ -19,7 +19,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # the repo, whe
 
 from bench_common import print_table
 
-SUITES = ("codec", "store", "http", "archive", "client", "engine", "grpc", "tier", "vllm")
+SUITES = ("codec", "store", "http", "archive", "client", "engine", "grpc", "tier", "vllm", "sglang")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,69 @@
+"""Where the SGLang backend keeps pages: one namespace of an engine target (a store
+directory, ``http://`` or ``grpc://``), through the engines' shared target set, plus the
+one call only this backend makes (``clear``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, suppress
+
+from ..codec.envelope import BlockView
+from ..codec.geometry import Geometry
+from ..errors import PinnedError
+from ._vllm_parts import Target, open_target
+
+__all__ = ["PageTarget", "open_page_target"]
+
+
+class PageTarget:
+    """One namespace of a target: each call one round trip (a store's: one transaction).
+
+    Transport and service errors are raised to the backend, which counts them and answers
+    SGLang with misses.
+    """
+
+    def __init__(self, target: Target) -> None:
+        self._target = target
+
+    def geometry(self) -> Geometry | None:
+        """The namespace's block geometry; None when it holds none (or cannot tell)."""
+        return self._target.geometry()
+
+    def longest_prefix(self, names: Sequence[int]) -> int:
+        """How many leading blocks of ``names`` are held."""
+        return self._target.longest_prefix(names)
+
+    def has(self, names: Sequence[int]) -> list[bool]:
+        """Whether each block is held."""
+        return self._target.has(names)
+
+    def put(self, envelope: bytes) -> int:
+        """Store an envelope's blocks."""
+        return self._target.put(envelope)
+
+    def views(self, names: Sequence[int]) -> AbstractContextManager[list[BlockView]]:
+        """Views of the longest held prefix of ``names``, each checked (reader rules and
+        CRC-32C; a store's corrupt block is quarantined), valid in the block."""
+        return self._target.views(names)
+
+    def clear(self) -> bool:
+        """Delete every block of the namespace of a store directory (blocks a sequence
+        pins stay); False for a server, which has no bulk delete."""
+        store = getattr(self._target, "store", None)
+        if store is None:
+            return False
+        with store.reader() as reader:
+            names = [h for h, _ in reader.iter_blocks()]
+        for h in names:
+            with suppress(PinnedError):
+                store.delete(h)
+        return True
+
+    def close(self) -> None:
+        """Release connections (a shared store stays open for the process)."""
+        self._target.close()
+
+
+def open_page_target(spec: str, namespace: str, token: str | None, timeout: float) -> PageTarget:
+    """Namespace ``namespace`` of the target ``spec``."""
+    return PageTarget(open_target(spec, namespace, token, timeout))

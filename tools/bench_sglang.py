@@ -1,0 +1,148 @@
+"""tlkv's SGLang HiCache backend against SGLang's own file tier (``HiCacheFile``), side by
+side on the same host pool and the same pages, through the calls SGLang's HiCache
+controller makes (its own ``_page_set_zero_copy``/``_generic_page_set``/
+``_page_get_zero_copy``/``_generic_page_get`` code, ``tools/sglang_demo.py``).
+
+Pages: geometry (B, L, Hkv, D) = (16, 32, 8, 128), f16, 2 MiB each (Llama-3-8B per rank at
+page size 16), 64 pages per call (128 MiB), in a ``layer_first`` host pool; both backends
+in one process (as in an SGLang scheduler). Each round runs the peer, then tlkv, on fresh
+keys for writes; a row's ratio is the median of the per-round ratios (peer time / tlkv
+time), over 5 rounds (3 with --quick); the target is >= 1.0x in the median.
+
+- ``HiCacheFile``: ``--hicache-storage-backend file``, one file per page in a directory,
+  written without fsync; its metadata cache on (``enable_metadata_cache``, its documented
+  fast path for existence). It has no zero-copy interface: SGLang calls it through the
+  generic path (flat page copies), so that is its only row.
+- tlkv: a store directory, durable (each call's put is fsynced before it returns),
+  through ``interface_v1`` (zero-copy, what the docs configure) and the generic path.
+
+Needs SGLang (``docs/sglang.md``): run it with the SGLang venv's python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench_common import Row
+
+PAGE = 16
+LAYERS, HEADS, HEAD_DIM = 32, 8, 128
+N_PAGES = 64
+
+
+def _paired(pairs: list[tuple[Callable[[int], object], Callable[[int], object]]], rounds: int):
+    """Per round ``r`` the peer's ``fn(r)`` then tlkv's; both lists of times."""
+    peer: list[float] = []
+    mine: list[float] = []
+    for r in range(rounds):
+        for fns, out in ((pairs[0][0], peer), (pairs[0][1], mine)):
+            t0 = time.perf_counter()
+            fns(r)
+            out.append(time.perf_counter() - t0)
+    return peer, mine
+
+
+def _row(name: str, nbytes: int, peer: list[float], mine: list[float]) -> Row:
+    ratios = sorted(p / m for p, m in zip(peer, mine))
+    ratio = statistics.median(ratios)
+    if nbytes:
+        value = f"{nbytes / statistics.median(mine) / 1e9:.2f} GB/s"
+        base = f"{nbytes / statistics.median(peer) / 1e9:.2f} GB/s"
+    else:
+        value = f"{statistics.median(mine) * 1e3:.3f} ms"
+        base = f"{statistics.median(peer) * 1e3:.3f} ms"
+    return Row(
+        name,
+        value,
+        f"HiCacheFile {base}",
+        ratio,
+        f">= 1.0x (rounds {ratios[0]:.2f}-{ratios[-1]:.2f}x, n={len(ratios)})",
+        ratio >= 1.0,
+    )
+
+
+def run(args: argparse.Namespace) -> list[Row]:
+    import sglang_demo as demo
+
+    rounds = 3 if args.quick else 5
+    n = 8 if args.quick else N_PAGES
+    pool = demo.make_pool(
+        "layer_first", page=PAGE, layers=LAYERS, heads=HEADS, head_dim=HEAD_DIM,
+        tokens=PAGE * (4 * n + 16),
+    )  # fmt: skip
+    page_bytes = 2 * LAYERS * PAGE * HEADS * HEAD_DIM * 2
+    nbytes = n * page_bytes
+    src = demo.fill_pages(pool, n, seed=1)
+    dest = pool.alloc(n * PAGE)
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="tlkv-bench-sglang-") as tmp:
+        peer = demo.make_file_backend(pool, str(Path(tmp) / "file"), enable_metadata_cache=True)
+        mine = demo.make_backend(pool, str(Path(tmp) / "kv"), interface_v1=1)
+        p_state, m_state = demo.controller(peer, pool), demo.controller(mine, pool)
+        op = demo.operation()
+
+        def keys(kind: str, r: int) -> list[str]:
+            return demo.page_keys(n, seed=hash((kind, r)) & 0xFFFF)
+
+        def file_set(kind: str) -> Callable[[int], object]:
+            return lambda r: demo.controller_call("_generic_page_set", p_state, keys(kind, r), src)
+
+        def check(got: Any) -> None:
+            if got is not True and got != n:
+                raise RuntimeError(f"a call did not complete: {got!r}")
+
+        # writes: fresh keys per round
+        for label, name in (("interface_v1", "_page_set_zero_copy"),
+                            ("generic", "_generic_page_set")):  # fmt: skip
+
+            def tlkv_set(r: int, name: str = name, label: str = label) -> None:
+                check(demo.controller_call(name, m_state, keys(label, r), src))
+
+            peer_t, mine_t = _paired([(file_set(label), tlkv_set)], rounds)
+            rows.append(_row(f"sglang set {n} pages, tlkv {label} (durable)", nbytes,
+                             peer_t, mine_t))  # fmt: skip
+        # reads and lookups of pages both hold
+        held = demo.page_keys(n, seed=4242)
+        check(demo.controller_call("_generic_page_set", p_state, held, src))
+        check(demo.controller_call("_page_set_zero_copy", m_state, held, src))
+
+        def file_get(r: int) -> None:
+            check(demo.controller_call("_generic_page_get", p_state, op, held, dest))
+
+        for label, name in (("interface_v1", "_page_get_zero_copy"),
+                            ("generic", "_generic_page_get")):  # fmt: skip
+
+            def tlkv_get(r: int, name: str = name) -> None:
+                check(demo.controller_call(name, m_state, op, held, dest))
+
+            peer_t, mine_t = _paired([(file_get, tlkv_get)], rounds)
+            rows.append(_row(f"sglang get {n} pages, tlkv {label}", nbytes, peer_t, mine_t))
+
+        def timed_many(fn: Callable[[], object], calls: int = 200) -> Callable[[int], object]:
+            def go(r: int) -> None:
+                for _ in range(calls):
+                    fn()
+
+            return go
+
+        peer_t, mine_t = _paired(
+            [(timed_many(lambda: peer.batch_exists(held)),
+              timed_many(lambda: mine.batch_exists(held)))],
+            rounds,
+        )  # fmt: skip
+        rows.append(_row(f"sglang batch_exists {n} held pages (200 calls)", 0, peer_t, mine_t))
+        missing = demo.page_keys(n, seed=999)
+        peer_t, mine_t = _paired(
+            [(timed_many(lambda: peer.batch_exists(missing)),
+              timed_many(lambda: mine.batch_exists(missing)))],
+            rounds,
+        )  # fmt: skip
+        rows.append(_row("sglang batch_exists, first page absent (200 calls)", 0, peer_t, mine_t))
+        mine.close()
+    return rows
