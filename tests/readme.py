@@ -105,3 +105,18 @@ def bash(script: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedPro
         text=True,
         timeout=300,
     )
+
+
+def start(script: str, cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen[str]:
+    """A shell block that serves, started in bash in a session of its own (so that the
+    server and its children stop as one group), everything it writes going to ``log``."""
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            ["bash", "-euo", "pipefail", "-c", script],
+            cwd=cwd,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )

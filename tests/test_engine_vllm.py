@@ -356,7 +356,7 @@ def test_readme_vllm_examples_run_as_written(models: Any, tmp_path: Path) -> Non
     import subprocess
 
     import httpx
-    from readme import snippets_run_by
+    from readme import snippets_run_by, start
 
     (command,) = snippets_run_by("test_engine_vllm.py", lang="sh")
     (python,) = snippets_run_by("test_engine_vllm.py")
@@ -365,15 +365,7 @@ def test_readme_vllm_examples_run_as_written(models: Any, tmp_path: Path) -> Non
     env = {**os.environ, "MODEL": model_dir, "PATH": path}
     port = free_port()
     log = tmp_path / "server.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            ["bash", "-c", re.sub(r"--port \d+", f"--port {port}", command.text)],
-            cwd=tmp_path,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    proc = start(re.sub(r"--port \d+", f"--port {port}", command.text), tmp_path, env, log)
     try:
         deadline = time.monotonic() + 400
         while True:

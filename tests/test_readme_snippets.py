@@ -22,7 +22,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,7 +31,7 @@ import httpx
 import pytest
 import tomllib
 from http_server import ServerProcess, free_port
-from readme import README, ROOT, Block, all_blocks, bash, pages
+from readme import README, ROOT, Block, all_blocks, bash, pages, start
 from s3_server import S3Server
 
 pytestmark = pytest.mark.docs
@@ -153,15 +152,7 @@ def _serve(block: Block, text: str, cwd: Path, env: dict[str, str]) -> None:
     text = re.sub(r"\b8000\b", str(port), text)
     text = re.sub(r"\b50051\b", str(free_port()), text)
     log = cwd.parent / f"server-{block.page.stem}-{block.line}.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            ["bash", "-euo", "pipefail", "-c", text],
-            cwd=cwd,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    proc = start(text, cwd, env, log)
     try:
         deadline = time.monotonic() + 120  # a loaded 2-core machine starts it slowly
         while True:
