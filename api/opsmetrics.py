@@ -1,7 +1,7 @@
 """The operator's series of ``/metrics``: reads by model and by where they were served,
 bytes served and written, evictions and corrupt blocks by model, the tier's upload
 backlog, and the scrub. :class:`~api.metrics.Metrics` owns one :class:`OpsMetrics` and
-calls it; the names are the README's "Operating tlkv" table and the series that
+calls it; the names are the series table of docs/operating.md and the series that
 ``deploy/prometheus`` and ``deploy/grafana`` query.
 
 Counters of this process's store handles (``Store.hits``, ``misses``, ``tier_hits``,

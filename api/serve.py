@@ -198,7 +198,7 @@ def register(sub: Any) -> None:
     p.add_argument("--geometry", type=geometry_arg, default=None, help="B,L,H,D of a new store")
     p.add_argument("--capacity", type=_size_arg, default=None, help="capacity, e.g. 2GiB")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     p.add_argument(
         "--allowed-hosts",
         type=lambda text: [h.strip() for h in text.split(",") if h.strip()],
@@ -208,7 +208,7 @@ def register(sub: Any) -> None:
         help="Host names a server without a token answers besides its address, loopback "
         "names and IP addresses ('*': any); repeatable",
     )
-    p.add_argument("--workers", type=positive_int, default=1, help="worker processes")
+    p.add_argument("--workers", type=positive_int, default=1, help="worker processes (default 1)")
     p.add_argument("--token-file", default=None, help="bearer token file (else $TLKV_TOKEN)")
     p.add_argument(
         "--metrics-token-file",
@@ -244,7 +244,7 @@ def register(sub: Any) -> None:
         action="store_true",
         help="store NaN/Inf values and out-of-range v2 scales verbatim (refused by default)",
     )
-    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="(default info)")
     p.add_argument("--access-log", action="store_true", help="log every request")
     p.add_argument(
         "--grpc-port", type=int, default=None, help="also serve tl.kv.v1 gRPC on this port"

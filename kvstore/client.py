@@ -10,7 +10,7 @@ keep-alive connections. A restore is dominated by one large response (128 blocks
 and httpx joins; ``http.client`` reads a body of known length with one ``bytes``
 allocation filled in place by ``recv_into`` (``BufferedReader.read(n)``), and httpx hands
 that same object out as ``Response.content``. Measured in ``python tools/bench.py client``
-(the README's client table). httpx stays the API: its request building, auth header,
+(BENCHMARKS.md, the client table). httpx stays the API: its request building, auth header,
 timeouts and exception types (``httpx.HTTPError``) are what callers already use, and an
 explicit ``transport=`` (tests pass a recording one) replaces ours.
 """

@@ -175,3 +175,19 @@ def test_a_closed_pipe_ends_a_command_quietly(tmp_path: Path, command: list[str]
     )
     assert done.stderr == ""
     assert done.returncode == 141
+
+
+def test_serve_help_shows_every_default(capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from api.serve import register
+
+    sub = argparse.ArgumentParser(prog="tlkv").add_subparsers()
+    register(sub)
+    serve = sub.choices["serve"]
+    for action in serve._actions:
+        if action.option_strings and action.default not in (None, False, [], argparse.SUPPRESS):
+            assert action.help, f"{action.option_strings[0]} has a default and no help"
+    assert main(["serve", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "HTTP port (default 8000)" in text and "worker processes (default 1)" in text

@@ -320,6 +320,12 @@ def test_cli_put_get_has(
     ]
     assert main(["has", server.url, "--json", "--tokens", *map(str, tokens)]) == 0
     assert json.loads(capsys.readouterr().out) == {"present": [True, True], "prefix": 2}
+    # A prompt shorter than a block has no block to look up, and the answer says so.
+    assert main(["has", server.url, "--tokens", "1"]) == 0
+    assert (
+        capsys.readouterr().out
+        == "prefix 0/0: the prompt (1 tokens) is shorter than a block, nothing to look up\n"
+    )
 
 
 def test_cli_errors(

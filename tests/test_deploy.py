@@ -3,7 +3,7 @@ real `prometheus` scraping a `tlkv serve --workers 2` under a short load.
 
 Marked ``ops``: skipped when the binaries are missing; .ci/run installs them. With
 ``TLKV_ARTEFACTS=DIR`` the dashboard's panels, drawn from the real query results, are also
-saved as ``DIR/dashboard.png`` (the README's image: ``docs/images``).
+saved as ``DIR/dashboard.png`` (docs/operating.md's image: ``docs/images``).
 """
 
 from __future__ import annotations

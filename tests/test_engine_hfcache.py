@@ -1,6 +1,6 @@
 """The transformers bridge on the cache layouts beyond a plain ``DynamicCache``, with real
 (tiny, random-weight) model code: sliding-window layers (Mistral, Gemma2, Qwen2 with some
-sliding layers), ``StaticCache``, one row of a batch, transformers 5's ``cache=`` name,
+sliding layers), ``StaticCache``, one row of a batch, both names of the cache argument,
 and the layouts it refuses by name (quantized, offloaded, encoder-decoder, MLA).
 
 Needs the ``hf`` extra (torch, transformers); without it every test here is skipped.
@@ -17,6 +17,7 @@ pytestmark = [pytest.mark.hf, pytest.mark.slow]
 torch = pytest.importorskip("torch", reason="the hf extra (torch, transformers) is not installed")
 transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
 
+from hf_names import CACHE_KW, cache_of  # noqa: E402
 from transformers import cache_utils  # noqa: E402
 
 from kvstore import Store  # noqa: E402
@@ -64,13 +65,12 @@ def _prompt(n: int, seed: int = 1, batch: int = 1) -> Any:
 
 @torch.no_grad()
 def _prefill(model: Any, ids: Any, cache: Any = None) -> Any:
-    extra = {} if cache is None else {"cache": cache}
-    out = model(ids, use_cache=True, **extra)
-    return out.cache
+    extra = {} if cache is None else {CACHE_KW: cache}
+    return cache_of(model(ids, use_cache=True, **extra))
 
 
 @torch.no_grad()
-def _logits(model: Any, ids: Any, cache: Any, kw: str = "cache") -> Any:
+def _logits(model: Any, ids: Any, cache: Any, kw: str = CACHE_KW) -> Any:
     return model(ids, use_cache=True, **{kw: cache}).logits[0, -1]
 
 
@@ -98,8 +98,8 @@ def test_a_prefix_inside_every_window_round_trips_exactly(tmp_path: Path, family
         _, fresh = load_prefix(store, ids, config=model)
     with torch.no_grad():
         by_hand = _prefill(model, ids[:, :48])
-        want_tokens = model.generate(ids, cache=by_hand, max_new_tokens=12, do_sample=False)
-        warm = model.generate(ids, cache=fresh, max_new_tokens=12, do_sample=False)
+        want_tokens = model.generate(ids, max_new_tokens=12, do_sample=False, **{CACHE_KW: by_hand})
+        warm = model.generate(ids, max_new_tokens=12, do_sample=False, **{CACHE_KW: fresh})
     assert warm.shape[1] == 60 + 12 > WINDOW  # the sliding layers drop positions meanwhile
     assert torch.equal(warm, want_tokens)
 
@@ -154,7 +154,7 @@ def test_cache_keyword_and_past_key_values_both_work(tmp_path: Path) -> None:
         n, a = load_prefix(store, ids, config=model)
         _, b = load_prefix(store, ids, config=model)
     want = _logits(model, ids[:, n:], _prefill(model, ids[:, :n]))
-    assert torch.equal(_logits(model, ids[:, n:], a, "cache"), want)
+    assert torch.equal(_logits(model, ids[:, n:], a, CACHE_KW), want)
     assert torch.equal(_logits(model, ids[:, n:], b, "past_key_values"), want)
 
 
@@ -209,11 +209,34 @@ def test_one_row_of_a_batch_is_saved_with_row(tmp_path: Path) -> None:
         assert torch.equal(got.values[0], orig.values[1, :, :32])
 
 
+def _quantized_cache(model: Any, ids: Any) -> Any:
+    """transformers' ``QuantizedCache`` after a prefill, with its ``fp8`` backend (5.21 on).
+    Before 5.21 its backends are quanto and hqq, packages the hf extra does not install:
+    the cache is then made of the base ``QuantizedLayer`` and left empty (the bridge refuses
+    the cache by its kind, before reading a layer)."""
+    try:
+        quantized = cache_utils.QuantizedCache("fp8", model.config)
+    except ValueError:  # "Unknown quantization backend `fp8`"
+
+        class Layer(cache_utils.QuantizedLayer):  # a backend's shape, without its package
+            def _quantize(self, tensor: Any, axis: int) -> Any:
+                return tensor
+
+            def _dequantize(self, qtensor: Any) -> Any:
+                return qtensor
+
+        quantized = cache_utils.QuantizedCache.__new__(cache_utils.QuantizedCache)
+        layers = [Layer() for _ in range(model.config.num_hidden_layers)]
+        cache_utils.Cache.__init__(quantized, layers=layers)
+        return quantized
+    _prefill(model, ids, quantized)
+    return quantized
+
+
 def test_refused_layouts_are_named(tmp_path: Path) -> None:
     model, ids = _model("llama"), _prompt(40)
     config = model.config
-    quantized = cache_utils.QuantizedCache("fp8", config)
-    _prefill(model, ids, quantized)
+    quantized = _quantized_cache(model, ids)
     offloaded = transformers.DynamicCache(config=config, offloading=True)
     t5 = transformers.T5ForConditionalGeneration(
         transformers.T5Config(
@@ -227,7 +250,7 @@ def test_refused_layouts_are_named(tmp_path: Path) -> None:
         )
     ).eval()
     with torch.no_grad():
-        encdec = t5(input_ids=ids, decoder_input_ids=ids[:, :20], use_cache=True).cache
+        encdec = cache_of(t5(input_ids=ids, decoder_input_ids=ids[:, :20], use_cache=True))
     mla_model = transformers.DeepseekV3ForCausalLM(
         transformers.DeepseekV3Config(
             vocab_size=96,

@@ -19,6 +19,8 @@ pytestmark = [pytest.mark.hf, pytest.mark.slow]  # real model runs: the hf step 
 torch = pytest.importorskip("torch", reason="the hf extra (torch, transformers) is not installed")
 transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
 
+from hf_names import CACHE_KW, cache_of, tiny_llama_config  # noqa: E402
+
 from kvstore import Geometry, ShapeError, Store, encode  # noqa: E402
 from kvstore.client import Client  # noqa: E402
 from kvstore.engines.transformers import load_prefix, model_geometry, save_prefix  # noqa: E402
@@ -26,20 +28,10 @@ from kvstore.kvlayout import blocks_from_layers  # noqa: E402
 
 PROMPT = 45  # two full blocks of 16 and a tail of 13
 F16_MIN_NORMAL = 2.0**-14
-CACHE_KW = "cache" if int(transformers.__version__.split(".")[0]) >= 5 else "past_key_values"
 
 
 def _config() -> Any:
-    return transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=128,
-    )
+    return tiny_llama_config()
 
 
 _MODELS: dict[Any, Any] = {}
@@ -56,13 +48,9 @@ def _prompt(seed: int = 1, n: int = PROMPT) -> Any:
     return torch.randint(0, 96, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-def _cache_of(output: Any) -> Any:
-    return getattr(output, "cache", None) or output.past_key_values
-
-
 @torch.no_grad()
 def _prefill(model: Any, ids: Any) -> Any:
-    return _cache_of(model(ids, use_cache=True))
+    return cache_of(model(ids, use_cache=True))
 
 
 def _layers(cache: Any) -> list[tuple[Any, Any]]:

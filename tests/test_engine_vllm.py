@@ -402,39 +402,78 @@ def test_another_connector_api_fails_at_load_naming_the_version() -> None:
     assert "0.99.0 differs: get_block_ids_with_load_errors missing" in proc.stdout
 
 
-SNIPPET_SHIM = """
-import vllm
-_LLM = vllm.LLM
+def _with_tokenizer(model_dir: str) -> str:
+    """A word-level tokenizer of the model's 512 ids saved beside its weights: the README's
+    examples load the model as a user's, tokenizer included (nothing is downloaded)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(512)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2"
+    )
+    fast.save_pretrained(model_dir)
+    return model_dir
 
 
-def _tiny(model, **kw):  # the README's model name -> the test's tiny random Llama
-    return _LLM(model={model!r}, skip_tokenizer_init=True, dtype="float16", enforce_eager=True,
-                kv_cache_memory_bytes=256 << 20, enable_prefix_caching=False, **kw)
-
-
-vllm.LLM = _tiny
-tokens = {tokens!r}
-"""
-
-
-def test_readme_llm_snippet_runs(models: Any, tmp_path: Path) -> None:
+def test_readme_vllm_examples_run_as_written(models: Any, tmp_path: Path) -> None:
+    """The README's two vLLM examples, as written (``MODEL`` naming the tiny model's
+    directory, vLLM's engine in processes of its own): the CPU server command (its port
+    moved to a free one) serves a completion of a 600-token prompt and the connector
+    stores its 18 full blocks; then the Python example, saved as a script, loads 576 of
+    its 600 prompt tokens from them (the same tokens, model and namespace)."""
+    import os
+    import re
+    import signal
     import subprocess
 
-    from readme import snippets_run_by
+    import httpx
+    from readme import snippets_run_by, start
 
-    (block,) = snippets_run_by("test_engine_vllm.py")
-    script = SNIPPET_SHIM.format(model=models["f16"], tokens=PROMPT) + block.text
-    env = {**__import__("os").environ, **ENV, "PYTHONPATH": str(REPO)}
-    printed = []
-    for _ in range(2):  # cold, then a fresh engine on the same ./tlkv-data
-        proc = subprocess.run(
-            [sys.executable, "-c", script],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
+    (command,) = snippets_run_by("test_engine_vllm.py", lang="sh")
+    (python,) = snippets_run_by("test_engine_vllm.py")
+    model_dir = _with_tokenizer(models["f16"])
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    env = {**os.environ, "MODEL": model_dir, "PATH": path}
+    port = free_port()
+    log = tmp_path / "server.log"
+    proc = start(re.sub(r"--port \d+", f"--port {port}", command.text), tmp_path, env, log)
+    try:
+        deadline = time.monotonic() + 400
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        tokens = [(7 * i) % 500 + 1 for i in range(600)]  # the Python example's prompt
+        reply = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json={"model": model_dir, "prompt": tokens, "max_tokens": 4, "temperature": 0},
+            timeout=120,
         )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        printed.append(proc.stdout.strip().splitlines()[-1])
-    assert printed == ["0", str(HIT)]
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["prompt_tokens"] == 600
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    with Store(str(tmp_path / "tlkv-data")) as store:
+        (saved,) = (m for m in store.models() if m != "default")
+        assert store.model(saved).stats()["blocks"] == 18
+    script = tmp_path / "llm_example.py"
+    script.write_text(python.text)
+    run = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    printed = [line for line in run.stdout.splitlines() if line.strip().isdigit()]
+    assert printed == ["576"], run.stdout[-3000:]  # vLLM logs to stdout too

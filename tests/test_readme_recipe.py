@@ -1,9 +1,10 @@
-"""The README's multi-node recipe, run as written: its shell blocks (found by their
+"""The multi-node recipe of docs/tier.md, run as written: its shell blocks (found by their
 ``<!-- recipe: multi-node, STEP -->`` markers) in bash, in an empty directory, and its
-Python block (``<!-- snippet: run by tests/test_readme_recipe.py -->``) with ``model`` and
-``input_ids`` given (a tiny random-weight Llama and a prompt), against moto's S3 API on
-loopback holding the bucket ``kv-bucket``, with the standard AWS variables set as the
-recipe asks. The two nodes it starts are stopped by ending the session that ran them.
+Python block (``<!-- snippet: run by tests/test_readme_recipe.py -->``) with ``MODEL``, the
+variable it reads, naming a local directory holding a tiny random-weight Llama, against
+moto's S3 API on loopback holding the bucket ``kv-bucket``, with the standard AWS
+variables set as the recipe asks. The two nodes it starts are stopped by ending the
+session that ran them.
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from readme import recipe, snippets_run_by
+from readme import bash, recipe, snippets_run_by
 from s3_server import CREDENTIALS, S3Server
 
 pytestmark = [pytest.mark.hf, pytest.mark.slow]
 torch = pytest.importorskip("torch", reason="the hf extra (torch, transformers) is not installed")
 transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
+from hf_names import CACHE_KW, cache_of, tiny_llama_config  # noqa: E402
 
 PORTS = (8101, 8102)  # the recipe's two nodes
 
@@ -49,17 +51,6 @@ def _ports_free(timeout: float) -> bool:
     return True
 
 
-def _bash(script: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["bash", "-euo", "pipefail", "-c", script],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
 def test_two_nodes_share_a_tier_with_a_scoped_token(tmp_path: Path, s3_server: S3Server) -> None:
     assert _ports_free(15), f"the recipe's ports {PORTS} are in use"
     client: Any = s3_server.client()
@@ -82,31 +73,22 @@ def test_two_nodes_share_a_tier_with_a_scoped_token(tmp_path: Path, s3_server: S
     try:
         assert nodes.wait(timeout=120) == 0, log_path.read_text()
         torch.manual_seed(0)
-        model = (
-            transformers.LlamaForCausalLM(
-                transformers.LlamaConfig(
-                    vocab_size=96,
-                    hidden_size=64,
-                    intermediate_size=96,
-                    num_hidden_layers=2,
-                    num_attention_heads=4,
-                    num_key_value_heads=2,
-                    head_dim=16,
-                    max_position_embeddings=128,
-                )
-            )
-            .to(torch.float16)
-            .eval()
-        )
-        input_ids = torch.randint(0, 96, (1, 45), generator=torch.Generator().manual_seed(2))
-        namespace: dict[str, Any] = {"__name__": "recipe", "model": model, "input_ids": input_ids}
-        with torch.no_grad():
-            exec(compile(python_block.text, f"README.md:{python_block.line}", "exec"), namespace)
-            n = namespace["n"]
-            assert n == 32  # node B loaded what node A saved
-            cold = model(input_ids[:, :n], use_cache=True).cache
-            assert torch.equal(namespace["logits"], model(input_ids[:, n:], cache=cold).logits)
-        check = _bash(recipe("multi-node", "check"), tmp_path, env)
+        config = tiny_llama_config()
+        model_dir = tmp_path.parent / f"{tmp_path.name}-model"  # MODEL: a local directory
+        transformers.LlamaForCausalLM(config).to(torch.float16).save_pretrained(str(model_dir))
+        os.environ["MODEL"] = str(model_dir)
+        namespace: dict[str, Any] = {"__name__": "recipe"}
+        try:
+            exec(compile(python_block.text, python_block.where, "exec"), namespace)
+        finally:
+            del os.environ["MODEL"]
+        model, input_ids, n = namespace["model"], namespace["input_ids"], namespace["n"]
+        assert n == 32  # node B loaded what node A saved
+        with torch.inference_mode():
+            own = cache_of(model(input_ids[:, :n], use_cache=True))
+            want = model(input_ids[:, n:], **{CACHE_KW: own}).logits
+        assert torch.equal(namespace["logits"], want)
+        check = bash(recipe("multi-node", "check"), tmp_path, env)
         assert check.returncode == 0, check.stderr
         assert "blocks           2" in check.stdout  # node B holds them now
         assert "NotFoundError: model 'default' not found" in check.stderr  # scoped token

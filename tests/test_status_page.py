@@ -3,7 +3,7 @@ headless, driven by selenium through Debian's chromedriver, against `tlkv serve`
 
 Marked ``ops``: skipped without /usr/bin/chromium and chromedriver (.ci/run installs them).
 Screenshots go to the test's tmp dir; with ``TLKV_ARTEFACTS=DIR`` the page without a token
-is also saved as ``DIR/status.png`` (the README's image: ``docs/images``).
+is also saved as ``DIR/status.png`` (docs/operating.md's image: ``docs/images``).
 """
 
 from __future__ import annotations

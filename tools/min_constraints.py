@@ -5,7 +5,8 @@ tests there, so every lower bound in ``pyproject.toml`` is one CI has run. A dep
 is pinned to the version its ``>=`` (or ``==``) specifier names; a direct dependency
 without a lower bound is an error (its minimum would be whatever pip picks).
 
-Usage: ``python tools/min_constraints.py [pyproject.toml] > constraints.txt``
+Usage: ``python tools/min_constraints.py [--extras hf,docs] [pyproject.toml] > constraints.txt``
+(``--extras``: the dependencies of those optional groups are pinned to their minimum too).
 """
 
 from __future__ import annotations
@@ -38,11 +39,21 @@ def minimum_pins(requirements: list[str]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    """Print the constraints of the project's ``[project].dependencies``."""
-    path = Path(argv[1]) if len(argv) > 1 else ROOT / "pyproject.toml"
+    """Print the constraints of the project's ``[project].dependencies`` and of the
+    optional groups ``--extras`` names."""
+    args = argv[1:]
+    extras: list[str] = []
+    if args[:1] == ["--extras"]:
+        extras, args = args[1].split(","), args[2:]
+    path = Path(args[0]) if args else ROOT / "pyproject.toml"
     project = tomllib.loads(path.read_text())["project"]
-    print(f"# the declared minimum of each direct dependency of {path.name}")
-    for pin in minimum_pins(project["dependencies"]):
+    optional = project.get("optional-dependencies", {})
+    print(f"# the declared minimum of each direct dependency of {path.name}", end="")
+    print(f" and of its extras {', '.join(extras)}" if extras else "")
+    requirements = list(project["dependencies"])
+    for extra in extras:
+        requirements += optional[extra]
+    for pin in minimum_pins(requirements):
         print(pin)
     return 0
 

@@ -14,6 +14,7 @@ cache gives at the same length, and with the cold run's. Needs ``pip install 'tl
 from __future__ import annotations
 
 import argparse
+import inspect
 import subprocess
 import sys
 import tempfile
@@ -30,7 +31,13 @@ import transformers
 from kvstore import Store
 from kvstore.engines.transformers import load_prefix, model_geometry, save_prefix
 
-CACHE_KW = "cache" if int(transformers.__version__.split(".")[0]) >= 5 else "past_key_values"
+# transformers 5.24 renamed the cache argument (and output field) `cache`; before it, the
+# only name is `past_key_values`.
+CACHE_KW = (
+    "cache"
+    if "cache" in inspect.signature(transformers.LlamaForCausalLM.forward).parameters
+    else "past_key_values"
+)
 F16_MIN_NORMAL = 2.0**-14
 
 
@@ -59,7 +66,7 @@ def forward(model: Any, ids: Any, cache: Any = None) -> Any:
 
 
 def cache_of(output: Any) -> Any:
-    return getattr(output, "cache", None) or output.past_key_values
+    return getattr(output, CACHE_KW)
 
 
 def cold(args: argparse.Namespace) -> None:

@@ -120,7 +120,14 @@ def _cmd_has(args: argparse.Namespace) -> int:
             return EXIT_OK
         for name, here in zip(names, result.present):
             print(f"{name} {'present' if here else 'absent'}")
-        print(f"prefix {result.prefix}/{len(result.present)}")
+        if args.tokens is not None and not result.present:
+            # Only full blocks are hashed: a prompt shorter than one has nothing to look up.
+            n = len(args.tokens)
+            print(
+                f"prefix 0/0: the prompt ({n} tokens) is shorter than a block, nothing to look up"
+            )
+        else:
+            print(f"prefix {result.prefix}/{len(result.present)}")
         return EXIT_OK
 
     return _run_client(args, action)

@@ -3,7 +3,7 @@
 ``save_prefix(target, input_ids, cache)`` stores every full block of the prompt that the
 target lacks; ``load_prefix(source, input_ids)`` returns the longest stored prefix as a
 ``DynamicCache`` ready for ``model(input_ids[:, n:], past_key_values=cache)`` (``cache=``
-from transformers 5 on) or ``model.generate``. torch and transformers are imported on the
+from transformers 5.24 on) or ``model.generate``. torch and transformers are imported on the
 first call (``pip install 'tlkv[hf]'``), never by ``import kvstore``.
 
 Choices where an engine has several reasonable answers:
@@ -124,12 +124,12 @@ def _check_geometry(stored: Geometry | None, model: Geometry) -> Geometry:
 
 
 def _the_cache(past_key_values: Any, cache: Any) -> Any:
-    """The one cache given, as ``cache=`` (transformers 5's name) or ``past_key_values``."""
+    """The one cache given, as ``cache=`` (transformers' name from 5.24) or ``past_key_values``."""
     if cache is not None and past_key_values is not None:
         raise TypeError("give the cache once: as cache= or past_key_values, not both")
     found = cache if cache is not None else past_key_values
     if found is None:
-        raise TypeError("save_prefix needs the model's cache: cache=out.cache or past_key_values")
+        raise TypeError("save_prefix needs the model's cache: out.past_key_values (out.cache)")
     return found
 
 
@@ -152,10 +152,11 @@ def save_prefix(
         input_ids: the prompt, ``[1, T]`` or ``[T]`` (tensor, array or list); with
             ``row``, ``[batch, T]`` too.
         past_key_values, cache: the model's cache after running it on the prompt, given
-            either way (``cache=out.cache`` in transformers 5, ``out.past_key_values``
-            before): a ``DynamicCache``, a ``StaticCache`` or the legacy tuple of
-            ``(key, value)`` per layer. It may hold fewer positions than ``input_ids``
-            (after ``generate``, the last token has none): the positions it holds are saved.
+            either way (``out.past_key_values`` on every transformers the ``hf`` extra
+            admits; ``cache=out.cache`` from 5.24 on): a ``DynamicCache``, a
+            ``StaticCache`` or the legacy tuple of ``(key, value)`` per layer. It may
+            hold fewer positions than ``input_ids`` (after ``generate``, the last token
+            has none): the positions it holds are saved.
         row: the batch row to save, for a batched cache (one unpadded sequence per row:
             a left-padded row's KV sits at shifted positions).
         version: 1 (f16: exact for f16 models, and for bf16 ones above f16's normal
