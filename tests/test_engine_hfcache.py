@@ -226,7 +226,7 @@ def _quantized_cache(model: Any, ids: Any) -> Any:
                 return qtensor
 
         quantized = cache_utils.QuantizedCache.__new__(cache_utils.QuantizedCache)
-        layers = [Layer() for _ in range(model.config.num_hidden_layers)]
+        layers: list[Any] = [Layer() for _ in range(model.config.num_hidden_layers)]
         cache_utils.Cache.__init__(quantized, layers=layers)
         return quantized
     _prefill(model, ids, quantized)

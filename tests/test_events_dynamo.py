@@ -32,9 +32,12 @@ PYTHON = os.environ.get("TLKV_DYNAMO_PYTHON", str(REPO / ".venv-dynamo" / "bin" 
 pytestmark = pytest.mark.dynamo
 # A venv whose install has not finished (``.ci/run`` builds it while other tests run) is
 # no venv yet: the runtime must import.
-if not Path(PYTHON).exists() or subprocess.run(
-    [PYTHON, "-c", "import dynamo._core"], capture_output=True, timeout=120
-).returncode:
+if (
+    not Path(PYTHON).exists()
+    or subprocess.run(
+        [PYTHON, "-c", "import dynamo._core"], capture_output=True, timeout=120
+    ).returncode
+):
     pytest.skip(f"no Dynamo venv at {PYTHON} (see the module docstring)", allow_module_level=True)
 
 WORKER = 7

@@ -188,7 +188,8 @@ def _tiny_model(path: Path) -> Path:
     from hf_names import tiny_llama_config
 
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(tiny_llama_config()).to(torch.float16).save_pretrained(str(path))
+    model: Any = transformers.LlamaForCausalLM(tiny_llama_config())
+    model.to(torch.float16).save_pretrained(str(path))
     return path
 
 
