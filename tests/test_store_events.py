@@ -179,17 +179,16 @@ def test_models_log_under_their_own_id(tmp_path: Path) -> None:
         assert [q for q, _, _ in batches] == [0, 1, 2]
 
 
-def test_a_cleared_model_is_one_event(tmp_path: Path) -> None:
-    ids, _, env = prompt(8)
+def test_a_deleted_model_is_one_cleared_event_under_its_id(tmp_path: Path) -> None:
+    ids, hashes, env = prompt(8)
     with Store(tmp_path / "s", events=100) as s:
-        m = s.model("m")
-        m.put(env, tokens=ids)
-
-        def clear(w: object) -> None:
-            w.events.cleared(w.dbs.number)  # type: ignore[attr-defined]
-
-        m._h.write(clear)
+        s.model("m").put(env, tokens=ids)
+        assert s.delete_model("m") is not None
+        # one event, under the id the model had (the deletion frees its number and name)
         assert log_events(s, 1) == [(1, "m", [{"type": "AllBlocksCleared"}])]
+        s.model("n").put(env, tokens=ids)  # takes the freed number: logs under its own id
+        [(seq, model, events)] = log_events(s, 2)
+        assert (seq, model) == (2, "n") and _stored(events) == [(hashes, None, ids)]
 
 
 def test_the_log_is_bounded_and_its_numbers_never_go_back(tmp_path: Path) -> None:
