@@ -19,37 +19,50 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import Response
 
 from kvstore.errors import InvalidRequestError
-from kvstore.protocol import JSON_MEDIA_TYPE
+from kvstore.protocol import JSON_MEDIA_TYPE, MODEL_ID_PATTERN
 
 from ..access import EVERYTHING
 from ..access import SCOPE_KEY as ACCESS_KEY
 from ..jsonquery import JSON_FALLBACK_BYTES, JSON_WEIGHT
 from ..lookup import LookupQuery, lookup
 from ..modelscope import MODEL_KEY
-from .common import json_response, media_type, parse_hash_list, parse_tokens, read_body
+from .common import (
+    HASH_PATTERN,
+    json_response,
+    media_type,
+    parse_hash_list,
+    parse_tokens,
+    read_body,
+)
 
 router = APIRouter(tags=["lookup"])
 
+_TOKENS = {
+    "type": "array",
+    "description": "token ids written as JSON integers (7, not 7.0 or 7e0)",
+    "items": {"type": "integer", "minimum": 0, "maximum": 0xFFFFFFFF},
+}
+_HASHES = {"type": "array", "items": {"type": "string", "pattern": HASH_PATTERN}}
+_MODELS = {"type": "array", "items": {"type": "string", "pattern": MODEL_ID_PATTERN}}
+
+
+def _one_of(key: str, schema: dict[str, Any]) -> dict[str, Any]:
+    """A lookup body with ``key`` (``tokens`` or ``hashes``) and optional ``models``."""
+    return {
+        "type": "object",
+        "required": [key],
+        "additionalProperties": False,
+        "properties": {key: schema, "models": _MODELS},
+    }
+
+
+# Exactly one of tokens and hashes (as has-blocks' body), models optional.
 LOOKUP_BODY: dict[str, Any] = {
     "requestBody": {
         "required": True,
         "content": {
             JSON_MEDIA_TYPE: {
-                "schema": {
-                    "type": "object",
-                    "additionalProperties": False,
-                    "properties": {
-                        "tokens": {
-                            "type": "array",
-                            "items": {"type": "integer", "minimum": 0, "maximum": 0xFFFFFFFF},
-                        },
-                        "hashes": {
-                            "type": "array",
-                            "items": {"type": "string", "pattern": "^[0-9a-f]{16}$"},
-                        },
-                        "models": {"type": "array", "items": {"type": "string"}},
-                    },
-                }
+                "schema": {"oneOf": [_one_of("tokens", _TOKENS), _one_of("hashes", _HASHES)]}
             }
         },
     }
@@ -75,7 +88,7 @@ def parse_lookup(body: bytes | bytearray) -> LookupQuery:
             'the JSON body is {"tokens": [...]} or {"hashes": [...]}, with "models" optional'
         )
     models = obj.get("models")
-    if models is not None and not (
+    if "models" in obj and not (
         isinstance(models, list) and all(isinstance(m, str) for m in models)
     ):
         raise InvalidRequestError("'models' must be a list of model ids")
