@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import SMALL, make_envelope
+from store_helpers import elsewhere as _elsewhere
 
 from kvstore import Block, Geometry, Store, decode, encode, split
 from kvstore.store import keylog, keyset
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -53,18 +49,6 @@ def test_hash_array_refuses_what_is_not_u64() -> None:
 
 
 # --- the in-memory copy and the key log ------------------------------------------------
-
-
-def _elsewhere(code: str, *args: str) -> None:
-    """Run ``code`` in another Python process (``sys.argv[1:]`` = ``args``)."""
-    ran = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert ran.returncode == 0, ran.stderr
 
 
 def _stored(envelopes: list[bytes]) -> list[int]:

@@ -46,8 +46,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_common import Row, free_port, server_env
-from bench_http import GEOMETRY, WORKERS, _Server
+from bench_common import Row, free_port, median_seconds
+from bench_http import GEOMETRY, _start_tlkv
 
 EXIST_KEYS = 8192
 EXIST_CALLS = 20
@@ -155,14 +155,8 @@ class _Side:
         mc, size, out = self.mc, self.single, {}
         sizes = [size] * n
 
-        def best(fn: Callable[[], object], repeat: int = 3) -> float:
-            fn()  # warm-up: connections open, buffers touched once
-            times = []
-            for _ in range(repeat):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            return statistics.median(times)
+        def best(fn: Callable[[], object]) -> float:  # after a warm-up call
+            return median_seconds(fn, 3)
 
         def checked(data: Any) -> None:
             if data is None or len(data) != size:
@@ -307,15 +301,6 @@ def _loopback(ctx: Any, nbytes: int, runs: int) -> float:
     return statistics.median(rates[1:])
 
 
-def _start_tlkv(data: Path, log: Path) -> _Server:
-    """``tlkv serve`` with a body limit that takes a whole 64-block batch (128 MiB)."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "kvstore", "serve", "--data", str(data), "--port", str(port)]
-    cmd += ["--workers", str(WORKERS), "--geometry", ",".join(map(str, GEOMETRY))]
-    cmd += ["--log-level", "warning", "--max-body", "256MiB"]
-    return _Server(cmd, port, server_env(), log)
-
-
 def _start_master(
     root: Path, port: int | None = None, meta: int | None = None
 ) -> tuple[subprocess.Popen[bytes], int, int, Any]:
@@ -357,7 +342,7 @@ def run(args: argparse.Namespace) -> list[Row]:
     workers: list[_Worker] = []
     logs: list[Any] = []
     try:
-        server = _start_tlkv(root / "store", root / "tlkv.log")
+        server = _start_tlkv(root / "store", root / "tlkv.log", max_body="256MiB")
         master, mport, meta, log = _start_master(root)
         logs.append(log)
         cfg = {
@@ -388,7 +373,7 @@ def run(args: argparse.Namespace) -> list[Row]:
         server.stop()
         master.terminate()
         master.wait(30)
-        server = _start_tlkv(root / "store", root / "tlkv.log")
+        server = _start_tlkv(root / "store", root / "tlkv.log", max_body="256MiB")
         master, _, _, log = _start_master(root, mport, meta)
         logs.append(log)
         url = f"http://127.0.0.1:{server.port}"
