@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +16,20 @@ from kvstore.store.debug import raw_snapshot
 
 REPO = Path(__file__).resolve().parent.parent
 SINGLE = SMALL.envelope_bytes(1)  # bytes of one stored SMALL v1 block
+
+
+def elsewhere(code: str, *args: str) -> str:
+    """Run ``code`` in another Python process (``sys.argv[1:]`` = ``args``, the repository
+    the working directory); its stdout."""
+    ran = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ran.returncode == 0, ran.stderr
+    return ran.stdout
 
 
 def full_blocks(geometry: Geometry, n: int, seed: int) -> list[Block]:

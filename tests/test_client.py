@@ -14,6 +14,7 @@ import threading
 import time
 import tracemalloc
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ from kvstore import (
     split,
 )
 from kvstore.cli import main
-from kvstore.client import Client, HasResult, _BodyTransport
+from kvstore.client import Client, HasResult, _BodyTransport, _ReceivePool
 from kvstore.codec.layout import TRAILER
 from kvstore.errors import (
     InvalidRequestError,
@@ -144,6 +145,45 @@ def test_has_blocks_and_prefix(client: Client) -> None:
     assert client.prefix(hashes=hashes) == client.prefix(tokens=tokens)
     assert decode(client.prefix(hashes=hashes, format=2)).version == 2
     assert len(client.prefix(hashes=hashes[3:])) == 32
+
+
+def test_prefix_answers_are_never_overwritten_while_held(
+    server: ServerProcess, client: Client
+) -> None:
+    """``prefix`` on tlkv's transport: a read-only view of a receive buffer used again
+    only once nothing references the answer; answers held (as views, slices or arrays)
+    keep their bytes through later calls, from several threads at once."""
+    _tokens, data = _prompt(33, seed=13)  # 8 full blocks + 1 token
+    hashes = [int(h) for h in decode(data).hashes if h]
+    client.put(_first_blocks(data, 8))
+    want = [bytes(client.prefix(hashes=hashes[:k])) for k in (2, 5, 8)]
+    fast = Client(server.url, token=TOKEN)
+    first = fast.prefix(hashes=hashes[:2])
+    assert isinstance(first, memoryview) and first.readonly and first == want[0]
+    array = np.frombuffer(fast.prefix(hashes=hashes[:5]), np.uint8)  # held by an array
+    part = fast.prefix(hashes=hashes)[:100]  # held by a slice
+    assert first == want[0] and array.tobytes() == want[1] and part == want[2][:100]
+    del first, array, part
+    answer = fast.prefix(hashes=hashes)
+    assert isinstance(answer, memoryview)
+    buffer = id(answer.obj)  # an id: a reference would keep it held
+    del answer
+    for _ in range(5):  # nothing held: the same buffer serves them all
+        answer = fast.prefix(hashes=hashes)
+        assert isinstance(answer, memoryview) and answer == want[2]
+        assert id(answer.obj) == buffer
+        del answer
+    assert len(fast._answers._bufs) <= _ReceivePool._KEPT
+    assert decode(fast.prefix(hashes=hashes)).hashes.tolist() == hashes
+
+    def reader(k: int) -> list[bytes]:
+        held = [fast.prefix(hashes=hashes[:k]) for _ in range(20)]
+        return [bytes(h) for h in held]
+
+    with ThreadPoolExecutor(4) as pool:
+        for k, got in zip((2, 5, 8, 2), pool.map(reader, (2, 5, 8, 2))):
+            assert got == [want[(2, 5, 8).index(k)]] * 20
+    fast.close()
 
 
 def test_prefix_into_fills_the_callers_buffer_or_answers_new_bytes(
@@ -376,7 +416,8 @@ def test_default_transport_round_trip(
         assert type(got) is bytes and got == split(data)[0]
         assert c.get(12345) is None
         prefix = c.prefix(tokens=tokens)
-        assert type(prefix) is bytes and prefix == _first_blocks(data, 5)
+        assert type(prefix) is memoryview and prefix.readonly  # a receive buffer's view
+        assert prefix == _first_blocks(data, 5)
         assert c.has_blocks(tokens=tokens).prefix == 5
         c.put_sequence("rt", data)
         assert c.get_sequence("rt") == data and c.get_sequence("nope") is None

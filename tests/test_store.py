@@ -288,7 +288,7 @@ def test_has_of_many_hashes_uses_one_snapshot_copy(store: Store) -> None:
     queries = np.concatenate([hashes, hashes + 1])
     expected = [True] * 64 + [bool(np.isin(h, hashes)) for h in (hashes + 1)]
     assert store.has(queries) == expected
-    assert store._h.keys._cached is not None
+    assert store._h.keys._copy is not None
     assert store.longest_prefix(queries) == 64
 
 

@@ -7,34 +7,17 @@ and deletes it."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 from conftest import SMALL, make_envelope
+from store_helpers import elsewhere as _elsewhere
 from test_store_models import check_models, hashes_of, singles
 
 from kvstore import Store
 from kvstore.errors import InvalidRequestError, ModelLimitError
 from kvstore.store import writes
 from kvstore.store.state import Handle
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _elsewhere(code: str, *args: str) -> str:
-    """Run ``code`` in another Python process (``sys.argv[1:]`` = ``args``); its stdout."""
-    ran = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert ran.returncode == 0, ran.stderr
-    return ran.stdout
 
 
 def test_the_limit_belongs_to_the_store(tmp_path: Path) -> None:

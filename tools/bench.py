@@ -1,7 +1,7 @@
 """Benchmarks with ratios against baselines measured in the same run.
 
 Usage: python tools/bench.py
-       {codec,store,http,archive,client,engine,grpc,tier,vllm,sglang,events}
+       {codec,store,scale,http,archive,client,engine,grpc,tier,vllm,sglang,events,peers}
        [--quick] [--markdown]
 
 Each suite lives in tools/bench_<suite>.py and exposes ``run(args) -> list[Row]``;
@@ -23,6 +23,7 @@ from bench_common import print_table
 SUITES = (
     "codec",
     "store",
+    "scale",
     "http",
     "archive",
     "client",
@@ -32,6 +33,7 @@ SUITES = (
     "vllm",
     "sglang",
     "events",
+    "peers",
 )
 
 

@@ -183,11 +183,11 @@ class _Server:
         stop_process(self.proc, self._log)
 
 
-def _start_tlkv(data: Path, log: Path) -> _Server:
+def _start_tlkv(data: Path, log: Path, max_body: str = "64MiB") -> _Server:
     port = free_port()
     cmd = [sys.executable, "-m", "kvstore", "serve", "--data", str(data), "--port", str(port)]
     cmd += ["--workers", str(WORKERS), "--geometry", ",".join(map(str, GEOMETRY))]
-    cmd += ["--log-level", "warning", "--max-body", "64MiB"]
+    cmd += ["--log-level", "warning", "--max-body", max_body]
     return _Server(cmd, port, server_env(), log)
 
 

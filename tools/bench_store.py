@@ -37,6 +37,7 @@ from pathlib import Path
 import lmdb
 import numpy as np
 from bench_common import Row, best_seconds, gbps, median_seconds
+from bench_scale import scale_rows
 
 from kvstore import Block, Geometry, Store, crc32c, decode, encode, split
 from kvstore.codec.envelope import check_finite
@@ -423,6 +424,7 @@ def run(args: argparse.Namespace) -> list[Row]:
         while capacity > (64 << 20) and free < 3 * capacity + (1 << 30):
             capacity //= 2  # not enough disk: a smaller churn, named in the row
         rows.append(_bench_churn(root, kv, capacity, turnover, 16 if quick else 64))
+        rows += scale_rows(quick)  # bench_scale: 16k, 131k and 1M blocks
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return rows

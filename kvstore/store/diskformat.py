@@ -32,6 +32,11 @@ refuses it instead of evicting blocks it cannot see.
             + one KV event batch in vLLM's wire format (``kvstore.events.wire``): the
             bounded replay log, written in the transaction of the change it records,
             only while ``meta``'s ``events_limit`` is set (``store/eventlog.py``).
+``keylog``  u64 LMDB transaction id (big-endian) -> the changes that transaction made to
+            the models' ``index`` (``KEYLOG_SECTION`` per model, then its added and removed
+            hashes): the bounded log by which a process brings its in-memory copy of a
+            key set up to date (``store/keylog.py``); ``meta``'s ``keylog_floor`` is the
+            highest transaction id trimmed from it.
 ``empty``   and ``empty-index``: never written (what a model not created yet reads).
 ==========  =====================================================================
 
@@ -40,15 +45,16 @@ byte as in format 1 (its geometry is ``meta``'s). Model ``n`` > 0 owns its own `
 ``index``, ``refs``, ``atime``, ``seqs``, ``pending``, ``tokens`` and ``waiting``, named
 ``<name>@<n>`` (``blocks@3``), with the same keys and values: every data path is the one
 of the default model over other handles.
-``meta``, ``lru``, ``models`` and ``events`` are shared: the LRU order is store-wide (its
-value names the model of a non-default entry), the ``bytes``/``evictions``/``corrupt``
-counters are store totals, and model ``n`` > 0 has its own beside them (key ``bytes@`` + ``n`` as a
-big-endian u32, ``model_counter_key``); the default model's are the totals minus the
-others'. A model's number is the next one after ``last_model``; its sub-databases are
-created before the write that registers it (``models`` entry and ``last_model`` in that
-write's transaction), so a refused first write registers nothing and the next model
-reuses the empty sub-databases. A deleted model's sub-databases are emptied and its number
-freed (``FREE_MODEL_PREFIX``): the next new model takes the lowest free number first.
+``meta``, ``lru``, ``models``, ``events`` and ``keylog`` are shared: the LRU order is
+store-wide (its value names the model of a non-default entry), the
+``bytes``/``evictions``/``corrupt`` counters are store totals, and model ``n`` > 0 has its
+own beside them (key ``bytes@`` + ``n`` as a big-endian u32, ``model_counter_key``); the
+default model's are the totals minus the others'. A model's number is the next one after
+``last_model``; its sub-databases are created before the write that registers it (``models``
+entry and ``last_model`` in that write's transaction), so a refused first write registers
+nothing and the next model reuses the empty sub-databases. A deleted model's sub-databases
+are emptied and its number freed (``FREE_MODEL_PREFIX``): the next new model takes the
+lowest free number first.
 
 No other module spells a format string for these values.
 """
@@ -81,6 +87,7 @@ DB_MODELS = b"models"
 DB_TOKENS = b"tokens"
 DB_WAITING = b"waiting"  # DUPSORT | DUPFIXED
 DB_EVENTS = b"events"
+DB_KEYLOG = b"keylog"
 # Two sub-databases never written: what a model not created yet reads (no blocks, no
 # sequences) through the same code as any other.
 DB_EMPTY = b"empty"
@@ -88,7 +95,16 @@ DB_EMPTY_INDEX = b"empty-index"
 # The sub-databases every model has a copy of (model 0: the names above).
 MODEL_DBS = (DB_BLOCKS, DB_INDEX, DB_REFS, DB_ATIME, DB_SEQS, DB_PENDING, DB_TOKENS, DB_WAITING)
 # Every sub-database of a store holding only the default model.
-SHARED_DBS = (*MODEL_DBS, DB_META, DB_LRU, DB_MODELS, DB_EMPTY, DB_EMPTY_INDEX, DB_EVENTS)
+SHARED_DBS = (
+    *MODEL_DBS,
+    DB_META,
+    DB_LRU,
+    DB_MODELS,
+    DB_EMPTY,
+    DB_EMPTY_INDEX,
+    DB_EVENTS,
+    DB_KEYLOG,
+)
 
 
 def max_dbs(models: int) -> int:
@@ -161,6 +177,16 @@ META_EVENTS_LIMIT = b"events_limit"
 META_EVENTS_NEXT = b"events_next"
 EVENT_KEY = struct.Struct(">Q")
 EVENT_MODEL = struct.Struct("<H")  # the model id's length, before the id and the batch
+# The key log (``keylog``): key KEYLOG_KEY, the writing transaction's id; value one
+# KEYLOG_SECTION (u32 model number, u32 flags, u32 added, u32 removed) per model whose index
+# the transaction changed, each followed by its added then removed hashes (KEYLOG_HASH_DTYPE).
+# Flag KEYLOG_RESET: the model's index was replaced wholesale (a reader reads it again).
+# meta ``keylog_floor`` (u64, COUNTER): the highest transaction id trimmed from the log.
+KEYLOG_KEY = struct.Struct(">Q")
+KEYLOG_SECTION = struct.Struct("<IIII")
+KEYLOG_HASH_DTYPE = np.dtype("<u8")
+KEYLOG_RESET = 1
+META_KEYLOG_FLOOR = b"keylog_floor"
 # tokens value: u64 parent hash, u32 flags, then B u32 token ids (little-endian).
 TOKENS_HEADER = struct.Struct("<QI")
 TOKEN_PARENT_SIZE = 8  # the u64 parent at the value's start
@@ -211,6 +237,7 @@ class Dbs(NamedTuple):
     number: int = 0  # the model's number (0: default; -1: a model not created yet)
     tokens: Any = None
     events: Any = None  # shared
+    keylog: Any = None  # shared
     waiting: Any = None
 
 

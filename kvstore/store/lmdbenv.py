@@ -38,6 +38,7 @@ from .diskformat import (
     DB_EMPTY_INDEX,
     DB_EVENTS,
     DB_INDEX,
+    DB_KEYLOG,
     DB_LRU,
     DB_META,
     DB_MODELS,
@@ -227,6 +228,7 @@ class LmdbEnv:
                         tokens=env.open_db(DB_TOKENS, txn=txn),
                         waiting=env.open_db(DB_WAITING, txn=txn, dupsort=True, dupfixed=True),
                         events=env.open_db(DB_EVENTS, txn=txn),
+                        keylog=env.open_db(DB_KEYLOG, txn=txn),
                     )
                     empty = env.open_db(DB_EMPTY, txn=txn)
                     empty_index = env.open_db(

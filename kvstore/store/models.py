@@ -195,6 +195,7 @@ def delete_model(h: Handle, model_id: str) -> dict[str, int] | None:
                 found = cursor.delete()
         for name in MODEL_DBS:
             txn.drop(getattr(dbs, name.decode()), delete=False)
+        w.key_changes.reset(number)  # every process reads the model's key set again
         w.events.cleared(number)  # routers drop the model's blocks (AllBlocksCleared)
         env.registry.release(txn, model_id, number)
         return held

@@ -56,6 +56,7 @@ from .diskformat import (
 )
 from .eventlog import EventLog
 from .eviction import LruOrder
+from .keylog import KeyChanges
 from .tokentxn import forget_tokens, keep_tokens
 
 log = logging.getLogger("tlkv.store")
@@ -125,6 +126,7 @@ class WriteTxn:
         # model number -> changes of its (bytes, evictions, corrupt) in this transaction
         self._deltas: dict[int, list[int]] = {}
         self.events = EventLog(txn, dbs.meta, dbs.events, model_name)
+        self.key_changes = KeyChanges()  # written to the key log with the commit
 
     def _atime_of(self, model: int) -> Any:
         return self._other(model).atime
@@ -163,8 +165,11 @@ class WriteTxn:
         return 0 if deltas is None else deltas[field]
 
     def save(self) -> None:
-        """Write back the counters that changed and the event batches (before commit)."""
+        """Write back the counters that changed, the event batches and the key log
+        record (before commit)."""
         self.events.write()
+        if self.dbs.keylog is not None:
+            self.key_changes.write(self.txn, self.dbs.keylog, self.dbs.meta)
         values = (self.bytes, self.lru.tick, self.evictions, self.corrupt)
         for key, old, new in zip(COUNTER_KEYS, self._loaded, values):
             if old != new:
@@ -188,6 +193,7 @@ class WriteTxn:
         hk = BLOCK_KEY.pack(h)
         self.txn.put(hk, value, db=self.dbs.blocks)
         self.txn.put(INDEX_KEY, INDEX_VALUE.pack(h), db=self.dbs.index)
+        self.key_changes.added(self.dbs.number, h)
         self.bytes += len(value)
         self.inserted += len(value)
         self.count(self.dbs.number, 0, len(value))
@@ -200,6 +206,7 @@ class WriteTxn:
         self.txn.delete(hk, db=self.dbs.blocks)
         self.txn.delete(hk, db=self.dbs.pending)
         self.txn.delete(INDEX_KEY, INDEX_VALUE.pack(h), db=self.dbs.index)
+        self.key_changes.removed(self.dbs.number, h)
         self.lru.remove(hk, h)
         self.bytes -= size
         self.count(self.dbs.number, 0, -size)
@@ -288,6 +295,7 @@ class WriteTxn:
         txn.delete(hk, db=dbs.blocks)
         txn.delete(hk, db=dbs.pending)  # a store opened without its tier may evict them
         txn.delete(INDEX_KEY, INDEX_VALUE.pack(h), db=dbs.index)
+        self.key_changes.removed(model, h)
         self.bytes -= size
         self.evictions += 1
         self.count(model, 0, -size)

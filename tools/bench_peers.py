@@ -1,0 +1,496 @@
+"""Peers: tlkv against Mooncake Store, the same blocks and the same process layout.
+
+Geometry (16, 32, 8, 128): 64 single-block v1 envelopes of 2 MiB. One ``tlkv serve``
+(2 workers, durable) and one ``mooncake_master`` (HTTP metadata server on, otherwise its
+defaults) on loopback ports; a writer process and a reader process, each a tlkv
+``Client`` and a Mooncake ``MooncakeDistributedStore`` (TCP transport). The writer's
+Mooncake client mounts a 1 GiB segment (where the values live: DRAM) and a 512 MiB
+local buffer; the reader mounts no segment (every read crosses processes, as tlkv's
+do) and a 512 MiB local buffer. Mooncake's fast paths are used: registered buffers
+(``register_buffer``) for ``put_from``/``batch_put_from``/``get_into``/``batch_get_into``;
+each row takes the faster of Mooncake's plain and registered call.
+
+Rows, each the median over the runs (fresh blocks per run), the ratio tlkv/peer in the
+same run (for times: peer time / tlkv time):
+
+- put one by one and batched (one 64-block envelope / one batch call): tlkv durable
+  (``Client.put`` to the server: fsync before the answer), tlkv's fastest mode
+  (``Store(sync=False).put`` into the server's store directory from the writer process:
+  no fsync, no HTTP), against Mooncake's DRAM ``put``/``put_from``/``batch_put_from``;
+- get one by one from the reader (``Client.get`` against ``get``/``get_into``);
+- a whole 64-block prefix at once from the reader (``Client.prefix``, the default call,
+  and ``Client.prefix_into`` a reused buffer, against ``batch_get_into``);
+- existence of 8,192 keys, 64 present (``Client.has_blocks``, p50 of 20, against
+  ``batch_is_exist``);
+- both servers restarted: what the reader finds (tlkv from disk; Mooncake's master keeps
+  its metadata in memory);
+- every rate also as a fraction of a loopback socket copy measured in the same run
+  (one process ``sendall``s 128 MiB, another ``recv_into``s a reused buffer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from bench_common import Row, free_port, median_seconds
+from bench_http import GEOMETRY, _start_tlkv
+
+EXIST_KEYS = 8192
+EXIST_CALLS = 20
+SEGMENT = 1 << 30
+LOCAL_BUFFER = 512 << 20
+
+
+def _mooncake(cfg: dict[str, Any], segment: int) -> Any:
+    from mooncake.store import MooncakeDistributedStore
+
+    store = MooncakeDistributedStore()
+    rc = store.setup(
+        f"127.0.0.1:{free_port()}",
+        f"http://127.0.0.1:{cfg['meta_port']}/metadata",
+        segment,
+        LOCAL_BUFFER,
+        "tcp",
+        "",
+        f"127.0.0.1:{cfg['master_port']}",
+    )
+    if rc != 0:
+        raise RuntimeError(f"Mooncake setup failed: {rc}")
+    return store
+
+
+def _envelopes(n: int, seed: int) -> tuple[list[int], list[bytes]]:
+    from kvstore import Block, Geometry, encode
+
+    g = Geometry(*GEOMETRY)
+    rng = np.random.default_rng(seed)
+    kv = rng.standard_normal(g.kv_shape).astype(np.float16)
+    hashes = [int(h) for h in rng.integers(1, 2**63, n, dtype=np.uint64)]
+    return hashes, [encode(g, [Block(h, g.block_tokens, kv)], 1) for h in hashes]
+
+
+class _Side:
+    """One process's clients: tlkv's and Mooncake's, and a registered buffer."""
+
+    def __init__(self, cfg: dict[str, Any], writer: bool) -> None:
+        from kvstore.client import Client
+
+        self.cfg = cfg
+        self.client = Client(cfg["url"])
+        self.mc = _mooncake(cfg, SEGMENT if writer else 0)
+        self.single = int(cfg["single"])
+        self.buf = np.zeros(cfg["n"] * self.single, np.uint8)
+        if self.mc.register_buffer(self.buf.ctypes.data, self.buf.nbytes) != 0:
+            raise RuntimeError("Mooncake register_buffer failed")
+        self.ptrs = [self.buf.ctypes.data + i * self.single for i in range(cfg["n"])]
+        self.store: Any = None
+
+    # --- writer -----------------------------------------------------------------------
+
+    def puts(self, seed: int) -> dict[str, Any]:
+        """Every put row of one run; the blocks read later are the durable batch's."""
+        from kvstore import Store, join
+
+        n = self.cfg["n"]
+        out: dict[str, Any] = {}
+        sets = [_envelopes(n, seed * 10 + k) for k in range(4)]
+        keys = [[f"{seed}-{k}-{h:016x}" for h in sets[k][0]] for k in range(4)]
+
+        def timed(fn: Callable[[], object]) -> float:
+            t0 = time.perf_counter()
+            fn()
+            return time.perf_counter() - t0
+
+        out["tlkv_durable_one"] = timed(lambda: [self.client.put(e) for e in sets[0][1]])
+        batches = [join(sets[1][1]), join(sets[3][1])]  # envelopes an engine encodes whole
+        out["tlkv_durable_batch"] = timed(lambda: self.client.put(batches[0]))
+        if self.store is None:
+            self.store = Store(self.cfg["data"], sync=False)
+        out["tlkv_fast_one"] = timed(lambda: [self.store.put(e) for e in sets[2][1]])
+        out["tlkv_fast_batch"] = timed(lambda: self.store.put(batches[1]))
+        mc = self.mc
+        one = timed(lambda: [_ok(mc.put(k, e)) for k, e in zip(keys[0], sets[0][1])])
+        for i, e in enumerate(sets[2][1]):
+            self.buf[i * self.single : (i + 1) * self.single] = np.frombuffer(e, np.uint8)
+        sizes = [self.single] * n
+        one_reg = timed(
+            lambda: [_ok(mc.put_from(k, p, self.single)) for k, p in zip(keys[2], self.ptrs)]
+        )
+        batch = timed(lambda: _ok(mc.put_batch(keys[1], sets[1][1])))
+        batch_reg = timed(lambda: _ok(mc.batch_put_from(keys[3], self.ptrs, sizes)))
+        out["mc_one"], out["mc_one_reg"] = one, one_reg
+        out["mc_batch"], out["mc_batch_reg"] = batch, batch_reg
+        out["hashes"] = sets[1][0]  # the durable batch: read by the reader
+        out["keys"] = keys[1]
+        out["all_hashes"] = [h for s in sets for h in s[0]]
+        out["all_keys"] = [k for ks in keys for k in ks]
+        return out
+
+    def drop(self, hashes: list[int], keys: list[str]) -> None:
+        """Remove a run's blocks from both (the disk and the DRAM segment stay bounded)."""
+        for h in hashes:
+            self.store.delete(h)
+        for k in keys:
+            self.mc.remove(k)
+
+    # --- reader -----------------------------------------------------------------------
+
+    def reads(self, hashes: list[int], keys: list[str]) -> dict[str, Any]:
+        """Every read row of one run (after one warm-up read of each kind)."""
+        n = len(hashes)
+        mc, size, out = self.mc, self.single, {}
+        sizes = [size] * n
+
+        def best(fn: Callable[[], object]) -> float:  # after a warm-up call
+            return median_seconds(fn, 3)
+
+        def checked(data: Any) -> None:
+            if data is None or len(data) != size:
+                raise RuntimeError("a block read back short")
+
+        out["tlkv_get_one"] = best(lambda: [checked(self.client.get(h)) for h in hashes])
+        out["mc_get_one"] = best(lambda: [checked(mc.get(k)) for k in keys])
+        out["mc_get_one_reg"] = best(
+            lambda: [_ok(mc.get_into(k, p, size)) for k, p in zip(keys, self.ptrs)]
+        )
+        total = n * size + 0
+        into = memoryview(bytearray(n * size + 4096))
+
+        def whole(data: Any) -> None:
+            if len(data) < total - 4096:
+                raise RuntimeError("the prefix is not whole")
+
+        out["tlkv_prefix"] = best(lambda: whole(self.client.prefix(hashes=hashes)))
+        out["tlkv_prefix_into"] = best(lambda: whole(self.client.prefix_into(into, hashes=hashes)))
+        out["mc_batch_get_into"] = best(lambda: _ok(mc.batch_get_into(keys, self.ptrs, sizes)))
+        rng = np.random.default_rng(len(keys))
+        absent = [int(h) for h in rng.integers(2**63, 2**64 - 1, EXIST_KEYS - n, np.uint64)]
+        queries = hashes + absent
+        mc_queries = keys + [f"absent-{h:016x}" for h in absent]
+        t_has, t_exist = [], []
+        for _ in range(EXIST_CALLS):
+            t0 = time.perf_counter()
+            found = self.client.has_blocks(queries).present
+            t_has.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            exist = mc.batch_is_exist(mc_queries)
+            t_exist.append(time.perf_counter() - t0)
+        if sum(found) != n or sum(1 for e in exist if e == 1) != n:
+            raise RuntimeError("existence answers differ from what was stored")
+        out["tlkv_has"] = statistics.median(t_has)
+        out["mc_exist"] = statistics.median(t_exist)
+        return out
+
+    def after_restart(self, url: str, hashes: list[int], keys: list[str]) -> dict[str, Any]:
+        """What each finds of the blocks after both servers restarted (tlkv's at ``url``)."""
+        from kvstore.client import Client
+
+        self.client.close()
+        self.client = Client(url)
+        t0 = time.perf_counter()
+        data = self.client.prefix(hashes=hashes)
+        t_tlkv = time.perf_counter() - t0
+        blocks = (len(data) - 4096) // self.single if len(data) > self.single else 0
+        found = self.client.has_blocks(hashes).prefix
+        try:
+            t0 = time.perf_counter()
+            exist = self.mc.batch_is_exist(keys)
+            t_mc = time.perf_counter() - t0
+            mc_found = sum(1 for e in exist if e == 1)
+            mc_note = f"{mc_found} of {len(keys)} keys exist ({t_mc * 1e3:.1f} ms)"
+        except Exception as exc:  # whatever the peer does is the measurement
+            mc_note = f"error: {type(exc).__name__}: {exc}"
+        return {"tlkv_found": found, "tlkv_blocks": blocks, "tlkv_s": t_tlkv, "mc": mc_note}
+
+    def close(self) -> None:
+        self.client.close()
+        if self.store is not None:
+            self.store.close()
+        with contextlib.suppress(Exception):
+            self.mc.close()
+
+
+def _ok(rc: Any) -> None:
+    """Raise on a Mooncake return code (an int, or a list of them) below zero."""
+    for code in rc if isinstance(rc, list) else [rc]:
+        if isinstance(code, int) and code < 0:
+            raise RuntimeError(f"Mooncake call failed: {code}")
+
+
+def _serve(conn: Connection, cfg: dict[str, Any], writer: bool) -> None:
+    """A writer or reader process: runs the methods the bench names, answers results."""
+    side = _Side(cfg, writer)
+    conn.send("ready")
+    try:
+        while True:
+            name, args = conn.recv()
+            if name == "stop":
+                break
+            try:
+                conn.send(("ok", getattr(side, name)(*args)))
+            except Exception as exc:
+                conn.send(("error", f"{type(exc).__name__}: {exc}"))
+    finally:
+        side.close()
+
+
+class _Worker:
+    def __init__(self, ctx: Any, cfg: dict[str, Any], writer: bool) -> None:
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, cfg, writer), daemon=True)
+        self.proc.start()
+        if not self.conn.poll(120):
+            raise RuntimeError("a bench process did not start")
+        ready = self.conn.recv()
+        if ready != "ready":
+            raise RuntimeError(f"a bench process failed: {ready}")
+
+    def call(self, name: str, *args: Any) -> Any:
+        self.conn.send((name, args))
+        status, value = self.conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"{name}: {value}")
+        return value
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            self.conn.send(("stop", ()))
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+def _send(port: int, nbytes: int) -> None:
+    payload = memoryview(np.ones(nbytes, np.uint8))
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(payload)
+
+
+def _loopback(ctx: Any, nbytes: int, runs: int) -> float:
+    """Bytes per second of a loopback TCP copy between two processes (median of runs)."""
+    buf = memoryview(bytearray(nbytes))
+    rates = []
+    for _ in range(runs + 1):
+        with socket.socket() as srv:
+            srv.bind(("127.0.0.1", 0))
+            srv.listen(1)
+            sender = ctx.Process(target=_send, args=(srv.getsockname()[1], nbytes))
+            sender.start()
+            conn, _addr = srv.accept()
+            with conn:
+                got = conn.recv_into(buf, 1)  # the first byte starts the clock
+                t0 = time.perf_counter()
+                while got < nbytes:
+                    got += conn.recv_into(buf[got:])
+                rates.append((nbytes - 1) / (time.perf_counter() - t0))
+            sender.join()
+    return statistics.median(rates[1:])
+
+
+def _start_master(
+    root: Path, port: int | None = None, meta: int | None = None
+) -> tuple[subprocess.Popen[bytes], int, int, Any]:
+    """``mooncake_master`` with its HTTP metadata server (on free ports unless given)."""
+    port, meta = port or free_port(), meta or free_port()
+    exe = Path(sys.executable).with_name("mooncake_master")
+    if not exe.exists():
+        found = shutil.which("mooncake_master")
+        if found is None:
+            raise RuntimeError("mooncake_master not found (pip install the Mooncake wheel)")
+        exe = Path(found)
+    log = open(root / "mooncake_master.log", "ab")  # noqa: SIM115 - closed by run()
+    cmd = [str(exe), f"--port={port}", "--enable_http_metadata_server=true"]
+    proc = subprocess.Popen([*cmd, f"--http_metadata_server_port={meta}"], stdout=log, stderr=log)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+            return proc, port, meta, log
+        time.sleep(0.1)
+    proc.kill()
+    log.close()
+    raise RuntimeError("mooncake_master did not start")
+
+
+def run(args: argparse.Namespace) -> list[Row]:
+    import multiprocessing
+
+    from kvstore import Geometry
+
+    quick = bool(args.quick)
+    runs = 1 if quick else 3
+    n = 8 if quick else 64
+    g = Geometry(*GEOMETRY)
+    single = g.envelope_bytes(1, 1)
+    base = Path(os.environ.get("TLKV_BENCH_DIR", tempfile.gettempdir()))
+    root = Path(tempfile.mkdtemp(prefix="tlkv-bench-peers-", dir=base))
+    ctx = multiprocessing.get_context("spawn")
+    server = master = None
+    workers: list[_Worker] = []
+    logs: list[Any] = []
+    try:
+        server = _start_tlkv(root / "store", root / "tlkv.log", max_body="256MiB")
+        master, mport, meta, log = _start_master(root)
+        logs.append(log)
+        cfg = {
+            "url": f"http://127.0.0.1:{server.port}",
+            "data": str(root / "store"),
+            "master_port": mport,
+            "meta_port": meta,
+            "n": n,
+            "single": single,
+        }
+        writer = _Worker(ctx, cfg, writer=True)
+        workers.append(writer)
+        reader = _Worker(ctx, cfg, writer=False)
+        workers.append(reader)
+        loop = _loopback(ctx, n * single, max(3, runs))
+        results = []
+        last: dict[str, Any] = {}
+        for r in range(runs):
+            put = writer.call("puts", r + 1)
+            got = reader.call("reads", put["hashes"], put["keys"])
+            results.append(
+                {**{k: v for k, v in put.items() if k.startswith(("tlkv", "mc"))}, **got}
+            )
+            if r < runs - 1:
+                writer.call("drop", put["all_hashes"], put["all_keys"])
+            last = put
+        # Both servers restart; the reader asks again for the last run's blocks.
+        server.stop()
+        master.terminate()
+        master.wait(30)
+        server = _start_tlkv(root / "store", root / "tlkv.log", max_body="256MiB")
+        master, _, _, log = _start_master(root, mport, meta)
+        logs.append(log)
+        url = f"http://127.0.0.1:{server.port}"
+        restart = reader.call("after_restart", url, last["hashes"], last["keys"])
+    finally:
+        for w in workers:
+            w.stop()
+        if server is not None:
+            server.stop()
+        if master is not None:
+            master.terminate()
+            with contextlib.suppress(Exception):
+                master.wait(30)
+        for log in logs:
+            log.close()
+        shutil.rmtree(root, ignore_errors=True)
+    return _rows(results, restart, loop, n, single, runs, judged=not quick)
+
+
+def _med(results: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key] for r in results)
+
+
+def _rows(
+    results: list[dict[str, Any]],
+    restart: dict[str, Any],
+    loop: float,
+    n: int,
+    single: int,
+    runs: int,
+    judged: bool,
+) -> list[Row]:
+    """The table; ``judged``: targets are checked (not in a ``--quick`` smoke run)."""
+    nbytes = n * single
+
+    def rate(seconds: float) -> str:
+        return f"{nbytes / seconds / 1e9:.2f} GB/s ({nbytes / seconds / loop:.2f} of loopback)"
+
+    def ratio_row(name: str, ours: str, peer: str | tuple[str, str], target: float | None) -> Row:
+        peers = (peer,) if isinstance(peer, str) else peer
+        per_run = [min(r[p] for p in peers) / r[ours] for r in results]
+        t_ours = _med(results, ours)
+        t_peer = statistics.median(min(r[p] for p in peers) for r in results)
+        spread = f"runs {min(per_run):.2f}-{max(per_run):.2f}x" if len(per_run) > 1 else ""
+        ok = None if target is None or not judged else all(x >= target for x in per_run)
+        return Row(
+            f"{name} ({len(per_run)} runs{', ' + spread if spread else ''})",
+            rate(t_ours),
+            rate(t_peer),
+            statistics.median(per_run),
+            f">= {target}x" if target is not None else "",
+            ok,
+        )
+
+    rows = [
+        Row(f"loopback socket copy, {nbytes >> 20} MiB", f"{loop / 1e9:.2f} GB/s"),
+        ratio_row(
+            "put one by one, tlkv durable vs Mooncake DRAM",
+            "tlkv_durable_one",
+            ("mc_one", "mc_one_reg"),
+            0.5,
+        ),
+        ratio_row(
+            "put batched, tlkv durable vs Mooncake DRAM",
+            "tlkv_durable_batch",
+            ("mc_batch", "mc_batch_reg"),
+            0.5,
+        ),
+        ratio_row(
+            "put one by one, tlkv Store(sync=False) vs Mooncake DRAM",
+            "tlkv_fast_one",
+            ("mc_one", "mc_one_reg"),
+            None,
+        ),
+        ratio_row(
+            "put batched, tlkv Store(sync=False) vs Mooncake DRAM",
+            "tlkv_fast_batch",
+            ("mc_batch", "mc_batch_reg"),
+            1.0,
+        ),
+        ratio_row(
+            "get one by one, Client.get vs get/get_into",
+            "tlkv_get_one",
+            ("mc_get_one", "mc_get_one_reg"),
+            2.0,
+        ),
+        ratio_row(
+            f"whole {n}-block prefix, Client.prefix vs batch_get_into",
+            "tlkv_prefix",
+            "mc_batch_get_into",
+            1.3,
+        ),
+        ratio_row(
+            f"whole {n}-block prefix, Client.prefix_into vs batch_get_into",
+            "tlkv_prefix_into",
+            "mc_batch_get_into",
+            None,
+        ),
+    ]
+    t_has, t_exist = _med(results, "tlkv_has"), _med(results, "mc_exist")
+    per_run = [r["mc_exist"] / r["tlkv_has"] for r in results]
+    rows.append(
+        Row(
+            f"existence of {EXIST_KEYS:,} keys, p50 ({runs} runs x {EXIST_CALLS})",
+            f"has_blocks {t_has * 1e3:.2f} ms",
+            f"batch_is_exist {t_exist * 1e3:.2f} ms",
+            statistics.median(per_run),
+            "p50 <= peer's",
+            all(x >= 1 for x in per_run) if judged else None,
+        )
+    )
+    rows.append(
+        Row(
+            "after both servers restart",
+            f"tlkv: {restart['tlkv_found']} of {n} blocks, prefix read in "
+            f"{restart['tlkv_s'] * 1e3:.0f} ms",
+            f"Mooncake: {restart['mc']}",
+        )
+    )
+    return rows
