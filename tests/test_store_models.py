@@ -414,3 +414,15 @@ def test_a_handle_given_a_geometry_is_kept_and_closed_with_the_store(tmp_path: P
     store.close()
     with pytest.raises(StoreError):
         first.has([1])
+
+
+def test_a_models_value_gives_its_number_alone() -> None:
+    """``model_number`` reads the number ``unpack_model`` reads, with or without a
+    geometry adopted, from bytes or from the buffer a read transaction hands out: every
+    read transaction of a model other than default confirms its number with it."""
+    for number in (1, 7, 2**32 - 1):
+        for geometry in (None, SMALL):
+            value = L.pack_model(number, geometry)
+            assert L.unpack_model(value)[0] == number
+            assert L.model_number(value) == number
+            assert L.model_number(memoryview(value)) == number

@@ -271,6 +271,12 @@ def pack_model(number: int, geometry: Geometry | None) -> bytes:
     return MODEL_VALUE.pack(number, *(geometry.as_tuple() if geometry else (0, 0, 0, 0)))
 
 
+def model_number(value: Any) -> int:
+    """A ``models`` value's model number alone (no ``Geometry`` built: every read
+    transaction of a model other than default confirms its number)."""
+    return int(MODEL_VALUE.unpack(value)[0])
+
+
 def unpack_model(value: Any) -> tuple[int, Geometry | None]:
     """A ``models`` value as (model number, geometry or None)."""
     number, *g = MODEL_VALUE.unpack(value)

@@ -37,6 +37,7 @@ from .diskformat import (
     Dbs,
     counter,
     free_model_key,
+    model_number,
     pack_model,
     unpack_model,
 )
@@ -107,12 +108,12 @@ class Registry:
             new = int(MODEL_NUMBER.unpack(bytes(cursor.key())[len(FREE_MODEL_PREFIX) :])[0])
         else:
             new = counter(txn.get(META_LAST_MODEL, None, self._shared.meta)) + 1
-        return (None if raw is None else unpack_model(raw)[0]), new
+        return (None if raw is None else model_number(raw)), new
 
     def holds(self, txn: Any, model: str, number: int) -> bool:
         """Whether ``model`` is registered under ``number`` in ``txn``."""
         raw = txn.get(_key(model), None, self._shared.models)
-        return raw is not None and unpack_model(raw)[0] == number
+        return raw is not None and model_number(raw) == number
 
     def max_models(self, txn: Any) -> int:
         """The models besides default the store admits (its ``META_MAX_MODELS``)."""
@@ -130,7 +131,7 @@ class Registry:
         if number == 0:
             return DEFAULT_MODEL
         for key, value in txn.cursor(db=self._shared.models):
-            if unpack_model(value)[0] == number:
+            if model_number(value) == number:
                 return bytes(key).decode("utf-8")
         return str(number)
 
@@ -177,7 +178,7 @@ class Registry:
         meta, models = self._shared.meta, self._shared.models
         raw = txn.get(_key(model), None, models)
         if raw is not None:
-            if unpack_model(raw)[0] != number:
+            if model_number(raw) != number:
                 raise Reclaim()
             return
         self.check_room(txn, model)
