@@ -78,6 +78,16 @@ def tlkv_config(target: str, role: str = "kv_both", **extra: Any) -> dict[str, A
     }
 
 
+def tensor_parallel(size: int) -> tuple[dict[str, Any], dict[str, str]]:
+    """The ``LLM(...)`` arguments and the environment of a ``size``-rank tensor-parallel
+    engine on vLLM's CPU build: worker processes (``mp``), one core a rank (without
+    ``VLLM_CPU_OMP_THREADS_BIND`` vLLM refuses: "Not enough allowed NUMA nodes")."""
+    if size == 1:
+        return {}, {}
+    llm = {"tensor_parallel_size": size, "distributed_executor_backend": "mp"}
+    return llm, {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i) for i in range(size))}
+
+
 def prompt(n: int, seed: int = 1, vocab: int = 512) -> list[int]:
     """``n`` random token ids."""
     rng = random.Random(seed)

@@ -8,16 +8,19 @@ The one paged layout read and written here is vLLM's CPU attention backend (``CP
 each layer's cache is ``[num_blocks, Hkv, B, 2 * D]`` whose memory per (block, head) is the
 block's ``B`` key rows then its ``B`` value rows (``cpu_attn.py`` views it as
 ``[num_blocks, Hkv, 2 * B, D]`` and chunks dim 2), i.e. a ``[num_blocks, Hkv, 2, B, D]``
-view; a block of the envelope is ``[L][2][Hkv][B][D]``. Any other backend, a quantized
-``kv_cache_dtype``, MLA, sliding windows, several KV cache groups or tensor/pipeline
-parallelism is refused with ``UnsupportedLayoutError``. Every fact the connector relies on
-is checked against what vLLM registered, or refused.
+view; a block of the envelope is ``[L][2][Hkv][B][D]``. Under tensor parallelism a rank's
+cache holds the heads ``[r*H/t, (r+1)*H/t)`` (``head_range``): blocks are stored whole
+(every head), so that engines of any TP size share them. Any other backend, a quantized
+``kv_cache_dtype``, MLA, sliding windows, several KV cache groups, KV heads replicated
+across ranks or pipeline parallelism is refused with ``UnsupportedLayoutError``. Every
+fact the connector relies on is checked against what vLLM registered, or refused.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import ml_dtypes
@@ -30,9 +33,52 @@ from ..codec.layout import HEADER_SIZE, RECORD_SIZE
 from ..errors import CacheLayoutError
 from ..kvlayout import layers_from_views
 
-__all__ = ["KNOWN_BACKENDS", "PagedCache", "UnsupportedLayoutError", "check_config"]
+__all__ = [
+    "BACKEND_LAYOUTS",
+    "BLOCK_KV",
+    "KNOWN_BACKENDS",
+    "TOKEN_KV",
+    "Layout",
+    "PagedCache",
+    "UnsupportedLayoutError",
+    "check_config",
+    "head_range",
+]
 
-KNOWN_BACKENDS = ("CPU_ATTN",)  # paged layouts this module reads and writes
+
+@dataclass(frozen=True)
+class Layout:
+    """How a backend lays out one layer's paged cache: vLLM registers it as a tensor of
+    logical shape ``[num_blocks, h, B, C]`` (``C = 2 * D``; its strides are the physical
+    order), and ``view`` maps it, without a copy, to ``[num_blocks, h, 2, B, D]``."""
+
+    name: str
+    view: Callable[[Any, int, int, int], Any]  # (cache, h, B, D) -> the 5-d view
+
+
+def _block_kv(t: Any, h: int, b: int, d: int) -> Any:
+    # Each (block, head) plane is B key rows then B value rows (cpu_attn.py views it as
+    # [num_blocks, h, 2 * B, D] and chunks dim 2): needs that plane contiguous.
+    return t.view(t.shape[0], h, 2, b, d)
+
+
+def _token_kv(t: Any, h: int, b: int, d: int) -> Any:
+    # Each token's content is its key's D values then its value's D values (the GPU
+    # backends: ``kv_cache.transpose(1, 2).split(head_size, dim=-1)``).
+    return t.unflatten(3, (2, d)).transpose(2, 3)
+
+
+BLOCK_KV = Layout("per block and head: B keys, then B values", _block_kv)
+TOKEN_KV = Layout("per token: its key, then its value", _token_kv)
+# The backends whose layout the connector reads (each proven at registration by the
+# backend's own cache-write op, ``_vllm_proof``); any other is refused by name.
+BACKEND_LAYOUTS: dict[str, Layout] = {
+    "CPU_ATTN": BLOCK_KV,
+    "FLASH_ATTN": TOKEN_KV,
+    "TRITON_ATTN": TOKEN_KV,
+    "FLASHINFER": TOKEN_KV,
+}
+KNOWN_BACKENDS = tuple(BACKEND_LAYOUTS)
 
 
 class UnsupportedLayoutError(CacheLayoutError):
@@ -60,10 +106,17 @@ def check_config(vllm_config: Any, kv_cache_config: Any) -> Geometry:
         raise UnsupportedLayoutError(
             f"sliding-window attention (window {model.get_sliding_window()}) is not read"
         )
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+    if parallel.pipeline_parallel_size != 1:
         raise UnsupportedLayoutError(
-            f"tensor/pipeline parallel shards (tp={parallel.tensor_parallel_size}, "
-            f"pp={parallel.pipeline_parallel_size}) are not read"
+            f"pipeline parallel stages (pp={parallel.pipeline_parallel_size}) are not read: "
+            "each stage holds only its own layers"
+        )
+    tp = int(parallel.tensor_parallel_size)
+    total_heads = int(model.get_total_num_kv_heads())
+    if total_heads % tp:
+        raise UnsupportedLayoutError(
+            f"{total_heads} KV heads over tensor_parallel_size {tp}: heads replicated across "
+            "ranks are not read (each rank must hold a distinct head range)"
         )
     groups = list(getattr(kv_cache_config, "kv_cache_groups", []) or [])
     if len(groups) != 1:
@@ -79,7 +132,19 @@ def check_config(vllm_config: Any, kv_cache_config: Any) -> Geometry:
         raise UnsupportedLayoutError(
             f"{n_layers} attention layers in the KV cache group, the model has {expected}"
         )
-    return Geometry(int(spec.block_size), n_layers, int(spec.num_kv_heads), int(spec.head_size))
+    if int(spec.num_kv_heads) * tp != total_heads:
+        raise UnsupportedLayoutError(
+            f"a rank's cache holds {spec.num_kv_heads} KV heads, the model has {total_heads} "
+            f"over tensor_parallel_size {tp}"
+        )
+    return Geometry(int(spec.block_size), n_layers, total_heads, int(spec.head_size))
+
+
+def head_range(geometry: Geometry, rank: int, world: int) -> tuple[int, int]:
+    """The KV heads ``[start, stop)`` rank ``rank`` of ``world`` tensor-parallel ranks holds
+    (vLLM splits them in order: ``[r*H/t, (r+1)*H/t)``)."""
+    per = geometry.n_kv_heads // world
+    return rank * per, (rank + 1) * per
 
 
 def _layer_index(name: str) -> int:
@@ -90,10 +155,18 @@ def _layer_index(name: str) -> int:
 
 class PagedCache:
     """The registered per-layer caches of one worker, in layer order, as
-    ``[num_blocks, Hkv, 2, B, D]`` views."""
+    ``[num_blocks, h, 2, B, D]`` views of the heads ``heads`` (``[start, stop)``: a
+    tensor-parallel rank's share; all of them by default) of blocks of ``geometry``
+    (the whole model's: what the target holds). Loads copy the rank's heads out of whole
+    blocks; ``gather`` copies out the rank's heads only (the connector joins the ranks'
+    parts before it saves)."""
 
     def __init__(
-        self, kv_caches: Mapping[str, Any], geometry: Geometry, backends: Mapping[str, str]
+        self,
+        kv_caches: Mapping[str, Any],
+        geometry: Geometry,
+        backends: Mapping[str, str],
+        heads: tuple[int, int] | None = None,
     ) -> None:
         import torch
 
@@ -102,26 +175,39 @@ class PagedCache:
             raise UnsupportedLayoutError(
                 f"layers {names} are not the model's {geometry.n_layers} layers in order"
             )
-        b, h, d = geometry.block_tokens, geometry.n_kv_heads, geometry.head_dim
-        views = []
+        self.heads = heads or (0, geometry.n_kv_heads)
+        b, h, d = geometry.block_tokens, self.heads[1] - self.heads[0], geometry.head_dim
+        views, layouts = [], set()
         for name in names:
             backend = backends.get(name, "?")
-            if backend not in KNOWN_BACKENDS:
+            layout = BACKEND_LAYOUTS.get(backend)
+            if layout is None:
                 raise UnsupportedLayoutError(
                     f"layer {name}: attention backend {backend} has a paged layout this "
-                    f"connector does not read (known: {', '.join(KNOWN_BACKENDS)})"
+                    f"connector does not read (known: {', '.join(BACKEND_LAYOUTS)})"
                 )
             t = kv_caches[name]
-            if t.dim() != 4 or tuple(t.shape[1:]) != (h, b, 2 * d) or not t.is_contiguous():
+            if t.dim() != 4 or tuple(t.shape[1:]) != (h, b, 2 * d):
                 raise UnsupportedLayoutError(
-                    f"layer {name}: {backend} cache of shape {tuple(t.shape)} (contiguous="
-                    f"{t.is_contiguous()}), expected [num_blocks, {h}, {b}, {2 * d}]"
+                    f"layer {name}: {backend} cache of shape {tuple(t.shape)}, expected "
+                    f"[num_blocks, {h}, {b}, {2 * d}]"
                 )
             if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
                 raise UnsupportedLayoutError(f"layer {name}: cache dtype {t.dtype} is not read")
-            views.append(t.view(t.shape[0], h, 2, b, d))
+            try:
+                views.append(layout.view(t, h, b, d))
+            except RuntimeError as exc:  # strides the layout cannot view
+                raise UnsupportedLayoutError(
+                    f"layer {name}: {backend} cache of strides {t.stride()} is not laid out "
+                    f"{layout.name}: {exc}"
+                ) from exc
+            layouts.add(layout)
+        self.names = names
         self.geometry = geometry
+        self.whole = self.heads == (0, geometry.n_kv_heads)
         self.layers = views
+        # the compiled copy (``scatter_envelopes``) writes BLOCK_KV's contiguous planes
+        self._planes = layouts == {BLOCK_KV} and all(kv_caches[n].is_contiguous() for n in names)
         self.dtype = views[0].dtype
         self.device = views[0].device
         # numpy views sharing the paged memory (CPU): the v1 load path writes through them
@@ -141,20 +227,25 @@ class PagedCache:
             return np.dtype(ml_dtypes.bfloat16)
         return np.dtype(np.float16 if self.dtype == torch.float16 else np.float32)
 
-    def gather(self, block_ids: Sequence[int]) -> np.ndarray:
-        """A copy of the full blocks ``block_ids`` as ``[n][L][2][Hkv][B][D]`` (one gather
-        per layer): the engine may reuse the blocks as soon as this returns."""
+    def gather(self, block_ids: Sequence[int]) -> Any:
+        """A copy of this cache's heads of the full blocks ``block_ids``, a CPU tensor
+        ``[n][L][2][h][B][D]`` (one gather per layer): the engine may reuse the blocks as
+        soon as this returns. ``as_numpy`` of it (whole heads) is what ``encode`` takes."""
         import torch
 
         g = self.geometry
+        h = self.heads[1] - self.heads[0]
         ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
         out = torch.empty(
-            (len(block_ids), g.n_layers, 2, g.n_kv_heads, g.block_tokens, g.head_dim),
-            dtype=self.dtype,
+            (len(block_ids), g.n_layers, 2, h, g.block_tokens, g.head_dim), dtype=self.dtype
         )
         for i, layer in enumerate(self.layers):
             out[:, i] = layer.index_select(0, ids).transpose(1, 2).cpu()
-        return self._numpy(out)
+        return out
+
+    def as_numpy(self, blocks: Any) -> np.ndarray:
+        """A numpy view of gathered blocks (a CPU tensor of this cache's dtype)."""
+        return self._numpy(blocks)
 
     def encode(self, blocks: np.ndarray, hashes: Sequence[int], version: int) -> bytes:
         """One envelope of gathered blocks (``gather``), hashed ``hashes``: one encode."""
@@ -181,10 +272,11 @@ class PagedCache:
                     f"block {i} has geometry {bv.geometry.as_tuple()} and {bv.n_tokens} "
                     f"tokens, the engine's is {g.as_tuple()} (full blocks)"
                 )
+        h0, h1 = self.heads
         if self.device.type == "cpu" and all(bv.version == 1 for bv in views):
             dst = self._np_layers
             for bv, block in zip(views, block_ids):
-                src = bv.kv.transpose(0, 2, 1, 3, 4)  # [L][Hkv][2][B][D]
+                src = bv.kv[:, :, h0:h1].transpose(0, 2, 1, 3, 4)  # [L][h][2][B][D]
                 for i, layer in enumerate(dst):
                     layer[block] = src[i]
         else:
@@ -205,7 +297,13 @@ class PagedCache:
         """
         import torch
 
-        if self.device.type != "cpu" or self.dtype != torch.float16 or sys.byteorder != "little":
+        if (
+            self.device.type != "cpu"
+            or self.dtype != torch.float16
+            or sys.byteorder != "little"
+            or not self.whole  # a rank's heads: checked views, sliced (``scatter``)
+            or not self._planes
+        ):
             return None
         g = self.geometry
         run = g.block_tokens * g.head_dim * 2  # one (K or V, head) row block of f16
@@ -230,6 +328,7 @@ class PagedCache:
         )
         layers_from_views(views, np_dtype, out=staging)
         shaped = staging.reshape(g.n_layers, 2, g.n_kv_heads, n, g.block_tokens, g.head_dim)
+        shaped = shaped[:, :, self.heads[0] : self.heads[1]]
         if np_dtype == np.dtype(ml_dtypes.bfloat16):
             src = torch.from_numpy(shaped.view(np.int16)).view(torch.bfloat16)
         else:

@@ -69,7 +69,7 @@ from ..codec.hashing import chain_hashes
 from ..codec.tokens import chain_tokens
 from ..errors import ShapeError
 from ._vllm_names import namespace, salted
-from ._vllm_paged import PagedCache, UnsupportedLayoutError, check_config
+from ._vllm_paged import PagedCache, UnsupportedLayoutError, check_config, head_range
 from ._vllm_saver import Saver
 from ._vllm_stats import TlkvConnectorStats
 from .targets import Target, open_target
@@ -198,6 +198,7 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._warned: set[str] = set()
         self._load_errors: set[int] = set()
         self._paged: Any = None
+        self._tp_rank, self._tp_size = 0, int(vllm_config.parallel_config.tensor_parallel_size)
         self._recompute = cfg.kv_load_failure_policy == "recompute"
         self._off: str | None = None
         try:
@@ -399,8 +400,13 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
             layer = ctx.get(name)
             backend = getattr(layer, "attn_backend", None)
             backends[name] = backend.get_name() if backend is not None else "unknown"
+        if self._tp_size > 1:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self._tp_rank = int(get_tensor_model_parallel_rank())
+        heads = head_range(self._geometry, self._tp_rank, self._tp_size)
         try:
-            self._paged = PagedCache(kv_caches, self._geometry, backends)
+            self._paged = PagedCache(kv_caches, self._geometry, backends, heads)
         except UnsupportedLayoutError as exc:
             self._refuse(exc)
             return
@@ -433,8 +439,9 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 done, nbytes = self._target(load.model).load(
                     load.hashes, self._paged, load.block_ids
                 )
-                self._count("blocks_loaded", done)
-                self._count("bytes_loaded", nbytes)
+                if self._tp_rank == 0:  # every rank loads its heads of the same blocks
+                    self._count("blocks_loaded", done)
+                    self._count("bytes_loaded", nbytes)
                 if done < len(load.hashes):
                     raise LookupError(
                         f"{len(load.hashes) - done} of {len(load.hashes)} blocks were no "
@@ -457,14 +464,28 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def wait_for_save(self) -> None:
         """Copy this step's new full blocks out of the paged cache (one gather per layer)
         and hand them to the saver thread, which asks the target which it lacks, encodes
-        only those and puts them: the engine never waits on a store or a server."""
+        only those and puts them: the engine never waits on a store or a server.
+
+        Under tensor parallelism every rank copies out its heads and rank 0 gathers the
+        ranks' parts (vLLM's TP group, in the same step on every rank: each rank runs the
+        same saves) into whole blocks, which rank 0 alone saves: a stored block always
+        holds every head, so engines of any TP size share it and a lookup finds a block
+        only when every rank's part is in it."""
         if self._paged is None or not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, TlkvMetadata)
         for save in meta.saves:
             try:
-                blocks = self._paged.gather(save.block_ids)
+                part = self._paged.gather(save.block_ids)
+                if self._tp_size > 1:
+                    from vllm.distributed.parallel_state import get_tp_group
+
+                    whole = get_tp_group().gather(part.to(self._paged.device), dst=0, dim=3)
+                    if self._tp_rank != 0:
+                        continue
+                    part = whole.cpu()  # [n][L][2][Hkv][B][D], the ranks' heads in order
+                blocks = self._paged.as_numpy(part)
                 args = (save.model, save.hashes, blocks, save.tokens, save.parent)
                 if not self._saver.submit(*args):
                     raise BufferError("the save queue is full: blocks dropped")
