@@ -125,7 +125,7 @@ def _load_rows(repeat: int) -> list[Row]:
         )
         for i in range(g.n_layers)
     }
-    paged = PagedCache(caches, g, dict.fromkeys(caches, "CPU_ATTN"))
+    paged = PagedCache(caches, g, dict.fromkeys(caches, "CPU_ATTN/vec"))
     ids = list(range(7, 7 + 3 * n, 3))
     with tempfile.TemporaryDirectory() as tmp:
         target = open_target(tmp, model="bench", timeout=10.0)

@@ -36,6 +36,7 @@ from ..kvlayout import layers_from_views
 __all__ = [
     "BACKEND_LAYOUTS",
     "BLOCK_KV",
+    "CPU_VEC",
     "KNOWN_BACKENDS",
     "TOKEN_KV",
     "Layout",
@@ -50,30 +51,42 @@ __all__ = [
 class Layout:
     """How a backend lays out one layer's paged cache: vLLM registers it as a tensor of
     logical shape ``[num_blocks, h, B, C]`` (``C = 2 * D``; its strides are the physical
-    order), and ``view`` maps it, without a copy, to ``[num_blocks, h, 2, B, D]``."""
+    order), and ``view`` maps it, without a copy, to the layer's keys and values, two
+    ``[num_blocks, h, B, D]`` views."""
 
     name: str
-    view: Callable[[Any, int, int, int], Any]  # (cache, h, B, D) -> the 5-d view
+    view: Callable[[Any, int, int, int], tuple[Any, Any]]  # (cache, h, B, D) -> (K, V)
 
 
-def _block_kv(t: Any, h: int, b: int, d: int) -> Any:
-    # Each (block, head) plane is B key rows then B value rows (cpu_attn.py views it as
-    # [num_blocks, h, 2 * B, D] and chunks dim 2): needs that plane contiguous.
-    return t.view(t.shape[0], h, 2, b, d)
+def _block_kv(t: Any, h: int, b: int, d: int) -> tuple[Any, Any]:
+    # Each (block, head) plane is B key rows, then B value rows.
+    planes = t.view(t.shape[0], h, 2, b, d)
+    return planes[:, :, 0], planes[:, :, 1]
 
 
-def _token_kv(t: Any, h: int, b: int, d: int) -> Any:
-    # Each token's content is its key's D values then its value's D values (the GPU
+def _cpu_vec(t: Any, h: int, b: int, d: int) -> tuple[Any, Any]:
+    # vLLM's CPU attention with its "vec" kernels (x86 without AMX, or bf16 not on AMX):
+    # each (block, head) plane is the keys transposed, D rows of B tokens, then B value
+    # rows (shown by its cpu_attn_reshape_and_cache: the layout proof).
+    keys = t.view(t.shape[0], h, 2, d, b)[:, :, 0].transpose(2, 3)
+    return keys, t.view(t.shape[0], h, 2, b, d)[:, :, 1]
+
+
+def _token_kv(t: Any, h: int, b: int, d: int) -> tuple[Any, Any]:
+    # Each token's content is its key's D values, then its value's D values (the GPU
     # backends: ``kv_cache.transpose(1, 2).split(head_size, dim=-1)``).
-    return t.unflatten(3, (2, d)).transpose(2, 3)
+    kv = t.unflatten(3, (2, d))
+    return kv[:, :, :, 0], kv[:, :, :, 1]
 
 
 BLOCK_KV = Layout("per block and head: B keys, then B values", _block_kv)
+CPU_VEC = Layout("per block and head: keys as D rows of B tokens, then B values", _cpu_vec)
 TOKEN_KV = Layout("per token: its key, then its value", _token_kv)
-# The backends whose layout the connector reads (each proven at registration by the
-# backend's own cache-write op, ``_vllm_proof``); any other is refused by name.
+# The layouts the connector reads, by attention backend (vLLM's CPU backend: by the
+# kernels' ISA, ``<backend>/<isa>``). Each is proven at registration by the backend's own
+# cache-write op (``_vllm_proof``); any other backend or ISA is refused by name.
 BACKEND_LAYOUTS: dict[str, Layout] = {
-    "CPU_ATTN": BLOCK_KV,
+    "CPU_ATTN/vec": CPU_VEC,
     "FLASH_ATTN": TOKEN_KV,
     "TRITON_ATTN": TOKEN_KV,
     "FLASHINFER": TOKEN_KV,
@@ -177,7 +190,7 @@ class PagedCache:
             )
         self.heads = heads or (0, geometry.n_kv_heads)
         b, h, d = geometry.block_tokens, self.heads[1] - self.heads[0], geometry.head_dim
-        views, layouts = [], set()
+        keys, values, layouts = [], [], []
         for name in names:
             backend = backends.get(name, "?")
             layout = BACKEND_LAYOUTS.get(backend)
@@ -195,23 +208,31 @@ class PagedCache:
             if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
                 raise UnsupportedLayoutError(f"layer {name}: cache dtype {t.dtype} is not read")
             try:
-                views.append(layout.view(t, h, b, d))
+                k, v = layout.view(t, h, b, d)
             except RuntimeError as exc:  # strides the layout cannot view
                 raise UnsupportedLayoutError(
                     f"layer {name}: {backend} cache of strides {t.stride()} is not laid out "
                     f"{layout.name}: {exc}"
                 ) from exc
-            layouts.add(layout)
+            keys.append(k)
+            values.append(v)
+            layouts.append(layout)
         self.names = names
+        self.layout_names = [x.name for x in layouts]
         self.geometry = geometry
         self.whole = self.heads == (0, geometry.n_kv_heads)
-        self.layers = views
+        self.keys, self.values = keys, values  # [num_blocks, h, B, D] each
         # the compiled copy (``scatter_envelopes``) writes BLOCK_KV's contiguous planes
-        self._planes = layouts == {BLOCK_KV} and all(kv_caches[n].is_contiguous() for n in names)
-        self.dtype = views[0].dtype
-        self.device = views[0].device
+        self._planes = set(layouts) == {BLOCK_KV} and all(
+            kv_caches[n].is_contiguous() for n in names
+        )
+        self._caches = [kv_caches[n] for n in names]
+        self.dtype = keys[0].dtype
+        self.device = keys[0].device
         # numpy views sharing the paged memory (CPU): the v1 load path writes through them
-        self._np_layers = [self._numpy(v) for v in views] if self.device.type == "cpu" else []
+        cpu = self.device.type == "cpu"
+        self._np_keys = [self._numpy(x) for x in keys] if cpu else []
+        self._np_values = [self._numpy(x) for x in values] if cpu else []
 
     def _numpy(self, t: Any) -> np.ndarray:
         import torch
@@ -239,8 +260,9 @@ class PagedCache:
         out = torch.empty(
             (len(block_ids), g.n_layers, 2, h, g.block_tokens, g.head_dim), dtype=self.dtype
         )
-        for i, layer in enumerate(self.layers):
-            out[:, i] = layer.index_select(0, ids).transpose(1, 2).cpu()
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            out[:, i, 0] = k.index_select(0, ids).cpu()
+            out[:, i, 1] = v.index_select(0, ids).cpu()
         return out
 
     def as_numpy(self, blocks: Any) -> np.ndarray:
@@ -274,11 +296,11 @@ class PagedCache:
                 )
         h0, h1 = self.heads
         if self.device.type == "cpu" and all(bv.version == 1 for bv in views):
-            dst = self._np_layers
             for bv, block in zip(views, block_ids):
-                src = bv.kv[:, :, h0:h1].transpose(0, 2, 1, 3, 4)  # [L][h][2][B][D]
-                for i, layer in enumerate(dst):
-                    layer[block] = src[i]
+                src = bv.kv[:, :, h0:h1]  # [L][2][h][B][D]
+                for i, (k, v) in enumerate(zip(self._np_keys, self._np_values)):
+                    k[block] = src[i, 0]
+                    v[block] = src[i, 1]
         else:
             self._scatter_staged(views, block_ids)
         return sum(len(bv.raw) for bv in views)
@@ -310,7 +332,7 @@ class PagedCache:
         return scatter_crc(
             envelopes,
             HEADER_SIZE + RECORD_SIZE,
-            self._np_layers,
+            [self._numpy(c.view(c.shape[0], g.n_kv_heads, 2, -1)) for c in self._caches],
             block_ids,
             g.n_kv_heads,
             run,
@@ -334,5 +356,6 @@ class PagedCache:
         else:
             src = torch.from_numpy(shaped)
         ids = torch.as_tensor(list(block_ids[:n]), dtype=torch.long, device=self.device)
-        for i, layer in enumerate(self.layers):
-            layer.index_copy_(0, ids, src[i].permute(2, 1, 0, 3, 4).to(self.device))
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            k.index_copy_(0, ids, src[i, 0].permute(1, 0, 2, 3).to(self.device))
+            v.index_copy_(0, ids, src[i, 1].permute(1, 0, 2, 3).to(self.device))

@@ -70,6 +70,7 @@ from ..codec.tokens import chain_tokens
 from ..errors import ShapeError
 from ._vllm_names import namespace, salted
 from ._vllm_paged import PagedCache, UnsupportedLayoutError, check_config, head_range
+from ._vllm_proof import prove_layout
 from ._vllm_saver import Saver
 from ._vllm_stats import TlkvConnectorStats
 from .targets import Target, open_target
@@ -78,6 +79,7 @@ try:
     import vllm
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
         KVConnectorBase_V1,
+        KVConnectorHandshakeMetadata,
         KVConnectorMetadata,
         KVConnectorRole,
     )
@@ -107,6 +109,8 @@ _API = {
     "wait_for_save": ["self"],
     "get_block_ids_with_load_errors": ["self"],
     "get_kv_connector_stats": ["self"],
+    "get_handshake_metadata": ["self"],
+    "set_xfer_handshake_metadata": ["self", "metadata"],
     "build_kv_connector_stats": ["cls", "data"],
 }
 
@@ -159,6 +163,14 @@ class TlkvMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
     loads: list[_Load] = field(default_factory=list)
     saves: list[_Save] = field(default_factory=list)
+
+
+@dataclass
+class TlkvHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
+    """Worker -> scheduler, once after the caches are registered: why the worker's
+    connector is off (None: on), so that the scheduler plans no load it cannot do."""
+
+    off: str | None = None
 
 
 @dataclass
@@ -389,27 +401,40 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # --- worker side ----------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        """Learn each layer's paged layout; refuse (and stay off) what is not understood.
-        Then prepare the loads' target, so that the engine's first load costs what the
+        """Learn each layer's paged layout and prove it through the backend's own
+        cache-write op (``_vllm_proof``); refuse (and stay off) what is not understood or
+        not proven. Then prepare the loads' target, so that the engine's first load costs what the
         next ones do."""
         if self._off:
             return
         ctx = self._vllm_config.compilation_config.static_forward_context
-        backends = {}
+        backends, classes, layers = {}, {}, {}
         for name in kv_caches:
-            layer = ctx.get(name)
-            backend = getattr(layer, "attn_backend", None)
+            layer = layers[name] = ctx.get(name)
+            backend = classes[name] = getattr(layer, "attn_backend", None)
             backends[name] = backend.get_name() if backend is not None else "unknown"
+            if getattr(layer, "isa", None):  # vLLM's CPU backend: the layout is its kernels'
+                backends[name] += f"/{layer.isa}"
         if self._tp_size > 1:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             self._tp_rank = int(get_tensor_model_parallel_rank())
         heads = head_range(self._geometry, self._tp_rank, self._tp_size)
         try:
-            self._paged = PagedCache(kv_caches, self._geometry, backends, heads)
+            paged = PagedCache(kv_caches, self._geometry, backends, heads)
+            prove_layout(paged, kv_caches, layers, classes)
         except UnsupportedLayoutError as exc:
             self._refuse(exc)
             return
+        self._paged = paged
+        log.info(
+            "tlkv connector: layout of %d layers (%s, heads %d..%d) proven through %s's "
+            "cache-write op",
+            len(paged.names),
+            paged.layout_names[0],
+            *paged.heads,
+            ", ".join(sorted(set(backends.values()))),
+        )
         if self._load_on:
             self._prepare_loads()
 
@@ -518,6 +543,19 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _count(self, key: str, n: int) -> None:
         with self._stats_lock:
             self._stats.data[key] += n
+
+    def get_handshake_metadata(self) -> TlkvHandshake:
+        """The worker's state after registration (vLLM hands it to the scheduler)."""
+        return TlkvHandshake(self._off)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        """On the scheduler: a worker whose connector is off (its layout refused or not
+        proven) turns the scheduler's off too, naming the worker's reason."""
+        for rank, shake in sorted(metadata.items()):
+            off = getattr(shake, "off", None)
+            if off and not self._off:
+                self._off = f"worker {rank}: {off}"
+                log.error("tlkv connector is off: %s", self._off)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Block ids whose load failed since the last call (vLLM recomputes them)."""
