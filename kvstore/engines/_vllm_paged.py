@@ -32,6 +32,7 @@ from ..codec.geometry import Geometry
 from ..codec.layout import HEADER_SIZE, RECORD_SIZE
 from ..errors import CacheLayoutError
 from ..kvlayout import layers_from_views
+from ._vllm_fp8 import FP8_CACHE_DTYPES, encode_fp8, fp8_codes, slab_scales
 
 __all__ = [
     "BACKEND_LAYOUTS",
@@ -109,9 +110,10 @@ def check_config(vllm_config: Any, kv_cache_config: Any) -> Geometry:
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     parallel = vllm_config.parallel_config
-    if cache.cache_dtype != "auto":
+    if cache.cache_dtype not in ("auto", *FP8_CACHE_DTYPES):
         raise UnsupportedLayoutError(
-            f"kv_cache_dtype {cache.cache_dtype!r} is a quantized cache (only 'auto' is read)"
+            f"kv_cache_dtype {cache.cache_dtype!r} is not read (only 'auto' and the E4M3 "
+            f"caches {', '.join(FP8_CACHE_DTYPES)}, kept as v2 envelopes)"
         )
     if getattr(model, "use_mla", False):
         raise UnsupportedLayoutError("MLA (latent KV) caches are not read")
@@ -180,6 +182,7 @@ class PagedCache:
         geometry: Geometry,
         backends: Mapping[str, str],
         heads: tuple[int, int] | None = None,
+        fp8_scales: Mapping[str, tuple[float, float]] | None = None,
     ) -> None:
         import torch
 
@@ -205,7 +208,9 @@ class PagedCache:
                     f"layer {name}: {backend} cache of shape {tuple(t.shape)}, expected "
                     f"[num_blocks, {h}, {b}, {2 * d}]"
                 )
-            if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            if fp8_scales is not None and t.dtype in (torch.uint8, torch.float8_e4m3fn):
+                t = t.view(torch.uint8)  # E4M3 codes, copied as they are
+            elif t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
                 raise UnsupportedLayoutError(f"layer {name}: cache dtype {t.dtype} is not read")
             try:
                 k, v = layout.view(t, h, b, d)
@@ -228,6 +233,10 @@ class PagedCache:
         )
         self._caches = [kv_caches[n] for n in names]
         self.dtype = keys[0].dtype
+        # an fp8 cache: its v2 slab scales, from the layers' k_scale and v_scale
+        self.fp8 = (
+            None if fp8_scales is None else slab_scales(geometry, [fp8_scales[n] for n in names])
+        )
         self.device = keys[0].device
         # numpy views sharing the paged memory (CPU): the v1 load path writes through them
         cpu = self.device.type == "cpu"
@@ -270,8 +279,11 @@ class PagedCache:
         return self._numpy(blocks)
 
     def encode(self, blocks: np.ndarray, hashes: Sequence[int], version: int) -> bytes:
-        """One envelope of gathered blocks (``gather``), hashed ``hashes``: one encode."""
+        """One envelope of gathered blocks (``gather``), hashed ``hashes``: one encode (an
+        fp8 cache's: always v2, its codes as they are, ``_vllm_fp8``)."""
         g = self.geometry
+        if self.fp8 is not None:
+            return encode_fp8(g, blocks, self.fp8, hashes)
         return encode(
             g, [Block(int(h), g.block_tokens, blocks[i]) for i, h in enumerate(hashes)], version
         )
@@ -294,16 +306,31 @@ class PagedCache:
                     f"block {i} has geometry {bv.geometry.as_tuple()} and {bv.n_tokens} "
                     f"tokens, the engine's is {g.as_tuple()} (full blocks)"
                 )
-        h0, h1 = self.heads
-        if self.device.type == "cpu" and all(bv.version == 1 for bv in views):
-            for bv, block in zip(views, block_ids):
-                src = bv.kv[:, :, h0:h1]  # [L][2][h][B][D]
-                for i, (k, v) in enumerate(zip(self._np_keys, self._np_values)):
-                    k[block] = src[i, 0]
-                    v[block] = src[i, 1]
+        if self.fp8 is not None:  # the codes as they are, only under the engine's scales
+            self._copy_blocks(fp8_codes(views, self.fp8), block_ids)
+        elif self.device.type == "cpu" and all(bv.version == 1 for bv in views):
+            self._copy_blocks([bv.kv for bv in views], block_ids)
         else:
             self._scatter_staged(views, block_ids)
         return sum(len(bv.raw) for bv in views)
+
+    def _copy_blocks(self, blocks: Sequence[np.ndarray], block_ids: Sequence[int]) -> None:
+        """Copy whole blocks ``[L][2][Hkv][B][D]`` (this cache's heads of them) into the
+        paged blocks ``block_ids``: through numpy views of a CPU cache, else per block."""
+        import torch
+
+        h0, h1 = self.heads
+        for kv, block in zip(blocks, block_ids):
+            src = kv[:, :, h0:h1]  # [L][2][h][B][D]
+            if self._np_keys:
+                for i, (k, v) in enumerate(zip(self._np_keys, self._np_values)):
+                    k[block] = src[i, 0]
+                    v[block] = src[i, 1]
+                continue
+            t = torch.from_numpy(np.ascontiguousarray(src)).to(self.device)
+            for i, (k, v) in enumerate(zip(self.keys, self.values)):
+                k[block].copy_(t[i, 0])
+                v[block].copy_(t[i, 1])
 
     def scatter_envelopes(
         self, envelopes: Sequence[Any], block_ids: Sequence[int], *, joined: bool = False

@@ -26,13 +26,25 @@ __all__ = ["SCRATCH_BLOCK", "prove_layout"]
 SCRATCH_BLOCK = 0  # vLLM's null block: never holds a request's tokens
 
 
-def _pattern(shape: tuple[int, ...], dtype: Any, seed: int) -> Any:
-    """Random values of ``dtype`` (a fixed seed): every byte of K and V differs from its
-    neighbours' with near certainty, so a view that reads the wrong element fails."""
+def _pattern(shape: tuple[int, ...], dtype: Any, seed: int, scale: float | None) -> tuple[Any, Any]:
+    """Random values of ``dtype`` (a fixed seed), and the bytes the cache must hold for
+    them: every byte of K and V differs from its neighbours' with near certainty, so a
+    view that reads the wrong element fails. ``scale`` (an fp8 cache's layer scale): the
+    values are E4M3 codes (no NaN) times ``scale``, which the cache-write op quantizes back
+    to the same codes (the rounding error of the product is far below half an E4M3 step),
+    and the bytes are the codes."""
+    import ml_dtypes
+    import numpy as np
     import torch
 
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
+    if scale is None:
+        values = torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype)
+        return values, values
+    codes = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x3F  # the NaN codes: 1.875 instead
+    exact = codes.numpy().view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    return (torch.from_numpy(exact) * scale).to(dtype), codes
 
 
 def prove_layout(
@@ -40,6 +52,7 @@ def prove_layout(
     kv_caches: Mapping[str, Any],
     layers: Mapping[str, Any],
     backend_classes: Mapping[str, Any],
+    act_dtype: Any = None,
     block: int = SCRATCH_BLOCK,
 ) -> None:
     """Prove ``paged``'s view of every layer against the backend's cache-write op.
@@ -49,6 +62,7 @@ def prove_layout(
         kv_caches: the registered caches by layer name (as vLLM hands them over).
         layers: vLLM's attention layer modules by name (``impl`` is the backend's).
         backend_classes: each layer's attention backend class.
+        act_dtype: the keys' and values' dtype (the model's; default: the cache's).
         block: the scratch block written and restored.
 
     Raises:
@@ -69,8 +83,13 @@ def prove_layout(
                 "(do_kv_cache_update) to prove the connector's layout with"
             )
         cache = kv_caches[name]
-        key = _pattern((g.block_tokens, h, g.head_dim), cache.dtype, 2 * i)
-        value = _pattern((g.block_tokens, h, g.head_dim), cache.dtype, 2 * i + 1)
+        shape = (g.block_tokens, h, g.head_dim)
+        fp8: tuple[float | None, float | None] = (None, None)
+        if paged.fp8 is not None:  # the layer's K and V scales
+            fp8 = (float(paged.fp8[i, 0, 0]), float(paged.fp8[i, 1, 0]))
+        dtype = act_dtype if paged.fp8 is not None else cache.dtype
+        key, key_bytes = _pattern(shape, dtype, 2 * i, fp8[0])
+        value, value_bytes = _pattern(shape, dtype, 2 * i + 1, fp8[1])
         slots = torch.arange(g.block_tokens, dtype=torch.long) + block * g.block_tokens
         saved = cache[block].clone()
         try:
@@ -83,7 +102,7 @@ def prove_layout(
             ) from exc
         finally:
             cache[block].copy_(saved)
-        want = torch.stack([key.transpose(0, 1), value.transpose(0, 1)], dim=1)  # [h,2,B,D]
+        want = torch.stack([key_bytes.transpose(0, 1), value_bytes.transpose(0, 1)], dim=1)
         a, b = got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)
         bad = int((a != b).sum())
         if bad:

@@ -68,6 +68,7 @@ from typing import Any
 from ..codec.hashing import chain_hashes
 from ..codec.tokens import chain_tokens
 from ..errors import ShapeError
+from ._vllm_fp8 import FP8_CACHE_DTYPES, ScalesMismatchError
 from ._vllm_names import namespace, salted
 from ._vllm_paged import PagedCache, UnsupportedLayoutError, check_config, head_range
 from ._vllm_proof import prove_layout
@@ -201,6 +202,9 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         name = model.served_model_name
         name = name[0] if isinstance(name, list | tuple) and name else name or model.model
         kv_dtype = str(model.dtype).replace("torch.", "")
+        self._fp8 = vllm_config.cache_config.cache_dtype in FP8_CACHE_DTYPES
+        if self._fp8:  # E4M3 codes and their layer scales: a namespace of their own
+            kv_dtype, self._version = "fp8_e4m3", 2
         self._model = str(extra.get("model") or namespace(str(name), model.revision, kv_dtype))
         self._targets: dict[str, Target] = {}
         self._reqs: dict[str, _Req] = {}
@@ -420,9 +424,15 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
             self._tp_rank = int(get_tensor_model_parallel_rank())
         heads = head_range(self._geometry, self._tp_rank, self._tp_size)
+        scales = None
+        if self._fp8:  # each layer's k_scale and v_scale, as its attention uses them
+            scales = {
+                n: (float(layers[n]._k_scale_float), float(layers[n]._v_scale_float))
+                for n in kv_caches
+            }
         try:
-            paged = PagedCache(kv_caches, self._geometry, backends, heads)
-            prove_layout(paged, kv_caches, layers, classes)
+            paged = PagedCache(kv_caches, self._geometry, backends, heads, scales)
+            prove_layout(paged, kv_caches, layers, classes, self._vllm_config.model_config.dtype)
         except UnsupportedLayoutError as exc:
             self._refuse(exc)
             return
@@ -476,6 +486,8 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self._failed("load", exc)
                 failed = load.block_ids[done:]
                 self._count("load_errors", len(failed))
+                if isinstance(exc, ScalesMismatchError):
+                    self._count("scale_misses", len(failed))
                 self._load_errors.update(failed)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
