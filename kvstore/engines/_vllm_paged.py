@@ -1,19 +1,21 @@
 """vLLM's paged KV cache <-> tlkv blocks: the layout check at registration, one gather per
 layer for the blocks saved; for the blocks loaded, stored v1 envelopes copied straight into
 their paged blocks with each CRC checked in the same pass (compiled ``scatter_crc``, a CPU
-f16 cache), else checked views copied per block and layer. ``PagedCache`` is the
-``BlockSlots`` a target loads into.
+f16 cache laid out B keys then B values), else checked views copied per block and
+layer. ``PagedCache`` is the ``BlockSlots`` a target loads into.
 
-The one paged layout read and written here is vLLM's CPU attention backend (``CPU_ATTN``):
-each layer's cache is ``[num_blocks, Hkv, B, 2 * D]`` whose memory per (block, head) is the
-block's ``B`` key rows then its ``B`` value rows (``cpu_attn.py`` views it as
-``[num_blocks, Hkv, 2 * B, D]`` and chunks dim 2), i.e. a ``[num_blocks, Hkv, 2, B, D]``
-view; a block of the envelope is ``[L][2][Hkv][B][D]``. Under tensor parallelism a rank's
-cache holds the heads ``[r*H/t, (r+1)*H/t)`` (``head_range``): blocks are stored whole
-(every head), so that engines of any TP size share them. Any other backend, a quantized
-``kv_cache_dtype``, MLA, sliding windows, several KV cache groups, KV heads replicated
-across ranks or pipeline parallelism is refused with ``UnsupportedLayoutError``. Every
-fact the connector relies on is checked against what vLLM registered, or refused.
+Each layer's cache is registered as a tensor of logical shape ``[num_blocks, h, B, 2 * D]``;
+where a backend puts keys and values inside it is its ``Layout`` (``BACKEND_LAYOUTS``, by
+backend and, for vLLM's CPU backend, the kernels' ISA: its "vec" kernels store a block's
+keys transposed, D rows of B tokens, then B value rows), viewed without a copy as keys
+and values ``[num_blocks, h, B, D]`` and proven at registration (``_vllm_proof``); a
+block of the envelope is ``[L][2][Hkv][B][D]``. Under tensor parallelism a rank's cache
+holds the heads ``[r*H/t, (r+1)*H/t)`` (``head_range``): blocks are stored whole (every
+head), so that engines of any TP size share them. An fp8 E4M3 cache is stored as v2
+(``_vllm_fp8``). Any other backend or ISA, another quantized ``kv_cache_dtype``, MLA,
+sliding windows, several KV cache groups, KV heads replicated across ranks or pipeline
+parallelism is refused with ``UnsupportedLayoutError``. Every fact the connector relies
+on is checked against what vLLM registered, or refused.
 """
 
 from __future__ import annotations

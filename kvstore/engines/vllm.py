@@ -49,7 +49,13 @@ Choices:
   ``get_kv_connector_stats``: the "KV Transfer metrics" line of a server with stats
   logging; no Prometheus series of its own) and logged once per kind.
 - A layout the connector cannot show it reads exactly is refused at start-up by name
-  (``UnsupportedLayoutError``, logged); the connector then does nothing. A target whose
+  (``UnsupportedLayoutError``, logged); the connector then does nothing, on the workers
+  and (told through vLLM's handshake metadata) the scheduler. Each layer's layout is
+  proven at registration through the backend's own cache-write op (``_vllm_proof``).
+- Tensor parallelism: rank 0 gathers the ranks' heads and saves whole blocks, so
+  engines of any TP size share them; each rank loads its heads (``wait_for_save``).
+- fp8 E4M3 caches are stored as v2 envelopes byte for byte, and loaded only under the
+  same layer scales (``_vllm_fp8``). A target whose
   namespace holds another geometry stops the engine at start-up (``ShapeError`` naming
   both).
 - Tested with vLLM 0.32.0 (``TESTED_VLLM``); another version whose connector API differs
