@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from http_server import REPO, ServerProcess, free_port
 
@@ -350,17 +351,52 @@ def test_transformers_bridge_saves_vllm_loads(cold: Any, models: Any, tmp_path: 
 FP8_NEEDS_AVX512 = "FP8 KV cache on CPU requires x86 with AVX-512 or AMX"
 
 
-def test_quantized_cache_refused_connector_stays_off(models: Any, tmp_path: Path) -> None:
-    data = tmp_path / "tlkv-data"
+def _fp8_run(model: str, data: str, **kw: Any) -> Any:
+    kw["llm"] = {**kw.get("llm", {}), "kv_cache_dtype": "fp8"}
     try:
-        out = _run(models["f16"], tlkv_config(str(data)), PROMPT, llm={"kv_cache_dtype": "fp8"})
+        return _run(model, tlkv_config(data), PROMPT, **kw)
     except RuntimeError as exc:  # vLLM's own check, before any connector code runs
         if FP8_NEEDS_AVX512 not in str(exc):
             raise
         pytest.skip(f"this CPU runs no fp8 KV cache in vLLM: {FP8_NEEDS_AVX512}")
-    assert out["results"][0]["cached"] == 0
-    assert "tlkv connector is off: UnsupportedLayoutError: kv_cache_dtype 'fp8'" in out["log"]
-    assert not data.exists()  # nothing opened, nothing stored
+
+
+def test_fp8_cache_cold_then_warm_as_v2_and_other_scales_a_miss(
+    models: Any, tmp_path: Path
+) -> None:
+    """An fp8 engine's blocks are v2 envelopes (E4M3 codes as the cache holds them, each
+    slab's scale its layer's) in a namespace of their own; a fresh engine loads them with
+    identical output; the same blocks under other scales are a miss, counted."""
+    from kvstore.codec.envelope import decode
+    from kvstore.codec.hashing import chain_hashes
+    from kvstore.engines._vllm_fp8 import encode_fp8
+
+    data = str(tmp_path / "tlkv-data")
+    cold = _fp8_run(models["f16"], data)["results"][0]
+    ns = _ns(models["f16"], "fp8_e4m3")
+    hashes = chain_hashes(PROMPT, 32)[:9]
+    with Store(data) as store:
+        assert set(store.models()) - {"default"} == {ns}
+        handle = store.model(ns)
+        held = [handle.get(h) for h in hashes]
+        envs = [decode(bytes(e)) for e in held if e is not None]
+    assert len(envs) == 9 and {e.version for e in envs} == {2}
+    assert all(e[0].scales is not None and e[0].scales.min() > 0 for e in envs)
+    warm = _fp8_run(models["f16"], data)["results"][0]
+    assert (cold["cached"], warm["cached"]) == (0, HIT)
+    _same(warm, cold)
+
+    other = str(tmp_path / "other-scales")
+    with Store(other) as store:  # the same codes, every scale doubled
+        handle = store.model(ns)
+        for env in envs:
+            bv = env[0]
+            handle.put(encode_fp8(env.geometry, np.asarray(bv.kv)[None], bv.scales * 2, [bv.hash]))
+    out = _fp8_run(models["f16"], other, **STATS)
+    _same(out["results"][0], cold)  # recomputed, never rescaled
+    counted = _transfer_metrics(out["log"])
+    assert counted["tlkv_scale_misses"] == 9 and counted["tlkv_blocks_loaded"] == 0
+    assert "scales other than the engine's layer scales" in out["log"]
 
 
 def test_namespace_of_another_geometry_stops_the_engine(models: Any, tmp_path: Path) -> None:

@@ -25,6 +25,8 @@ into a paged cache laid out as vLLM's CPU backend's and checks its CRC) against 
 of the same bytes (``numpy.copyto`` of contiguous arrays: one thread, as the load is;
 target >= 0.5x). ``torch.Tensor.copy_`` of the same bytes splits the copy over torch's
 intra-op threads (2 here); that ratio is shown beside it.
+
+Then the rows of tensor-parallel (TP=2) and fp8 engines: ``bench_vllm_tp``.
 """
 
 from __future__ import annotations
@@ -125,7 +127,7 @@ def _load_rows(repeat: int) -> list[Row]:
         )
         for i in range(g.n_layers)
     }
-    paged = PagedCache(caches, g, dict.fromkeys(caches, "CPU_ATTN"))
+    paged = PagedCache(caches, g, dict.fromkeys(caches, "CPU_ATTN/vec"))
     ids = list(range(7, 7 + 3 * n, 3))
     with tempfile.TemporaryDirectory() as tmp:
         target = open_target(tmp, model="bench", timeout=10.0)
@@ -178,12 +180,14 @@ def _ratio_row(
 def run(args: argparse.Namespace) -> list[Row]:
     tools = Path(__file__).resolve().parent
     sys.path.insert(0, str(tools.parent / "tests"))  # http_server: a tlkv serve process
+    import bench_vllm_tp
     from vllm_demo import make_model
 
     n_runs = 1 if args.quick else 3
     with tempfile.TemporaryDirectory() as tmp:
         model = make_model(Path(tmp) / "model", **MODEL)
         runs = [_one_run(i, model, Path(tmp)) for i in range(n_runs)]
+        tp_runs = [bench_vllm_tp.one_run(i, model, Path(tmp)) for i in range(n_runs)]
     return [
         _ratio_row(
             "TTFT warm, tlkv store dir vs ExampleConnector", runs, "warm", "example_warm", 1.0
@@ -204,4 +208,5 @@ def run(args: argparse.Namespace) -> list[Row]:
         _ratio_row("  first load vs later loads, tlkv HTTP", runs, "http_first_load", "http_warm"),
         _ratio_row("  first request vs later ones, no connector", runs, "cold_first", "cold"),
         *_load_rows(3 if args.quick else 9),
+        *bench_vllm_tp.rows(tp_runs, _ratio_row),
     ]

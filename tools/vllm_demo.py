@@ -11,7 +11,8 @@ greedy tokens and logprobs are identical.
 one ``RESULT {...}`` line: the tests and ``tools/bench.py vllm`` run every engine this way,
 each in its own process. SPEC: ``{"model": DIR, "dtype": "float16", "connector": {...}
 or null, "prompts": [{"tokens": [...], "salt": null, "pause": null}], "max_tokens": 4,
-"enable_prefix_caching": false, "llm": {more LLM(...) arguments}}`` (``pause``: a path;
+"enable_prefix_caching": false, "llm": {more LLM(...) arguments}, "layouts": {backend:
+layout name in ``_vllm_paged``, set before the engine starts}}`` (``pause``: a path;
 the engine touches ``<path>.ready`` and waits for ``<path>.go`` before that prompt).
 """
 
@@ -78,6 +79,16 @@ def tlkv_config(target: str, role: str = "kv_both", **extra: Any) -> dict[str, A
     }
 
 
+def tensor_parallel(size: int) -> tuple[dict[str, Any], dict[str, str]]:
+    """The ``LLM(...)`` arguments and the environment of a ``size``-rank tensor-parallel
+    engine on vLLM's CPU build: worker processes (``mp``), one core a rank (without
+    ``VLLM_CPU_OMP_THREADS_BIND`` vLLM refuses: "Not enough allowed NUMA nodes")."""
+    if size == 1:
+        return {}, {}
+    llm = {"tensor_parallel_size": size, "distributed_executor_backend": "mp"}
+    return llm, {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i) for i in range(size))}
+
+
 def prompt(n: int, seed: int = 1, vocab: int = 512) -> list[int]:
     """``n`` random token ids."""
     rng = random.Random(seed)
@@ -89,6 +100,14 @@ def _engine(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm.config import KVTransferConfig
 
     kw: dict[str, Any] = {}
+    if spec.get("layouts"):  # a test's deliberately wrong layout: {"CPU_ATTN": "TOKEN_KV"}
+        from kvstore.engines import _vllm_paged
+
+        for backend, layout in spec["layouts"].items():  # null: the backend unknown
+            if layout is None:
+                _vllm_paged.BACKEND_LAYOUTS.pop(backend, None)
+            else:
+                _vllm_paged.BACKEND_LAYOUTS[backend] = getattr(_vllm_paged, layout)
     if spec.get("connector"):
         kw["kv_transfer_config"] = KVTransferConfig(**spec["connector"])
     started = time.perf_counter()

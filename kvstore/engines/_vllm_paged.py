@@ -1,23 +1,28 @@
 """vLLM's paged KV cache <-> tlkv blocks: the layout check at registration, one gather per
 layer for the blocks saved; for the blocks loaded, stored v1 envelopes copied straight into
 their paged blocks with each CRC checked in the same pass (compiled ``scatter_crc``, a CPU
-f16 cache), else checked views copied per block and layer. ``PagedCache`` is the
-``BlockSlots`` a target loads into.
+f16 cache laid out B keys then B values), else checked views copied per block and
+layer. ``PagedCache`` is the ``BlockSlots`` a target loads into.
 
-The one paged layout read and written here is vLLM's CPU attention backend (``CPU_ATTN``):
-each layer's cache is ``[num_blocks, Hkv, B, 2 * D]`` whose memory per (block, head) is the
-block's ``B`` key rows then its ``B`` value rows (``cpu_attn.py`` views it as
-``[num_blocks, Hkv, 2 * B, D]`` and chunks dim 2), i.e. a ``[num_blocks, Hkv, 2, B, D]``
-view; a block of the envelope is ``[L][2][Hkv][B][D]``. Any other backend, a quantized
-``kv_cache_dtype``, MLA, sliding windows, several KV cache groups or tensor/pipeline
-parallelism is refused with ``UnsupportedLayoutError``. Every fact the connector relies on
-is checked against what vLLM registered, or refused.
+Each layer's cache is registered as a tensor of logical shape ``[num_blocks, h, B, 2 * D]``;
+where a backend puts keys and values inside it is its ``Layout`` (``BACKEND_LAYOUTS``, by
+backend and, for vLLM's CPU backend, the kernels' ISA: its "vec" kernels store a block's
+keys transposed, D rows of B tokens, then B value rows), viewed without a copy as keys
+and values ``[num_blocks, h, B, D]`` and proven at registration (``_vllm_proof``); a
+block of the envelope is ``[L][2][Hkv][B][D]``. Under tensor parallelism a rank's cache
+holds the heads ``[r*H/t, (r+1)*H/t)`` (``head_range``): blocks are stored whole (every
+head), so that engines of any TP size share them. An fp8 E4M3 cache is stored as v2
+(``_vllm_fp8``). Any other backend or ISA, another quantized ``kv_cache_dtype``, MLA,
+sliding windows, several KV cache groups, KV heads replicated across ranks or pipeline
+parallelism is refused with ``UnsupportedLayoutError``. Every fact the connector relies
+on is checked against what vLLM registered, or refused.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import ml_dtypes
@@ -29,10 +34,67 @@ from ..codec.geometry import Geometry
 from ..codec.layout import HEADER_SIZE, RECORD_SIZE
 from ..errors import CacheLayoutError
 from ..kvlayout import layers_from_views
+from ._vllm_fp8 import FP8_CACHE_DTYPES, encode_fp8, fp8_codes, slab_scales
 
-__all__ = ["KNOWN_BACKENDS", "PagedCache", "UnsupportedLayoutError", "check_config"]
+__all__ = [
+    "BACKEND_LAYOUTS",
+    "BLOCK_KV",
+    "CPU_VEC",
+    "KNOWN_BACKENDS",
+    "TOKEN_KV",
+    "Layout",
+    "PagedCache",
+    "UnsupportedLayoutError",
+    "check_config",
+    "head_range",
+]
 
-KNOWN_BACKENDS = ("CPU_ATTN",)  # paged layouts this module reads and writes
+
+@dataclass(frozen=True)
+class Layout:
+    """How a backend lays out one layer's paged cache: vLLM registers it as a tensor of
+    logical shape ``[num_blocks, h, B, C]`` (``C = 2 * D``; its strides are the physical
+    order), and ``view`` maps it, without a copy, to the layer's keys and values, two
+    ``[num_blocks, h, B, D]`` views."""
+
+    name: str
+    view: Callable[[Any, int, int, int], tuple[Any, Any]]  # (cache, h, B, D) -> (K, V)
+
+
+def _block_kv(t: Any, h: int, b: int, d: int) -> tuple[Any, Any]:
+    # Each (block, head) plane is B key rows, then B value rows.
+    planes = t.view(t.shape[0], h, 2, b, d)
+    return planes[:, :, 0], planes[:, :, 1]
+
+
+def _cpu_vec(t: Any, h: int, b: int, d: int) -> tuple[Any, Any]:
+    # vLLM's CPU attention with its "vec" kernels (x86 without AMX, or bf16 not on AMX):
+    # each (block, head) plane is the keys transposed, D rows of B tokens, then B value
+    # rows (shown by its cpu_attn_reshape_and_cache: the layout proof).
+    keys = t.view(t.shape[0], h, 2, d, b)[:, :, 0].transpose(2, 3)
+    return keys, t.view(t.shape[0], h, 2, b, d)[:, :, 1]
+
+
+def _token_kv(t: Any, h: int, b: int, d: int) -> tuple[Any, Any]:
+    # Each token's content is its key's D values, then its value's D values (the GPU
+    # backends: ``kv_cache.transpose(1, 2).split(head_size, dim=-1)``).
+    kv = t.unflatten(3, (2, d))
+    return kv[:, :, :, 0], kv[:, :, :, 1]
+
+
+BLOCK_KV = Layout("per block and head: B keys, then B values", _block_kv)
+CPU_VEC = Layout("per block and head: keys as D rows of B tokens, then B values", _cpu_vec)
+TOKEN_KV = Layout("per token: its key, then its value", _token_kv)
+# The layouts the connector reads, by attention backend (vLLM's CPU backend: by the
+# kernels' ISA, ``<backend>/<isa>``). Each is proven at registration by the backend's own
+# cache-write op (``_vllm_proof``); any other backend or ISA is refused by name.
+BACKEND_LAYOUTS: dict[str, Layout] = {
+    "CPU_ATTN/vec": CPU_VEC,
+    "FLASH_ATTN": TOKEN_KV,
+    "TRITON_ATTN": TOKEN_KV,
+    "FLASHINFER": TOKEN_KV,
+}
+KNOWN_BACKENDS = tuple(BACKEND_LAYOUTS)
 
 
 class UnsupportedLayoutError(CacheLayoutError):
@@ -50,9 +112,10 @@ def check_config(vllm_config: Any, kv_cache_config: Any) -> Geometry:
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     parallel = vllm_config.parallel_config
-    if cache.cache_dtype != "auto":
+    if cache.cache_dtype not in ("auto", *FP8_CACHE_DTYPES):
         raise UnsupportedLayoutError(
-            f"kv_cache_dtype {cache.cache_dtype!r} is a quantized cache (only 'auto' is read)"
+            f"kv_cache_dtype {cache.cache_dtype!r} is not read (only 'auto' and the E4M3 "
+            f"caches {', '.join(FP8_CACHE_DTYPES)}, kept as v2 envelopes)"
         )
     if getattr(model, "use_mla", False):
         raise UnsupportedLayoutError("MLA (latent KV) caches are not read")
@@ -60,10 +123,17 @@ def check_config(vllm_config: Any, kv_cache_config: Any) -> Geometry:
         raise UnsupportedLayoutError(
             f"sliding-window attention (window {model.get_sliding_window()}) is not read"
         )
-    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+    if parallel.pipeline_parallel_size != 1:
         raise UnsupportedLayoutError(
-            f"tensor/pipeline parallel shards (tp={parallel.tensor_parallel_size}, "
-            f"pp={parallel.pipeline_parallel_size}) are not read"
+            f"pipeline parallel stages (pp={parallel.pipeline_parallel_size}) are not read: "
+            "each stage holds only its own layers"
+        )
+    tp = int(parallel.tensor_parallel_size)
+    total_heads = int(model.get_total_num_kv_heads())
+    if total_heads % tp:
+        raise UnsupportedLayoutError(
+            f"{total_heads} KV heads over tensor_parallel_size {tp}: heads replicated across "
+            "ranks are not read (each rank must hold a distinct head range)"
         )
     groups = list(getattr(kv_cache_config, "kv_cache_groups", []) or [])
     if len(groups) != 1:
@@ -79,7 +149,19 @@ def check_config(vllm_config: Any, kv_cache_config: Any) -> Geometry:
         raise UnsupportedLayoutError(
             f"{n_layers} attention layers in the KV cache group, the model has {expected}"
         )
-    return Geometry(int(spec.block_size), n_layers, int(spec.num_kv_heads), int(spec.head_size))
+    if int(spec.num_kv_heads) * tp != total_heads:
+        raise UnsupportedLayoutError(
+            f"a rank's cache holds {spec.num_kv_heads} KV heads, the model has {total_heads} "
+            f"over tensor_parallel_size {tp}"
+        )
+    return Geometry(int(spec.block_size), n_layers, total_heads, int(spec.head_size))
+
+
+def head_range(geometry: Geometry, rank: int, world: int) -> tuple[int, int]:
+    """The KV heads ``[start, stop)`` rank ``rank`` of ``world`` tensor-parallel ranks holds
+    (vLLM splits them in order: ``[r*H/t, (r+1)*H/t)``)."""
+    per = geometry.n_kv_heads // world
+    return rank * per, (rank + 1) * per
 
 
 def _layer_index(name: str) -> int:
@@ -90,10 +172,19 @@ def _layer_index(name: str) -> int:
 
 class PagedCache:
     """The registered per-layer caches of one worker, in layer order, as
-    ``[num_blocks, Hkv, 2, B, D]`` views."""
+    ``[num_blocks, h, 2, B, D]`` views of the heads ``heads`` (``[start, stop)``: a
+    tensor-parallel rank's share; all of them by default) of blocks of ``geometry``
+    (the whole model's: what the target holds). Loads copy the rank's heads out of whole
+    blocks; ``gather`` copies out the rank's heads only (the connector joins the ranks'
+    parts before it saves)."""
 
     def __init__(
-        self, kv_caches: Mapping[str, Any], geometry: Geometry, backends: Mapping[str, str]
+        self,
+        kv_caches: Mapping[str, Any],
+        geometry: Geometry,
+        backends: Mapping[str, str],
+        heads: tuple[int, int] | None = None,
+        fp8_scales: Mapping[str, tuple[float, float]] | None = None,
     ) -> None:
         import torch
 
@@ -102,30 +193,57 @@ class PagedCache:
             raise UnsupportedLayoutError(
                 f"layers {names} are not the model's {geometry.n_layers} layers in order"
             )
-        b, h, d = geometry.block_tokens, geometry.n_kv_heads, geometry.head_dim
-        views = []
+        self.heads = heads or (0, geometry.n_kv_heads)
+        b, h, d = geometry.block_tokens, self.heads[1] - self.heads[0], geometry.head_dim
+        keys, values, layouts = [], [], []
         for name in names:
             backend = backends.get(name, "?")
-            if backend not in KNOWN_BACKENDS:
+            layout = BACKEND_LAYOUTS.get(backend)
+            if layout is None:
                 raise UnsupportedLayoutError(
                     f"layer {name}: attention backend {backend} has a paged layout this "
-                    f"connector does not read (known: {', '.join(KNOWN_BACKENDS)})"
+                    f"connector does not read (known: {', '.join(BACKEND_LAYOUTS)})"
                 )
             t = kv_caches[name]
-            if t.dim() != 4 or tuple(t.shape[1:]) != (h, b, 2 * d) or not t.is_contiguous():
+            if t.dim() != 4 or tuple(t.shape[1:]) != (h, b, 2 * d):
                 raise UnsupportedLayoutError(
-                    f"layer {name}: {backend} cache of shape {tuple(t.shape)} (contiguous="
-                    f"{t.is_contiguous()}), expected [num_blocks, {h}, {b}, {2 * d}]"
+                    f"layer {name}: {backend} cache of shape {tuple(t.shape)}, expected "
+                    f"[num_blocks, {h}, {b}, {2 * d}]"
                 )
-            if t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            if fp8_scales is not None and t.dtype in (torch.uint8, torch.float8_e4m3fn):
+                t = t.view(torch.uint8)  # E4M3 codes, copied as they are
+            elif t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
                 raise UnsupportedLayoutError(f"layer {name}: cache dtype {t.dtype} is not read")
-            views.append(t.view(t.shape[0], h, 2, b, d))
+            try:
+                k, v = layout.view(t, h, b, d)
+            except RuntimeError as exc:  # strides the layout cannot view
+                raise UnsupportedLayoutError(
+                    f"layer {name}: {backend} cache of strides {t.stride()} is not laid out "
+                    f"{layout.name}: {exc}"
+                ) from exc
+            keys.append(k)
+            values.append(v)
+            layouts.append(layout)
+        self.names = names
+        self.layout_names = [x.name for x in layouts]
         self.geometry = geometry
-        self.layers = views
-        self.dtype = views[0].dtype
-        self.device = views[0].device
+        self.whole = self.heads == (0, geometry.n_kv_heads)
+        self.keys, self.values = keys, values  # [num_blocks, h, B, D] each
+        # the compiled copy (``scatter_envelopes``) writes BLOCK_KV's contiguous planes
+        self._planes = set(layouts) == {BLOCK_KV} and all(
+            kv_caches[n].is_contiguous() for n in names
+        )
+        self._caches = [kv_caches[n] for n in names]
+        self.dtype = keys[0].dtype
+        # an fp8 cache: its v2 slab scales, from the layers' k_scale and v_scale
+        self.fp8 = (
+            None if fp8_scales is None else slab_scales(geometry, [fp8_scales[n] for n in names])
+        )
+        self.device = keys[0].device
         # numpy views sharing the paged memory (CPU): the v1 load path writes through them
-        self._np_layers = [self._numpy(v) for v in views] if self.device.type == "cpu" else []
+        cpu = self.device.type == "cpu"
+        self._np_keys = [self._numpy(x) for x in keys] if cpu else []
+        self._np_values = [self._numpy(x) for x in values] if cpu else []
 
     def _numpy(self, t: Any) -> np.ndarray:
         import torch
@@ -141,24 +259,33 @@ class PagedCache:
             return np.dtype(ml_dtypes.bfloat16)
         return np.dtype(np.float16 if self.dtype == torch.float16 else np.float32)
 
-    def gather(self, block_ids: Sequence[int]) -> np.ndarray:
-        """A copy of the full blocks ``block_ids`` as ``[n][L][2][Hkv][B][D]`` (one gather
-        per layer): the engine may reuse the blocks as soon as this returns."""
+    def gather(self, block_ids: Sequence[int]) -> Any:
+        """A copy of this cache's heads of the full blocks ``block_ids``, a CPU tensor
+        ``[n][L][2][h][B][D]`` (one gather per layer): the engine may reuse the blocks as
+        soon as this returns. ``as_numpy`` of it (whole heads) is what ``encode`` takes."""
         import torch
 
         g = self.geometry
+        h = self.heads[1] - self.heads[0]
         ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
         out = torch.empty(
-            (len(block_ids), g.n_layers, 2, g.n_kv_heads, g.block_tokens, g.head_dim),
-            dtype=self.dtype,
+            (len(block_ids), g.n_layers, 2, h, g.block_tokens, g.head_dim), dtype=self.dtype
         )
-        for i, layer in enumerate(self.layers):
-            out[:, i] = layer.index_select(0, ids).transpose(1, 2).cpu()
-        return self._numpy(out)
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            out[:, i, 0] = k.index_select(0, ids).cpu()
+            out[:, i, 1] = v.index_select(0, ids).cpu()
+        return out
+
+    def as_numpy(self, blocks: Any) -> np.ndarray:
+        """A numpy view of gathered blocks (a CPU tensor of this cache's dtype)."""
+        return self._numpy(blocks)
 
     def encode(self, blocks: np.ndarray, hashes: Sequence[int], version: int) -> bytes:
-        """One envelope of gathered blocks (``gather``), hashed ``hashes``: one encode."""
+        """One envelope of gathered blocks (``gather``), hashed ``hashes``: one encode (an
+        fp8 cache's: always v2, its codes as they are, ``_vllm_fp8``)."""
         g = self.geometry
+        if self.fp8 is not None:
+            return encode_fp8(g, blocks, self.fp8, hashes)
         return encode(
             g, [Block(int(h), g.block_tokens, blocks[i]) for i, h in enumerate(hashes)], version
         )
@@ -181,15 +308,31 @@ class PagedCache:
                     f"block {i} has geometry {bv.geometry.as_tuple()} and {bv.n_tokens} "
                     f"tokens, the engine's is {g.as_tuple()} (full blocks)"
                 )
-        if self.device.type == "cpu" and all(bv.version == 1 for bv in views):
-            dst = self._np_layers
-            for bv, block in zip(views, block_ids):
-                src = bv.kv.transpose(0, 2, 1, 3, 4)  # [L][Hkv][2][B][D]
-                for i, layer in enumerate(dst):
-                    layer[block] = src[i]
+        if self.fp8 is not None:  # the codes as they are, only under the engine's scales
+            self._copy_blocks(fp8_codes(views, self.fp8), block_ids)
+        elif self.device.type == "cpu" and all(bv.version == 1 for bv in views):
+            self._copy_blocks([bv.kv for bv in views], block_ids)
         else:
             self._scatter_staged(views, block_ids)
         return sum(len(bv.raw) for bv in views)
+
+    def _copy_blocks(self, blocks: Sequence[np.ndarray], block_ids: Sequence[int]) -> None:
+        """Copy whole blocks ``[L][2][Hkv][B][D]`` (this cache's heads of them) into the
+        paged blocks ``block_ids``: through numpy views of a CPU cache, else per block."""
+        import torch
+
+        h0, h1 = self.heads
+        for kv, block in zip(blocks, block_ids):
+            src = kv[:, :, h0:h1]  # [L][2][h][B][D]
+            if self._np_keys:
+                for i, (k, v) in enumerate(zip(self._np_keys, self._np_values)):
+                    k[block] = src[i, 0]
+                    v[block] = src[i, 1]
+                continue
+            t = torch.from_numpy(np.ascontiguousarray(src)).to(self.device)
+            for i, (k, v) in enumerate(zip(self.keys, self.values)):
+                k[block].copy_(t[i, 0])
+                v[block].copy_(t[i, 1])
 
     def scatter_envelopes(
         self, envelopes: Sequence[Any], block_ids: Sequence[int], *, joined: bool = False
@@ -205,14 +348,20 @@ class PagedCache:
         """
         import torch
 
-        if self.device.type != "cpu" or self.dtype != torch.float16 or sys.byteorder != "little":
+        if (
+            self.device.type != "cpu"
+            or self.dtype != torch.float16
+            or sys.byteorder != "little"
+            or not self.whole  # a rank's heads: checked views, sliced (``scatter``)
+            or not self._planes
+        ):
             return None
         g = self.geometry
         run = g.block_tokens * g.head_dim * 2  # one (K or V, head) row block of f16
         return scatter_crc(
             envelopes,
             HEADER_SIZE + RECORD_SIZE,
-            self._np_layers,
+            [self._numpy(c.view(c.shape[0], g.n_kv_heads, 2, -1)) for c in self._caches],
             block_ids,
             g.n_kv_heads,
             run,
@@ -230,10 +379,12 @@ class PagedCache:
         )
         layers_from_views(views, np_dtype, out=staging)
         shaped = staging.reshape(g.n_layers, 2, g.n_kv_heads, n, g.block_tokens, g.head_dim)
+        shaped = shaped[:, :, self.heads[0] : self.heads[1]]
         if np_dtype == np.dtype(ml_dtypes.bfloat16):
             src = torch.from_numpy(shaped.view(np.int16)).view(torch.bfloat16)
         else:
             src = torch.from_numpy(shaped)
         ids = torch.as_tensor(list(block_ids[:n]), dtype=torch.long, device=self.device)
-        for i, layer in enumerate(self.layers):
-            layer.index_copy_(0, ids, src[i].permute(2, 1, 0, 3, 4).to(self.device))
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            k.index_copy_(0, ids, src[i, 0].permute(1, 0, 2, 3).to(self.device))
+            v.index_copy_(0, ids, src[i, 1].permute(1, 0, 2, 3).to(self.device))

@@ -16,6 +16,7 @@ _COUNTERS = (
     "bytes_saved",
     "blocks_present",
     "load_errors",
+    "scale_misses",
     "save_errors",
 )
 
@@ -23,7 +24,8 @@ _COUNTERS = (
 @dataclass
 class TlkvConnectorStats(KVConnectorStats):  # type: ignore[misc]
     """Counters of one interval: blocks and bytes loaded and saved, blocks the target
-    already held, failed loads (blocks) and saves (attempts)."""
+    already held, failed loads (blocks; ``scale_misses``: of them, blocks an fp8 cache
+    did not load because their format or scales are not its own) and saves (attempts)."""
 
     def __post_init__(self) -> None:
         for k in _COUNTERS:

@@ -49,7 +49,13 @@ Choices:
   ``get_kv_connector_stats``: the "KV Transfer metrics" line of a server with stats
   logging; no Prometheus series of its own) and logged once per kind.
 - A layout the connector cannot show it reads exactly is refused at start-up by name
-  (``UnsupportedLayoutError``, logged); the connector then does nothing. A target whose
+  (``UnsupportedLayoutError``, logged); the connector then does nothing, on the workers
+  and (told through vLLM's handshake metadata) the scheduler. Each layer's layout is
+  proven at registration through the backend's own cache-write op (``_vllm_proof``).
+- Tensor parallelism: rank 0 gathers the ranks' heads and saves whole blocks, so
+  engines of any TP size share them; each rank loads its heads (``wait_for_save``).
+- fp8 E4M3 caches are stored as v2 envelopes byte for byte, and loaded only under the
+  same layer scales (``_vllm_fp8``). A target whose
   namespace holds another geometry stops the engine at start-up (``ShapeError`` naming
   both).
 - Tested with vLLM 0.32.0 (``TESTED_VLLM``); another version whose connector API differs
@@ -68,8 +74,10 @@ from typing import Any
 from ..codec.hashing import chain_hashes
 from ..codec.tokens import chain_tokens
 from ..errors import ShapeError
+from ._vllm_fp8 import FP8_CACHE_DTYPES, ScalesMismatchError
 from ._vllm_names import namespace, salted
-from ._vllm_paged import PagedCache, UnsupportedLayoutError, check_config
+from ._vllm_paged import PagedCache, UnsupportedLayoutError, check_config, head_range
+from ._vllm_proof import prove_layout
 from ._vllm_saver import Saver
 from ._vllm_stats import TlkvConnectorStats
 from .targets import Target, open_target
@@ -78,6 +86,7 @@ try:
     import vllm
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
         KVConnectorBase_V1,
+        KVConnectorHandshakeMetadata,
         KVConnectorMetadata,
         KVConnectorRole,
     )
@@ -107,6 +116,8 @@ _API = {
     "wait_for_save": ["self"],
     "get_block_ids_with_load_errors": ["self"],
     "get_kv_connector_stats": ["self"],
+    "get_handshake_metadata": ["self"],
+    "set_xfer_handshake_metadata": ["self", "metadata"],
     "build_kv_connector_stats": ["cls", "data"],
 }
 
@@ -162,6 +173,14 @@ class TlkvMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
 
 @dataclass
+class TlkvHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
+    """Worker -> scheduler, once after the caches are registered: why the worker's
+    connector is off (None: on), so that the scheduler plans no load it cannot do."""
+
+    off: str | None = None
+
+
+@dataclass
 class _Req:
     model: str
     hashes: list[int]  # every full block of the prompt
@@ -189,6 +208,9 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         name = model.served_model_name
         name = name[0] if isinstance(name, list | tuple) and name else name or model.model
         kv_dtype = str(model.dtype).replace("torch.", "")
+        self._fp8 = vllm_config.cache_config.cache_dtype in FP8_CACHE_DTYPES
+        if self._fp8:  # E4M3 codes and their layer scales: a namespace of their own
+            kv_dtype, self._version = "fp8_e4m3", 2
         self._model = str(extra.get("model") or namespace(str(name), model.revision, kv_dtype))
         self._targets: dict[str, Target] = {}
         self._reqs: dict[str, _Req] = {}
@@ -198,6 +220,7 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._warned: set[str] = set()
         self._load_errors: set[int] = set()
         self._paged: Any = None
+        self._tp_rank, self._tp_size = 0, int(vllm_config.parallel_config.tensor_parallel_size)
         self._recompute = cfg.kv_load_failure_policy == "recompute"
         self._off: str | None = None
         try:
@@ -388,22 +411,46 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # --- worker side ----------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        """Learn each layer's paged layout; refuse (and stay off) what is not understood.
-        Then prepare the loads' target, so that the engine's first load costs what the
+        """Learn each layer's paged layout and prove it through the backend's own
+        cache-write op (``_vllm_proof``); refuse (and stay off) what is not understood or
+        not proven. Then prepare the loads' target, so that the engine's first load costs what the
         next ones do."""
         if self._off:
             return
         ctx = self._vllm_config.compilation_config.static_forward_context
-        backends = {}
+        backends, classes, layers = {}, {}, {}
         for name in kv_caches:
-            layer = ctx.get(name)
-            backend = getattr(layer, "attn_backend", None)
+            layer = layers[name] = ctx.get(name)
+            backend = classes[name] = getattr(layer, "attn_backend", None)
             backends[name] = backend.get_name() if backend is not None else "unknown"
+            if getattr(layer, "isa", None):  # vLLM's CPU backend: the layout is its kernels'
+                backends[name] += f"/{layer.isa}"
+        if self._tp_size > 1:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self._tp_rank = int(get_tensor_model_parallel_rank())
+        heads = head_range(self._geometry, self._tp_rank, self._tp_size)
+        scales = None
+        if self._fp8:  # each layer's k_scale and v_scale, as its attention uses them
+            scales = {
+                n: (float(layers[n]._k_scale_float), float(layers[n]._v_scale_float))
+                for n in kv_caches
+            }
         try:
-            self._paged = PagedCache(kv_caches, self._geometry, backends)
+            paged = PagedCache(kv_caches, self._geometry, backends, heads, scales)
+            prove_layout(paged, kv_caches, layers, classes, self._vllm_config.model_config.dtype)
         except UnsupportedLayoutError as exc:
             self._refuse(exc)
             return
+        self._paged = paged
+        log.info(
+            "tlkv connector: layout of %d layers (%s, heads %d..%d) proven through %s's "
+            "cache-write op",
+            len(paged.names),
+            paged.layout_names[0],
+            *paged.heads,
+            ", ".join(sorted(set(backends.values()))),
+        )
         if self._load_on:
             self._prepare_loads()
 
@@ -433,8 +480,9 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 done, nbytes = self._target(load.model).load(
                     load.hashes, self._paged, load.block_ids
                 )
-                self._count("blocks_loaded", done)
-                self._count("bytes_loaded", nbytes)
+                if self._tp_rank == 0:  # every rank loads its heads of the same blocks
+                    self._count("blocks_loaded", done)
+                    self._count("bytes_loaded", nbytes)
                 if done < len(load.hashes):
                     raise LookupError(
                         f"{len(load.hashes) - done} of {len(load.hashes)} blocks were no "
@@ -444,6 +492,8 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self._failed("load", exc)
                 failed = load.block_ids[done:]
                 self._count("load_errors", len(failed))
+                if isinstance(exc, ScalesMismatchError):
+                    self._count("scale_misses", len(failed))
                 self._load_errors.update(failed)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -457,14 +507,28 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def wait_for_save(self) -> None:
         """Copy this step's new full blocks out of the paged cache (one gather per layer)
         and hand them to the saver thread, which asks the target which it lacks, encodes
-        only those and puts them: the engine never waits on a store or a server."""
+        only those and puts them: the engine never waits on a store or a server.
+
+        Under tensor parallelism every rank copies out its heads and rank 0 gathers the
+        ranks' parts (vLLM's TP group, in the same step on every rank: each rank runs the
+        same saves) into whole blocks, which rank 0 alone saves: a stored block always
+        holds every head, so engines of any TP size share it and a lookup finds a block
+        only when every rank's part is in it."""
         if self._paged is None or not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, TlkvMetadata)
         for save in meta.saves:
             try:
-                blocks = self._paged.gather(save.block_ids)
+                part = self._paged.gather(save.block_ids)
+                if self._tp_size > 1:
+                    from vllm.distributed.parallel_state import get_tp_group
+
+                    whole = get_tp_group().gather(part.to(self._paged.device), dst=0, dim=3)
+                    if self._tp_rank != 0:
+                        continue
+                    part = whole.cpu()  # [n][L][2][Hkv][B][D], the ranks' heads in order
+                blocks = self._paged.as_numpy(part)
                 args = (save.model, save.hashes, blocks, save.tokens, save.parent)
                 if not self._saver.submit(*args):
                     raise BufferError("the save queue is full: blocks dropped")
@@ -497,6 +561,19 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _count(self, key: str, n: int) -> None:
         with self._stats_lock:
             self._stats.data[key] += n
+
+    def get_handshake_metadata(self) -> TlkvHandshake:
+        """The worker's state after registration (vLLM hands it to the scheduler)."""
+        return TlkvHandshake(self._off)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        """On the scheduler: a worker whose connector is off (its layout refused or not
+        proven) turns the scheduler's off too, naming the worker's reason."""
+        for rank, shake in sorted(metadata.items()):
+            off = getattr(shake, "off", None)
+            if off and not self._off:
+                self._off = f"worker {rank}: {off}"
+                log.error("tlkv connector is off: %s", self._off)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Block ids whose load failed since the last call (vLLM recomputes them)."""

