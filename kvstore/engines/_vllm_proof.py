@@ -32,7 +32,8 @@ def _pattern(shape: tuple[int, ...], dtype: Any, seed: int, scale: float | None)
     view that reads the wrong element fails. ``scale`` (an fp8 cache's layer scale): the
     values are E4M3 codes (no NaN) times ``scale``, which the cache-write op quantizes back
     to the same codes (the rounding error of the product is far below half an E4M3 step),
-    and the bytes are the codes."""
+    and the bytes are the codes. Neither NaN nor -0 is among them: -0 equals 0, and a
+    quantizer may write either (vLLM's CPU op on AVX-512 writes 0x00 for -0)."""
     import ml_dtypes
     import numpy as np
     import torch
@@ -43,6 +44,7 @@ def _pattern(shape: tuple[int, ...], dtype: Any, seed: int, scale: float | None)
         return values, values
     codes = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
     codes[(codes & 0x7F) == 0x7F] = 0x3F  # the NaN codes: 1.875 instead
+    codes[codes == 0x80] = 0xBF  # -0: -1.875 instead
     exact = codes.numpy().view(ml_dtypes.float8_e4m3fn).astype(np.float32)
     return (torch.from_numpy(exact) * scale).to(dtype), codes
 
