@@ -1,7 +1,7 @@
 """Benchmarks with ratios against baselines measured in the same run.
 
 Usage: python tools/bench.py
-       {codec,store,scale,http,archive,client,engine,grpc,tier,vllm,sglang,events,peers}
+       {codec,store,scale,http,archive,client,engine,grpc,tier,vllm,sglang,events,peers,fleet}
        [--quick] [--markdown]
 
 Each suite lives in tools/bench_<suite>.py and exposes ``run(args) -> list[Row]``;
@@ -34,6 +34,7 @@ SUITES = (
     "sglang",
     "events",
     "peers",
+    "fleet",
 )
 
 
