@@ -11,8 +11,11 @@ median) is the engine's TTFT. Per run (new prompts and fresh directories each):
   fresh engine on that directory); ExampleConnector cold (saving) and warm; warm with
   tlkv through ``tlkv serve`` (HTTP) on that directory, a server that has served a
   prefix already (of a fifth prompt, saved with the others), as a running one has.
-- Ratios: tlkv warm / Example warm (target <= 1.0), tlkv HTTP warm / Example warm
-  (<= 1.3), tlkv warm / cold (<= 0.5), tlkv cold saving / cold (<= 1.15).
+- vLLM's own MooncakeStoreConnector cold (saving) and warm, where Mooncake's wheel is
+  installed (``bench_vllm_mooncake``: a standalone Mooncake store of DRAM).
+- Ratios: tlkv warm / Example warm (target <= 0.9), tlkv HTTP warm / Example warm
+  (<= 1.0), tlkv warm and HTTP warm / Mooncake warm, tlkv warm / cold (<= 0.5), tlkv cold
+  saving / cold (<= 1.15).
 - First load: the TTFT of a fresh engine's first request, every block of it stored,
   against the first request of a fresh engine without a connector (<= 0.5, as warm vs
   cold), and against the same engine's later loads: the one-off cost a fresh engine pays,
@@ -38,6 +41,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import bench_vllm_mooncake
 from bench_common import Row, best_seconds
 
 MODEL = {"layers": 12, "hidden": 768, "heads": 12, "kv_heads": 4, "head_dim": 64}
@@ -46,7 +50,13 @@ PROMPTS = 3  # measured prompts per engine (distinct, each cold or each stored):
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
-def _ttft(run_engine: Any, model: str, connector: Any, prompts: list[list[int]]) -> dict[str, Any]:
+def _ttft(
+    run_engine: Any,
+    model: str,
+    connector: Any,
+    prompts: list[list[int]],
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """One engine's TTFTs: of its first request (``first``) and the median of the others
     (``seconds``), and the fewest tokens any of them had cached."""
     spec = {
@@ -55,7 +65,7 @@ def _ttft(run_engine: Any, model: str, connector: Any, prompts: list[list[int]])
         "prompts": [{"tokens": p} for p in prompts],
         "max_tokens": 1,
     }
-    results = run_engine(spec, ENV)["results"]
+    results = run_engine(spec, {**ENV, **(env or {})})["results"]
     return {
         "first": results[0]["seconds"],
         "seconds": statistics.median(r["seconds"] for r in results[1 : PROMPTS + 1]),
@@ -95,6 +105,13 @@ def _one_run(run: int, model: str, root: Path) -> dict[str, float]:
     ex = _ttft(run_engine, model, _example(example), prompts)
     assert ex["cached"] > 0, ex
     t["example_warm"] = ex["seconds"]
+    if bench_vllm_mooncake.available() is None:  # the same prompts saved, then loaded
+        (root / f"mooncake-{run}").mkdir()
+        with bench_vllm_mooncake.store(root / f"mooncake-{run}") as env:
+            _ttft(run_engine, model, bench_vllm_mooncake.CONNECTOR, prompts, env)
+            mc = _ttft(run_engine, model, bench_vllm_mooncake.CONNECTOR, prompts, env)
+        assert mc["cached"] > 0, mc
+        t["mooncake_warm"] = mc["seconds"]
     with ServerProcess(Path(data)) as server:
         with Client(server.url, model=namespace(model, None, "float16")) as client:
             assert client.prefix(hashes=chain_hashes(server_warm_up[:-1], 32))
@@ -177,6 +194,26 @@ def _ratio_row(
     return Row(name, value, base, med, f"<= {target}x", med <= target)
 
 
+def _mooncake_rows(runs: list[dict[str, float]]) -> list[Row]:
+    """tlkv's warm TTFTs against vLLM's MooncakeStoreConnector (``bench_vllm_mooncake``)."""
+    if not all("mooncake_warm" in r for r in runs):
+        return [
+            Row(
+                "TTFT warm vs MooncakeStoreConnector",
+                "not run",
+                bench_vllm_mooncake.available() or "",
+            )
+        ]
+    return [
+        _ratio_row(
+            "TTFT warm, tlkv store dir vs MooncakeStoreConnector", runs, "warm", "mooncake_warm"
+        ),
+        _ratio_row(
+            "TTFT warm, tlkv HTTP vs MooncakeStoreConnector", runs, "http_warm", "mooncake_warm"
+        ),
+    ]
+
+
 def run(args: argparse.Namespace) -> list[Row]:
     tools = Path(__file__).resolve().parent
     sys.path.insert(0, str(tools.parent / "tests"))  # http_server: a tlkv serve process
@@ -190,11 +227,12 @@ def run(args: argparse.Namespace) -> list[Row]:
         tp_runs = [bench_vllm_tp.one_run(i, model, Path(tmp)) for i in range(n_runs)]
     return [
         _ratio_row(
-            "TTFT warm, tlkv store dir vs ExampleConnector", runs, "warm", "example_warm", 1.0
+            "TTFT warm, tlkv store dir vs ExampleConnector", runs, "warm", "example_warm", 0.9
         ),
         _ratio_row(
-            "TTFT warm, tlkv HTTP vs ExampleConnector", runs, "http_warm", "example_warm", 1.3
+            "TTFT warm, tlkv HTTP vs ExampleConnector", runs, "http_warm", "example_warm", 1.0
         ),
+        *_mooncake_rows(runs),
         _ratio_row("TTFT warm (tlkv) vs cold (no connector)", runs, "warm", "cold", 0.5),
         _ratio_row("TTFT cold, tlkv saving vs no connector", runs, "cold_save", "cold", 1.15),
         _ratio_row(
