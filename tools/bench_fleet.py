@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import os
 import shutil
+import socket
 import statistics
 import sys
 import tempfile
@@ -65,29 +66,48 @@ def _keys(index: int, hashes: list[int]) -> list[str]:
     return [f"fleet-{index}-{h:016x}" for h in hashes]
 
 
-def _mooncake(cfg: dict[str, Any], segment: int, local: int) -> Any:
+def _distinct_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports, all bound at once while they are chosen (a free
+    port picked in each of 64 processes at the same moment was taken twice, and Mooncake's
+    metadata server refused the second client: "Duplicate rpc_meta key")."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _mooncake(cfg: dict[str, Any], segment: int, local: int, port: int) -> Any:
+    """A Mooncake client on ``port`` (another free one if that fails, twice at most)."""
     from mooncake.store import MooncakeDistributedStore
 
-    store = MooncakeDistributedStore()
-    rc = store.setup(
-        f"127.0.0.1:{free_port()}",
-        f"http://127.0.0.1:{cfg['meta_port']}/metadata",
-        segment,
-        local,
-        "tcp",
-        "",
-        f"127.0.0.1:{cfg['master_port']}",
-    )
-    if rc != 0:
-        raise RuntimeError(f"Mooncake setup failed: {rc}")
-    return store
+    rc = None
+    for attempt in range(3):
+        store = MooncakeDistributedStore()
+        rc = store.setup(
+            f"127.0.0.1:{port if attempt == 0 else free_port()}",
+            f"http://127.0.0.1:{cfg['meta_port']}/metadata",
+            segment,
+            local,
+            "tcp",
+            "",
+            f"127.0.0.1:{cfg['master_port']}",
+        )
+        if rc == 0:
+            return store
+    raise RuntimeError(f"Mooncake setup failed: {rc}")
 
 
 class _Holder:
     """The process whose Mooncake segment holds the values; it also puts tlkv's blocks."""
 
     def __init__(self, cfg: dict[str, Any]) -> None:
-        self.mc = _mooncake(cfg, HOLDER_SEGMENT, 512 << 20)
+        self.mc = _mooncake(cfg, HOLDER_SEGMENT, 512 << 20, cfg["ports"][0])
         self.cfg = cfg
 
     def fill(self, clients: int) -> int:
@@ -130,7 +150,7 @@ class _Engine:
         self.http = Client(cfg["url"])
         self.grpc = TransferClient(f"127.0.0.1:{cfg['grpc_port']}")
         self.grpc.connect()
-        self.mc = _mooncake(cfg, 0, CLIENT_LOCAL_BUFFER)
+        self.mc = _mooncake(cfg, 0, CLIENT_LOCAL_BUFFER, cfg["ports"][index + 1])
         self.buf = np.zeros(BLOCKS * self.single, np.uint8)
         _ok(self.mc.register_buffer(self.buf.ctypes.data, self.buf.nbytes))
         self.ptrs = [self.buf.ctypes.data + i * self.single for i in range(BLOCKS)]
@@ -267,6 +287,7 @@ def run(args: argparse.Namespace) -> list[Row]:
             "grpc_port": grpc_port,
             "master_port": mport,
             "meta_port": meta,
+            "ports": _distinct_ports(max(levels) + 1),  # the holder's, then each engine's
         }
         holder = _Proc(ctx, cfg, -1)
         procs.append(holder)
