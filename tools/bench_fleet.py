@@ -376,9 +376,9 @@ def _rows(
             per_run = [a / b for a, b in zip(ours["rates"], peer["rates"])]
             spread = f", runs {min(per_run):.2f}-{max(per_run):.2f}x" if len(per_run) > 1 else ""
             starved = level == 16 and ours["p99"] / ours["p50"] > STARVED
-            # An error fails even a --quick smoke run; the latency bound is judged only in
-            # a full one.
-            ok = ours["errors"] == 0 and peer["errors"] == 0 and not (judged and starved)
+            # An error of tlkv's fails even a --quick smoke run (the peer's are shown, a
+            # measurement); the latency bound is judged only in a full one.
+            ok = ours["errors"] == 0 and not (judged and starved)
             rows.append(
                 Row(
                     f"{level} clients, {label} vs batch_get_into ({len(per_run)} runs{spread})",
