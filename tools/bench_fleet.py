@@ -32,7 +32,6 @@ import statistics
 import sys
 import tempfile
 import time
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,7 @@ import numpy as np
 from bench_common import Row, free_port, server_env
 from bench_http import _Server
 from bench_peers import _ok, _start_master
+from bench_procs import BenchProcess
 
 GEOMETRY = (16, 4, 8, 128)
 BLOCKS = 64
@@ -204,56 +204,9 @@ class _Engine:
             self.mc.close()
 
 
-def _serve(conn: Connection, cfg: dict[str, Any], index: int) -> None:
-    """A bench process (the holder at -1, else an engine): runs what the bench names."""
-    os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's INFO lines, per client
-    try:
-        side: Any = _Holder(cfg) if index < 0 else _Engine(cfg, index)
-    except Exception as exc:
-        conn.send(f"{type(exc).__name__}: {exc}")
-        return
-    conn.send("ready")
-    try:
-        while True:
-            name, args = conn.recv()
-            if name == "stop":
-                break
-            try:
-                conn.send(("ok", getattr(side, name)(*args)))
-            except Exception as exc:
-                conn.send(("error", f"{type(exc).__name__}: {exc}"))
-    finally:
-        side.close()
-
-
-class _Proc:
-    def __init__(self, ctx: Any, cfg: dict[str, Any], index: int) -> None:
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, cfg, index), daemon=True)
-        self.proc.start()
-
-    def ready(self) -> None:
-        if not self.conn.poll(300):
-            raise RuntimeError("a bench process did not start")
-        status = self.conn.recv()
-        if status != "ready":
-            raise RuntimeError(f"a bench process failed: {status}")
-
-    def send(self, name: str, *args: Any) -> None:
-        self.conn.send((name, args))
-
-    def result(self) -> Any:
-        status, value = self.conn.recv()
-        if status != "ok":
-            raise RuntimeError(value)
-        return value
-
-    def stop(self) -> None:
-        with contextlib.suppress(Exception):
-            self.conn.send(("stop", ()))
-        self.proc.join(30)
-        if self.proc.is_alive():
-            self.proc.kill()
+def _side(cfg: dict[str, Any], index: int) -> Any:
+    """What a bench process holds: the holder at -1, else engine ``index``."""
+    return _Holder(cfg) if index < 0 else _Engine(cfg, index)
 
 
 def _start_tlkv(root: Path) -> tuple[_Server, int]:
@@ -275,7 +228,7 @@ def run(args: argparse.Namespace) -> list[Row]:
     root = Path(tempfile.mkdtemp(prefix="tlkv-bench-fleet-", dir=base))
     ctx = multiprocessing.get_context("spawn")
     server = master = None
-    procs: list[_Proc] = []
+    procs: list[BenchProcess] = []
     logs: list[Any] = []
     results: dict[tuple[int, str], list[dict[str, Any]]] = {}
     try:
@@ -289,12 +242,12 @@ def run(args: argparse.Namespace) -> list[Row]:
             "meta_port": meta,
             "ports": _distinct_ports(max(levels) + 1),  # the holder's, then each engine's
         }
-        holder = _Proc(ctx, cfg, -1)
+        holder = BenchProcess(ctx, _side, cfg, -1)
         procs.append(holder)
         holder.ready()
         holder.send("fill", max(levels))
         holder.result()
-        engines = [_Proc(ctx, cfg, i) for i in range(max(levels))]
+        engines = [BenchProcess(ctx, _side, cfg, i) for i in range(max(levels))]
         procs.extend(engines)
         for e in engines:
             e.ready()

@@ -41,13 +41,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from bench_common import Row, free_port, median_seconds
 from bench_http import GEOMETRY, _start_tlkv
+from bench_procs import BenchProcess
 
 EXIST_KEYS = 8192
 EXIST_CALLS = 20
@@ -231,49 +231,6 @@ def _ok(rc: Any) -> None:
             raise RuntimeError(f"Mooncake call failed: {code}")
 
 
-def _serve(conn: Connection, cfg: dict[str, Any], writer: bool) -> None:
-    """A writer or reader process: runs the methods the bench names, answers results."""
-    side = _Side(cfg, writer)
-    conn.send("ready")
-    try:
-        while True:
-            name, args = conn.recv()
-            if name == "stop":
-                break
-            try:
-                conn.send(("ok", getattr(side, name)(*args)))
-            except Exception as exc:
-                conn.send(("error", f"{type(exc).__name__}: {exc}"))
-    finally:
-        side.close()
-
-
-class _Worker:
-    def __init__(self, ctx: Any, cfg: dict[str, Any], writer: bool) -> None:
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, cfg, writer), daemon=True)
-        self.proc.start()
-        if not self.conn.poll(120):
-            raise RuntimeError("a bench process did not start")
-        ready = self.conn.recv()
-        if ready != "ready":
-            raise RuntimeError(f"a bench process failed: {ready}")
-
-    def call(self, name: str, *args: Any) -> Any:
-        self.conn.send((name, args))
-        status, value = self.conn.recv()
-        if status != "ok":
-            raise RuntimeError(f"{name}: {value}")
-        return value
-
-    def stop(self) -> None:
-        with contextlib.suppress(Exception):
-            self.conn.send(("stop", ()))
-        self.proc.join(30)
-        if self.proc.is_alive():
-            self.proc.kill()
-
-
 def _send(port: int, nbytes: int) -> None:
     payload = memoryview(np.ones(nbytes, np.uint8))
     with socket.create_connection(("127.0.0.1", port)) as s:
@@ -339,7 +296,7 @@ def run(args: argparse.Namespace) -> list[Row]:
     root = Path(tempfile.mkdtemp(prefix="tlkv-bench-peers-", dir=base))
     ctx = multiprocessing.get_context("spawn")
     server = master = None
-    workers: list[_Worker] = []
+    workers: list[BenchProcess] = []
     logs: list[Any] = []
     try:
         server = _start_tlkv(root / "store", root / "tlkv.log", max_body="256MiB")
@@ -353,10 +310,12 @@ def run(args: argparse.Namespace) -> list[Row]:
             "n": n,
             "single": single,
         }
-        writer = _Worker(ctx, cfg, writer=True)
-        workers.append(writer)
-        reader = _Worker(ctx, cfg, writer=False)
+        writer = BenchProcess(ctx, _Side, cfg, True)
+        workers.append(writer)  # stopped at the end even if it fails to start
+        writer.ready(120)
+        reader = BenchProcess(ctx, _Side, cfg, False)
         workers.append(reader)
+        reader.ready(120)
         loop = _loopback(ctx, n * single, max(3, runs))
         results = []
         last: dict[str, Any] = {}
