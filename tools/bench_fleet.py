@@ -29,15 +29,14 @@ import os
 import shutil
 import socket
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_common import Row, free_port, server_env
-from bench_http import _Server
+from bench_common import Row, free_port
+from bench_http import _start_tlkv
 from bench_peers import _ok, _start_master
 from bench_procs import BenchProcess
 
@@ -209,14 +208,6 @@ def _side(cfg: dict[str, Any], index: int) -> Any:
     return _Holder(cfg) if index < 0 else _Engine(cfg, index)
 
 
-def _start_tlkv(root: Path) -> tuple[_Server, int]:
-    port, grpc_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "kvstore", "serve", "--data", str(root / "store")]
-    cmd += ["--port", str(port), "--grpc-port", str(grpc_port), "--workers", "2"]
-    cmd += ["--geometry", ",".join(map(str, GEOMETRY)), "--log-level", "warning"]
-    return _Server(cmd, port, server_env(), root / "tlkv.log"), grpc_port
-
-
 def run(args: argparse.Namespace) -> list[Row]:
     import multiprocessing
 
@@ -232,7 +223,10 @@ def run(args: argparse.Namespace) -> list[Row]:
     logs: list[Any] = []
     results: dict[tuple[int, str], list[dict[str, Any]]] = {}
     try:
-        server, grpc_port = _start_tlkv(root)
+        grpc_port = free_port()
+        server = _start_tlkv(
+            root / "store", root / "tlkv.log", geometry=GEOMETRY, grpc_port=grpc_port
+        )
         master, mport, meta, log = _start_master(root)
         logs.append(log)
         cfg = {

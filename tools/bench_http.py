@@ -183,11 +183,20 @@ class _Server:
         stop_process(self.proc, self._log)
 
 
-def _start_tlkv(data: Path, log: Path, max_body: str = "64MiB") -> _Server:
+def _start_tlkv(
+    data: Path,
+    log: Path,
+    max_body: str = "64MiB",
+    geometry: tuple[int, ...] = GEOMETRY,
+    grpc_port: int | None = None,
+) -> _Server:
+    """``tlkv serve`` with WORKERS workers on a free port (and gRPC on ``grpc_port``)."""
     port = free_port()
     cmd = [sys.executable, "-m", "kvstore", "serve", "--data", str(data), "--port", str(port)]
-    cmd += ["--workers", str(WORKERS), "--geometry", ",".join(map(str, GEOMETRY))]
+    cmd += ["--workers", str(WORKERS), "--geometry", ",".join(map(str, geometry))]
     cmd += ["--log-level", "warning", "--max-body", max_body]
+    if grpc_port is not None:
+        cmd += ["--grpc-port", str(grpc_port)]
     return _Server(cmd, port, server_env(), log)
 
 
