@@ -156,3 +156,50 @@ def test_joined_envelopes_refuse_sizes_that_are_not_whole_blocks(impl: str) -> N
     with pytest.raises(ValueError, match="record_bytes"):
         checksum.scatter_crc([env], OFFSET, layers, [0, 1, 2], 2, RUN, -1)
     assert all(not layer.any() for layer in layers)
+
+
+@pytest.mark.parametrize(
+    "geometry",
+    [G, Geometry(16, 2, 3, 64), Geometry(5, 2, 2, 6)],  # 8x8 tiles, vLLM-like, element by element
+    ids=["16x8", "16x64", "5x6"],
+)
+@pytest.mark.parametrize("joined", [False, True])
+def test_keys_transposed_land_as_d_rows_of_b_tokens(
+    impl: str, geometry: Geometry, joined: bool
+) -> None:
+    g = geometry
+    b, d, h = g.block_tokens, g.head_dim, g.n_kv_heads
+    kv = np.random.default_rng(6).standard_normal((4, *g.kv_shape)).astype(np.float16)
+    blocks = [Block(3000 + i, b, kv[i]) for i in range(4)]
+    envs = [encode(g, blocks)] if joined else [encode(g, [x]) for x in blocks]
+    # a CPU "vec" paged cache: per (block, head) the keys as D rows of B, then B value rows
+    layers = [np.zeros((6, h, 2, b * d), np.float16) for _ in range(g.n_layers)]
+    ids = [5, 0, 3, 2]
+    run = b * d * 2
+    got = checksum.scatter_crc(
+        envs, OFFSET, layers, ids, h, run, RECORD_SIZE if joined else None, b
+    )
+    assert got == 4
+    for lyr, layer in enumerate(layers):
+        for i, slot in enumerate(ids):
+            keys = layer[slot, :, 0].reshape(h, d, b)
+            values = layer[slot, :, 1].reshape(h, b, d)
+            assert keys.tobytes() == kv[i, lyr, 0].transpose(0, 2, 1).tobytes()
+            assert values.tobytes() == kv[i, lyr, 1].tobytes()
+        assert not layer[[1, 4]].any()
+
+
+def test_transposed_keys_still_stop_at_a_failed_crc(impl: str) -> None:
+    _, envs = _blocks(3, seed=7)
+    bad = bytearray(envs[1])
+    bad[OFFSET + 3] ^= 0x04  # a key byte: the CRC covers the run as stored
+    layers = _layers()
+    assert (
+        checksum.scatter_crc([envs[0], bad, envs[2]], OFFSET, layers, [0, 1, 2], 2, RUN, None, 16)
+        == 1
+    )
+    assert not any(layer[2].any() for layer in layers)
+    with pytest.raises(ValueError, match="key_tokens"):
+        checksum.scatter_crc(envs, OFFSET, layers, [0, 1, 2], 2, RUN, None, 3)  # 16*8 % 3
+    with pytest.raises(ValueError, match="key_tokens"):
+        checksum.scatter_crc(envs, OFFSET, layers, [0, 1, 2], 2, RUN, None, -1)

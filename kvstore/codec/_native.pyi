@@ -12,6 +12,7 @@ def scatter_crc(
     n_heads: int,
     run_bytes: int,
     record_bytes: int | None = None,
+    key_tokens: int = 0,
     /,
 ) -> int: ...
 def crc32c_with(kernel: str, data: Any, crc: int = 0, /) -> int: ...

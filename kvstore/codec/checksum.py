@@ -85,6 +85,7 @@ def scatter_crc(
     n_heads: int,
     run_bytes: int,
     record_bytes: int | None = None,
+    key_tokens: int = 0,
 ) -> int:
     """Copy envelopes' block payloads, run by run, to their slots in per-layer arrays (a
     paged KV cache's layout), each envelope's CRC-32C checked in the same pass; returns how
@@ -100,7 +101,10 @@ def scatter_crc(
     (any dtype); the ``i``-th block of the envelopes, in order, goes to block
     ``block_ids[i]`` of each. The copy stops at the first envelope whose CRC does not
     match, whose blocks may then be partly written: the caller must treat them and the
-    blocks after them as not loaded.
+    blocks after them as not loaded. ``key_tokens`` ``B > 0``: each K run is ``B`` rows
+    of 2-byte elements and is written as its transpose, ``D`` rows of ``B`` (vLLM's CPU
+    "vec" layout keeps a block's keys so); the CRC covers the run as the envelope holds
+    it.
 
     The compiled kernel copies each 2-D run and checksums it in one pass; elsewhere the CRC
     of each envelope is checked before its copy.
@@ -113,7 +117,14 @@ def scatter_crc(
     if _native is not None and _crc32c is _native.crc32c:
         return int(
             _native.scatter_crc(
-                envelopes, payload_offset, layers, block_ids, n_heads, run_bytes, record_bytes
+                envelopes,
+                payload_offset,
+                layers,
+                block_ids,
+                n_heads,
+                run_bytes,
+                record_bytes,
+                key_tokens,
             )
         )
     n_layers = len(layers)
@@ -121,6 +132,11 @@ def scatter_crc(
         raise ValueError("scatter_crc: one block id per envelope and at least one layer")
     if record_bytes is not None and record_bytes < 0:
         raise ValueError("scatter_crc: record_bytes None or >= 0")
+    if key_tokens < 0 or (key_tokens and run_bytes % (2 * key_tokens)):
+        raise ValueError(
+            "scatter_crc: key_tokens >= 0, and run_bytes a whole number of rows of "
+            "key_tokens 2-byte elements"
+        )
     views = [np.asarray(layer).reshape(-1).view(np.uint8) for layer in layers]
     per_block = n_heads * 2 * run_bytes
     if any(v.size % per_block or v.size != views[0].size for v in views):
@@ -160,6 +176,12 @@ def scatter_crc(
             src = np.frombuffer(mv, np.uint8, payload, payload_offset + j * stride)
             src = src.reshape(n_layers, 2, n_heads, run_bytes)
             for layer, part in zip(shaped, src, strict=True):
-                layer[block_ids[done + j]] = part.transpose(1, 0, 2)
+                slot = layer[block_ids[done + j]]  # [n_heads][2][run_bytes]
+                slot[:, 1] = part[1]
+                if key_tokens:
+                    keys = part[0].view(np.uint16).reshape(n_heads, key_tokens, -1)
+                    slot[:, 0].view(np.uint16)[:] = keys.transpose(0, 2, 1).reshape(n_heads, -1)
+                else:
+                    slot[:, 0] = part[0]
         done += k
     return done

@@ -1,8 +1,9 @@
 """vLLM's paged KV cache <-> tlkv blocks: the layout check at registration, one gather per
 layer for the blocks saved; for the blocks loaded, stored v1 envelopes copied straight into
 their paged blocks with each CRC checked in the same pass (compiled ``scatter_crc``, a CPU
-f16 cache laid out B keys then B values), else checked views copied per block and
-layer. ``PagedCache`` is the ``BlockSlots`` a target loads into.
+f16 cache laid out B keys then B values, or the "vec" kernels' keys transposed on the
+way), else checked views copied per block and layer. ``PagedCache`` is the
+``BlockSlots`` a target loads into.
 
 Each layer's cache is registered as a tensor of logical shape ``[num_blocks, h, B, 2 * D]``;
 where a backend puts keys and values inside it is its ``Layout`` (``BACKEND_LAYOUTS``, by
@@ -229,10 +230,11 @@ class PagedCache:
         self.geometry = geometry
         self.whole = self.heads == (0, geometry.n_kv_heads)
         self.keys, self.values = keys, values  # [num_blocks, h, B, D] each
-        # the compiled copy (``scatter_envelopes``) writes BLOCK_KV's contiguous planes
-        self._planes = set(layouts) == {BLOCK_KV} and all(
-            kv_caches[n].is_contiguous() for n in names
-        )
+        # the compiled copy (``scatter_envelopes``) writes BLOCK_KV's contiguous planes,
+        # and CPU_VEC's with each key run transposed on the way
+        self._planes = len(set(layouts)) == 1 and layouts[0] in (BLOCK_KV, CPU_VEC)
+        self._planes = self._planes and all(kv_caches[n].is_contiguous() for n in names)
+        self._keys_transposed = layouts[0] is CPU_VEC
         self._caches = [kv_caches[n] for n in names]
         self.dtype = keys[0].dtype
         # an fp8 cache: its v2 slab scales, from the layers' k_scale and v_scale
@@ -366,6 +368,7 @@ class PagedCache:
             g.n_kv_heads,
             run,
             RECORD_SIZE if joined else None,
+            g.block_tokens if self._keys_transposed else 0,
         )
 
     def _scatter_staged(self, views: Sequence[BlockView], block_ids: Sequence[int]) -> None:

@@ -1,16 +1,17 @@
 /* scatter_crc(envelopes, payload_offset, layers, block_ids, n_heads, run_bytes,
- *             record_bytes=None) -> int
+ *             record_bytes=None, key_tokens=0) -> int
  * Each block's payload, [L][2][n_heads][run_bytes], copied run by run to its slot in L
  * per-layer arrays laid out [n_slots][n_heads][2][run_bytes] (the K and V runs of a head
  * side by side: the layout of a paged KV cache such as vLLM's CPU one), with each
  * envelope's CRC-32C checked in the same pass; returns how many leading blocks are in
- * envelopes that matched their CRC.
+ * envelopes that matched their CRC. key_tokens B > 0: each K run, B rows of 2-byte
+ * elements, is written as its transpose (vLLM's CPU "vec" layout: D rows of B tokens).
  */
 #include "native.h"
 
 PyDoc_STRVAR(scatter_crc_doc,
 "scatter_crc(envelopes, payload_offset, layers, block_ids, n_heads, run_bytes,\n"
-"            record_bytes=None, /) -> int\n\n"
+"            record_bytes=None, key_tokens=0, /) -> int\n\n"
 "Copy the block payloads of envelopes, run by run, to their slots in per-layer arrays\n"
 "while checking each envelope's CRC-32C in the same pass (a fused copy + CRC); returns\n"
 "how many leading blocks are in envelopes that matched their CRC (the copy stops at the first envelope that does not, whose blocks may already\n"
@@ -21,7 +22,54 @@ PyDoc_STRVAR(scatter_crc_doc,
 "`record_bytes` apart, so its length is payload_offset + k * payload + (k - 1) *\n"
 "record_bytes + 4. `layers` are the L writable C-contiguous per-layer arrays\n"
 "[n_slots][n_heads][2][run_bytes]; the i-th block of the envelopes, in order, goes to\n"
-"slot block_ids[i] of each. Raises ValueError for sizes or ids that do not fit.");
+"slot block_ids[i] of each. key_tokens B > 0: each K run is B rows of 2-byte elements\n"
+"and is written transposed (D rows of B), its CRC taken over the run as stored. Raises\n"
+"ValueError for sizes or ids that do not fit.");
+
+/* dst[c][r] = src[r][c] for a rows x cols array of 2-byte elements: 8x8 tiles through
+ * SSE2 unpacks where both sides are multiples of 8 (x86-64's baseline), else element by
+ * element. The source is a run just checksummed, so it is read from L1. */
+static void transpose_u16(uint8_t *dst, const uint8_t *src, size_t rows, size_t cols) {
+#if defined(KV_X86) && defined(__SSE2__)
+    if (rows % 8 == 0 && cols % 8 == 0) {
+        for (size_t i = 0; i < rows; i += 8)
+            for (size_t j = 0; j < cols; j += 8) {
+                const uint8_t *s = src + (i * cols + j) * 2;
+                size_t sr = cols * 2;
+                __m128i a0 = _mm_loadu_si128((const __m128i *)(s + 0 * sr));
+                __m128i a1 = _mm_loadu_si128((const __m128i *)(s + 1 * sr));
+                __m128i a2 = _mm_loadu_si128((const __m128i *)(s + 2 * sr));
+                __m128i a3 = _mm_loadu_si128((const __m128i *)(s + 3 * sr));
+                __m128i a4 = _mm_loadu_si128((const __m128i *)(s + 4 * sr));
+                __m128i a5 = _mm_loadu_si128((const __m128i *)(s + 5 * sr));
+                __m128i a6 = _mm_loadu_si128((const __m128i *)(s + 6 * sr));
+                __m128i a7 = _mm_loadu_si128((const __m128i *)(s + 7 * sr));
+                __m128i t0 = _mm_unpacklo_epi16(a0, a1), t1 = _mm_unpackhi_epi16(a0, a1);
+                __m128i t2 = _mm_unpacklo_epi16(a2, a3), t3 = _mm_unpackhi_epi16(a2, a3);
+                __m128i t4 = _mm_unpacklo_epi16(a4, a5), t5 = _mm_unpackhi_epi16(a4, a5);
+                __m128i t6 = _mm_unpacklo_epi16(a6, a7), t7 = _mm_unpackhi_epi16(a6, a7);
+                __m128i u0 = _mm_unpacklo_epi32(t0, t2), u1 = _mm_unpackhi_epi32(t0, t2);
+                __m128i u2 = _mm_unpacklo_epi32(t1, t3), u3 = _mm_unpackhi_epi32(t1, t3);
+                __m128i u4 = _mm_unpacklo_epi32(t4, t6), u5 = _mm_unpackhi_epi32(t4, t6);
+                __m128i u6 = _mm_unpacklo_epi32(t5, t7), u7 = _mm_unpackhi_epi32(t5, t7);
+                uint8_t *d = dst + (j * rows + i) * 2;
+                size_t dr = rows * 2;
+                _mm_storeu_si128((__m128i *)(d + 0 * dr), _mm_unpacklo_epi64(u0, u4));
+                _mm_storeu_si128((__m128i *)(d + 1 * dr), _mm_unpackhi_epi64(u0, u4));
+                _mm_storeu_si128((__m128i *)(d + 2 * dr), _mm_unpacklo_epi64(u1, u5));
+                _mm_storeu_si128((__m128i *)(d + 3 * dr), _mm_unpackhi_epi64(u1, u5));
+                _mm_storeu_si128((__m128i *)(d + 4 * dr), _mm_unpacklo_epi64(u2, u6));
+                _mm_storeu_si128((__m128i *)(d + 5 * dr), _mm_unpackhi_epi64(u2, u6));
+                _mm_storeu_si128((__m128i *)(d + 6 * dr), _mm_unpacklo_epi64(u3, u7));
+                _mm_storeu_si128((__m128i *)(d + 7 * dr), _mm_unpackhi_epi64(u3, u7));
+            }
+        return;
+    }
+#endif
+    for (size_t c = 0; c < cols; c++)
+        for (size_t r = 0; r < rows; r++)
+            memcpy(dst + (c * rows + r) * 2, src + (r * cols + c) * 2, 2);
+}
 
 /* Per envelope: the CRC of the bytes before the first payload, then per block the
  * payload's runs in envelope order, each copied to its place in the block's slot (fused
@@ -31,7 +79,7 @@ PyDoc_STRVAR(scatter_crc_doc,
 static Py_ssize_t scatter_crc_run(crc_kernel_fn fn, crc_copy_fn copy, Py_buffer *envs,
                                   const Py_ssize_t *counts, Py_ssize_t n, size_t off, size_t rec,
                                   uint8_t **layers, Py_ssize_t n_layers, const Py_ssize_t *ids,
-                                  size_t heads, size_t run) {
+                                  size_t heads, size_t run, size_t key_tokens) {
     size_t block = heads * 2 * run;
     Py_ssize_t done = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -48,7 +96,13 @@ static Py_ssize_t scatter_crc_run(crc_kernel_fn fn, crc_copy_fn copy, Py_buffer 
                 uint8_t *dst = layers[l] + (size_t)ids[done + j] * block;
                 for (size_t k = 0; k < 2; k++)
                     for (size_t h = 0; h < heads; h++) {
-                        crc = copy_crc(fn, copy, crc, dst + (h * 2 + k) * run, src, run);
+                        uint8_t *to = dst + (h * 2 + k) * run;
+                        if (k == 0 && key_tokens) {
+                            crc = fn(crc, src, run);
+                            transpose_u16(to, src, key_tokens, run / 2 / key_tokens);
+                        } else {
+                            crc = copy_crc(fn, copy, crc, to, src, run);
+                        }
                         src += run;
                     }
             }
@@ -65,17 +119,23 @@ static Py_ssize_t scatter_crc_run(crc_kernel_fn fn, crc_copy_fn copy, Py_buffer 
 
 static PyObject *py_scatter_crc(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (check_nargs("scatter_crc", nargs, 6, 7) < 0)
+    if (check_nargs("scatter_crc", nargs, 6, 8) < 0)
         return NULL;
     Py_ssize_t off = PyLong_AsSsize_t(args[1]);
     Py_ssize_t heads = PyLong_AsSsize_t(args[4]);
     Py_ssize_t run = PyLong_AsSsize_t(args[5]);
     Py_ssize_t rec = -1; /* None: single-block envelopes */
-    if (nargs == 7 && args[6] != Py_None)
+    if (nargs >= 7 && args[6] != Py_None)
         rec = PyLong_AsSsize_t(args[6]);
+    Py_ssize_t key_tokens = nargs == 8 ? PyLong_AsSsize_t(args[7]) : 0;
     if (PyErr_Occurred())
         return NULL;
-    if (off < 0 || heads < 1 || run < 1 || (nargs == 7 && args[6] != Py_None && rec < 0)) {
+    if (key_tokens < 0 || (key_tokens > 0 && run % (2 * key_tokens) != 0)) {
+        PyErr_SetString(PyExc_ValueError, "scatter_crc: key_tokens >= 0, and run_bytes a "
+                                          "whole number of rows of key_tokens 2-byte elements");
+        return NULL;
+    }
+    if (off < 0 || heads < 1 || run < 1 || (nargs >= 7 && args[6] != Py_None && rec < 0)) {
         PyErr_SetString(PyExc_ValueError, "scatter_crc: payload_offset >= 0, n_heads >= 1, "
                                           "run_bytes >= 1, record_bytes None or >= 0");
         return NULL;
@@ -179,7 +239,7 @@ static PyObject *py_scatter_crc(PyObject *self, PyObject *const *args, Py_ssize_
     Py_BEGIN_ALLOW_THREADS
     ok = scatter_crc_run(crc_run, crc_run_copy, envs, counts, n, (size_t)off,
                          rec < 0 ? 0 : (size_t)rec, bases, n_layers, ids, (size_t)heads,
-                         (size_t)run);
+                         (size_t)run, (size_t)key_tokens);
     Py_END_ALLOW_THREADS
     result = PyLong_FromSsize_t(ok);
 done:
