@@ -219,6 +219,12 @@ class KeySet:
         """How many leading hashes are stored in ``txn``'s snapshot."""
         if not queries.size:
             return 0
+        # A chain not held from its first block (a new prompt) is answered by one lookup,
+        # before the copy of the key set is brought to this snapshot (``txn`` has
+        # buffers=True: the value found is not copied).
+        first = int(queries[0])
+        if not first or txn.get(BLOCK_KEY.pack(first), None, self._dbs.blocks) is None:
+            return 0
         present = self._present(txn, queries.size)
         if present is None:
             found = self._probe(txn, queries, stop_at_miss=True)
