@@ -358,6 +358,20 @@ def test_configs_that_cannot_be_read_are_refused(
         make_backend(make_pool(), str(tmp_path / "kv"), fields=fields)
 
 
+def test_sync_0_stores_pages_without_an_fsync_and_other_values_are_refused(
+    tmp_path: Path,
+) -> None:
+    pool = make_pool()
+    backend = make_backend(pool, str(tmp_path / "kv"), interface_v1=1, sync=0)
+    keys = page_keys(4)
+    written, read = _round_trip(backend, pool, keys, True)
+    assert _same(written, read)
+    target = backend._target(backend.namespace)._target  # the backend's store target
+    assert target.store.sync is False
+    with pytest.raises(ValueError, match="'sync' must be 1 or 0"):
+        make_backend(make_pool(), str(tmp_path / "kv2"), sync="no")
+
+
 def test_no_model_name_is_refused_unless_the_config_names_one(tmp_path: Path) -> None:
     with pytest.raises(CacheLayoutError, match="no model name"):
         make_backend(make_pool(), str(tmp_path / "kv"), model_name=None)

@@ -206,3 +206,19 @@ def test_open_target_shares_one_store_per_directory(tmp_path: Path) -> None:
     with Store(tmp_path / "other") as other:  # the caller's own store is not shared
         assert as_target(other).has(hashes) == [False, False]
     assert np.array_equal(a.has(hashes), [True, True])
+
+
+def test_a_store_target_without_sync_is_one_setting_per_directory(tmp_path: Path) -> None:
+    def store_of(target: Target) -> Store:
+        assert isinstance(target, StoreTarget) and isinstance(target.store, Store)
+        return target.store
+
+    fast = open_target(tmp_path / "d", model="a", sync=False)
+    assert store_of(fast).sync is False
+    _, hashes, blocks = random_blocks(G, 2)
+    assert fast.put(encode(G, blocks)) == 2
+    assert store_of(open_target(tmp_path / "d", model="b", sync=False)).sync is False
+    with pytest.raises(ValueError, match=r"open in this process with sync=False.*sync=True"):
+        open_target(tmp_path / "d", model="c")  # a durable target cannot share it
+    assert store_of(open_target(tmp_path / "e")).sync is True
+    assert fast.has(hashes) == [True, True]

@@ -14,7 +14,9 @@ time), over 5 rounds (3 with --quick); the target is >= 1.0x in the median.
   fast path for existence). It has no zero-copy interface: SGLang calls it through the
   generic path (flat page copies), so that is its only row.
 - tlkv: a store directory, durable (each call's put is fsynced before it returns),
-  through ``interface_v1`` (zero-copy, what the docs configure) and the generic path.
+  through ``interface_v1`` (zero-copy, what the docs configure) and the generic path;
+  the writes also with ``"sync": 0`` (commits left to the page cache, as HiCacheFile's
+  writes are: the fastest mode a user can choose, labelled), on a directory of its own.
 
 Needs SGLang (``docs/sglang.md``): run it with the SGLang venv's python.
 """
@@ -84,7 +86,9 @@ def run(args: argparse.Namespace) -> list[Row]:
     with tempfile.TemporaryDirectory(prefix="tlkv-bench-sglang-") as tmp:
         peer = demo.make_file_backend(pool, str(Path(tmp) / "file"), enable_metadata_cache=True)
         mine = demo.make_backend(pool, str(Path(tmp) / "kv"), interface_v1=1)
+        fast = demo.make_backend(pool, str(Path(tmp) / "kv-nosync"), interface_v1=1, sync=0)
         p_state, m_state = demo.controller(peer, pool), demo.controller(mine, pool)
+        f_state = demo.controller(fast, pool)
         op = demo.operation()
 
         def keys(kind: str, r: int) -> list[str]:
@@ -98,15 +102,19 @@ def run(args: argparse.Namespace) -> list[Row]:
                 raise RuntimeError(f"a call did not complete: {got!r}")
 
         # writes: fresh keys per round
-        for label, name in (("interface_v1", "_page_set_zero_copy"),
-                            ("generic", "_generic_page_set")):  # fmt: skip
+        for mode, state in (("durable", m_state), ("sync=0", f_state)):
+            for label, name in (("interface_v1", "_page_set_zero_copy"),
+                                ("generic", "_generic_page_set")):  # fmt: skip
+                kind = f"{label} {mode}"
 
-            def tlkv_set(r: int, name: str = name, label: str = label) -> None:
-                check(demo.controller_call(name, m_state, keys(label, r), src))
+                def tlkv_set(
+                    r: int, name: str = name, kind: str = kind, state: Any = state
+                ) -> None:
+                    check(demo.controller_call(name, state, keys(kind, r), src))
 
-            peer_t, mine_t = _paired([(file_set(label), tlkv_set)], rounds)
-            rows.append(_row(f"sglang set {n} pages, tlkv {label} (durable)", nbytes,
-                             peer_t, mine_t))  # fmt: skip
+                peer_t, mine_t = _paired([(file_set(kind), tlkv_set)], rounds)
+                rows.append(_row(f"sglang set {n} pages, tlkv {label} ({mode})", nbytes,
+                                 peer_t, mine_t))  # fmt: skip
         # reads and lookups of pages both hold
         held = demo.page_keys(n, seed=4242)
         check(demo.controller_call("_generic_page_set", p_state, held, src))
@@ -145,4 +153,5 @@ def run(args: argparse.Namespace) -> list[Row]:
         )  # fmt: skip
         rows.append(_row("sglang batch_exists, first page absent (200 calls)", 0, peer_t, mine_t))
         mine.close()
+        fast.close()
     return rows

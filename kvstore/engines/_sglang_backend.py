@@ -41,7 +41,7 @@ __all__ = ["TlkvHiCacheStorage"]
 log = logging.getLogger("sglang.tlkv")
 
 _SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
-_OWN_KEYS = frozenset({"target", "model", "format", "token", "timeout"})
+_OWN_KEYS = frozenset({"target", "model", "format", "token", "timeout", "sync"})
 COUNTERS = (
     "pages_loaded",  # pages copied into the host pool, checked
     "pages_missed",  # pages asked for and not loaded: absent, evicted or failing a check
@@ -74,7 +74,7 @@ class TlkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     Raises:
         CacheLayoutError: an MLA model, split heads, or no model name to key pages on.
-        ValueError: a ``format`` other than 1 or 2.
+        ValueError: a ``format`` other than 1 or 2, a ``sync`` other than 1 or 0.
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None) -> None:
@@ -98,6 +98,10 @@ class TlkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.target_spec = str(extra.get("target", "./tlkv-data"))
         self.token = extra.get("token") or os.environ.get("TLKV_TOKEN")
         self.timeout = float(extra.get("timeout", 5.0))
+        sync = extra.get("sync", 1)
+        if sync not in (0, 1):  # True and False compare equal to 1 and 0
+            raise ValueError(f"tlkv 'sync' must be 1 or 0, found {sync!r}")
+        self.sync = bool(sync)
         self.model = str(model)
         self.config = storage_config
         self.pages: HostPages | None = None
@@ -161,7 +165,7 @@ class TlkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             t = self._targets.get(namespace)
             if t is None:
                 t = self._targets[namespace] = open_page_target(
-                    self.target_spec, namespace, self.token, self.timeout
+                    self.target_spec, namespace, self.token, self.timeout, self.sync
                 )
             return t
 

@@ -64,6 +64,8 @@ class PageTarget:
         self._target.close()
 
 
-def open_page_target(spec: str, namespace: str, token: str | None, timeout: float) -> PageTarget:
-    """Namespace ``namespace`` of the target ``spec``."""
-    return PageTarget(open_target(spec, model=namespace, token=token, timeout=timeout))
+def open_page_target(
+    spec: str, namespace: str, token: str | None, timeout: float, sync: bool = True
+) -> PageTarget:
+    """Namespace ``namespace`` of the target ``spec`` (``sync``: a store directory's)."""
+    return PageTarget(open_target(spec, model=namespace, token=token, timeout=timeout, sync=sync))

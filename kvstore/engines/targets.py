@@ -440,14 +440,23 @@ _stores: dict[tuple[int, str], Store] = {}
 _stores_lock = threading.Lock()
 
 
-def _shared_store(path: str) -> Store:
+def _shared_store(path: str, sync: bool = True) -> Store:
     """The process's one ``Store`` on ``path``, opened after any fork (LMDB allows one
-    environment per process and path: every target and engine of the process shares it)."""
+    environment per process and path: every target and engine of the process shares it).
+
+    Raises:
+        ValueError: the store is open in this process with the other ``sync``.
+    """
     key = (os.getpid(), os.path.realpath(path))
     with _stores_lock:
         store = _stores.get(key)
         if store is None:
-            store = _stores[key] = Store(path)
+            store = _stores[key] = Store(path, sync=sync)
+        elif store.sync != sync:
+            raise ValueError(
+                f"store directory {path} is open in this process with sync={store.sync}; "
+                f"a target asked for sync={sync} (one setting per directory and process)"
+            )
         return store
 
 
@@ -457,6 +466,7 @@ def open_target(
     model: str | None = None,
     token: str | None = None,
     timeout: float = DEFAULT_TIMEOUT,
+    sync: bool = True,
 ) -> Target:
     """The target named by ``spec``, addressing namespace ``model`` (None: ``default``).
 
@@ -467,6 +477,12 @@ def open_target(
         model: the namespace (a model id).
         token: the server's bearer token.
         timeout: seconds per call to a server.
+        sync: a store directory's ``Store(sync=)``: False commits without an fsync
+            (``Store``'s documented risk: for a cache that can be rebuilt). A server
+            keeps its own setting.
+
+    Raises:
+        ValueError: the store directory is open in this process with the other ``sync``.
     """
     from ..transfer import GRPC_SCHEME
 
@@ -479,7 +495,7 @@ def open_target(
         from ..transfer import TransferClient
 
         return GrpcTarget(TransferClient(text, token, timeout=timeout, model=model), owned=True)
-    store = _shared_store(text)
+    store = _shared_store(text, sync)
     return StoreTarget(store.model(model) if model is not None else store)
 
 

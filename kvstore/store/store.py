@@ -178,6 +178,11 @@ class Store:
         return self._h.env.capacity
 
     @property
+    def sync(self) -> bool:
+        """Whether a write returns only once its commit is fsynced (``sync`` at open)."""
+        return bool(self._h.env.sync)
+
+    @property
     def hits(self) -> int:
         """This handle's reads in this process that found their block."""
         return self._h.hits
