@@ -203,3 +203,6 @@ def test_transposed_keys_still_stop_at_a_failed_crc(impl: str) -> None:
         checksum.scatter_crc(envs, OFFSET, layers, [0, 1, 2], 2, RUN, None, 3)  # 16*8 % 3
     with pytest.raises(ValueError, match="key_tokens"):
         checksum.scatter_crc(envs, OFFSET, layers, [0, 1, 2], 2, RUN, None, -1)
+    with pytest.raises(ValueError, match="key_tokens"):  # 2 * it wraps to -2 in 64 bits
+        checksum.scatter_crc(envs, OFFSET, layers, [0, 1, 2], 2, RUN, None, 2**63 - 1)
+    assert not any(layer[2].any() for layer in layers)

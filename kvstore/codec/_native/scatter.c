@@ -130,7 +130,9 @@ static PyObject *py_scatter_crc(PyObject *self, PyObject *const *args, Py_ssize_
     Py_ssize_t key_tokens = nargs == 8 ? PyLong_AsSsize_t(args[7]) : 0;
     if (PyErr_Occurred())
         return NULL;
-    if (key_tokens < 0 || (key_tokens > 0 && run % (2 * key_tokens) != 0)) {
+    /* key_tokens > run / 2 first: 2 * key_tokens cannot overflow below it */
+    if (key_tokens < 0 ||
+        (key_tokens > 0 && (key_tokens > run / 2 || run % (2 * key_tokens) != 0))) {
         PyErr_SetString(PyExc_ValueError, "scatter_crc: key_tokens >= 0, and run_bytes a "
                                           "whole number of rows of key_tokens 2-byte elements");
         return NULL;
