@@ -233,7 +233,7 @@ class PagedCache:
         # the compiled copy (``scatter_envelopes``) writes BLOCK_KV's contiguous planes,
         # and CPU_VEC's with each key run transposed on the way
         self._planes = len(set(layouts)) == 1 and layouts[0] in (BLOCK_KV, CPU_VEC)
-        self._planes = self._planes and all(kv_caches[n].is_contiguous() for n in names)
+        self._planes &= all(kv_caches[n].is_contiguous() for n in names)
         self._keys_transposed = layouts[0] is CPU_VEC
         self._caches = [kv_caches[n] for n in names]
         self.dtype = keys[0].dtype
