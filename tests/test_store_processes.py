@@ -178,6 +178,49 @@ def _mp_worker(path: str, me: int, rounds: int, queue: multiprocessing.Queue) ->
         queue.put(("error", me, repr(exc)))
 
 
+def _filler(path: str, seconds: float, queue: multiprocessing.Queue) -> None:
+    """Puts 32 KiB blocks into a store of a 1 MiB initial map for ``seconds``: its
+    commits outgrow every map another process has just sized."""
+    g = Geometry(16, 2, 4, 64)
+    kv = np.ones(g.kv_shape, np.float16)
+    n = 0
+    try:
+        with Store(path, map_bytes=1 << 20, sync=False) as s:
+            queue.put("started")
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                n += 1
+                s.put(encode(g, [Block(n, 16, kv)]))
+        queue.put(n)
+    except BaseException as exc:  # reported to the parent
+        queue.put(repr(exc))
+
+
+def test_a_store_opens_while_another_process_keeps_growing_it(tmp_path: Path) -> None:
+    """LMDB sizes a new map to the pages in use; a commit elsewhere that outgrows it
+    before py-lmdb's first transaction raised MapResizedError out of Store() (1,606 of
+    4,761 opens in 4 s failed so): the open adopts the new size and goes on."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    path = str(tmp_path / "s")
+    Store(path, map_bytes=1 << 20).close()
+    filler = ctx.Process(target=_filler, args=(path, 3.0, queue))
+    filler.start()
+    assert queue.get(timeout=60) == "started"
+    opened, errors = 0, []
+    end = time.monotonic() + 1.5
+    while time.monotonic() < end:
+        try:
+            Store(path, map_bytes=1 << 20).close()
+            opened += 1
+        except StoreError as exc:
+            errors.append(str(exc))
+    put = queue.get(timeout=60)
+    filler.join(timeout=60)
+    assert isinstance(put, int) and put > 100, put
+    assert opened > 50 and errors == [], (opened, errors[:3], len(errors))
+
+
 def test_two_processes_read_and_write_concurrently(tmp_path: Path) -> None:
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()

@@ -68,6 +68,10 @@ MAP_ALIGN = 2 << 20
 _MAX_READERS = 512
 _SPARE_TXNS = 8
 _SPACE_SLACK = 16 << 20  # a failed write with less free disk than need + this: disk full
+# How long opening a store retries while other processes' commits keep outgrowing the map
+# it has just sized (each retry adopts the new size): a writer growing it without pause
+# leaves a window now and then, a store whose map never settles is an error.
+_RESIZE_RETRY_SECONDS = 10.0
 
 
 # How long a remap waits for zero-copy bodies held by transports to be released: longer
@@ -192,25 +196,35 @@ class LmdbEnv:
         self._write_behind = WriteBehind(os.path.join(path, "data.mdb"), enabled=sync)
 
     def _open_env(self, map_size: int, sync: bool, slots: int) -> Any:
-        return lmdb.open(
-            self.path,
-            map_size=map_size,
-            subdir=True,
-            max_dbs=slots,
-            sync=sync,
-            metasync=sync,
-            readahead=False,
-            max_readers=_MAX_READERS,
-            max_spare_txns=_SPARE_TXNS,
-            mode=0o644,
-        )
+        """``lmdb.open``, again while another process's commits outgrow the map between
+        LMDB's open (which sizes the map to the pages in use) and the first transaction
+        py-lmdb begins in it (``MapResizedError``)."""
+        deadline = time.monotonic() + _RESIZE_RETRY_SECONDS
+        while True:
+            try:
+                return lmdb.open(
+                    self.path,
+                    map_size=map_size,
+                    subdir=True,
+                    max_dbs=slots,
+                    sync=sync,
+                    metasync=sync,
+                    readahead=False,
+                    max_readers=_MAX_READERS,
+                    max_spare_txns=_SPARE_TXNS,
+                    mode=0o644,
+                )
+            except lmdb.MapResizedError:
+                if time.monotonic() > deadline:
+                    raise
 
     def open(self, check: Callable[[Any, Dbs], None]) -> Dbs:
         """Open (creating) every shared sub-database and the default model's in one write
         transaction, run ``check``; returns the default model's handles (``nothing``
         becomes the handles a model not created yet reads: ``DB_EMPTY``)."""
         env = self.env
-        for _attempt in range(8):
+        deadline = time.monotonic() + _RESIZE_RETRY_SECONDS
+        while time.monotonic() < deadline:
             try:
                 with env.begin(write=True) as txn:
                     dbs = Dbs(
