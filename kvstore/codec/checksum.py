@@ -185,3 +185,86 @@ def scatter_crc(
                     slot[:, 0] = part[0]
         done += k
     return done
+
+
+def scatter_crc_views(
+    envelopes: Sequence[Any],
+    payload_offset: int,
+    blocks: Sequence[np.ndarray],
+    record_bytes: int | None = None,
+) -> int:
+    """Copy envelopes' block payloads into ``blocks``, one writable array per block of the
+    envelopes, in order, each envelope's CRC-32C checked in the same pass; returns how many
+    leading blocks are in envelopes that matched their CRC.
+
+    A block's payload is ``[L][2][H][B][D]`` of 2-byte elements, copied as they are (f16
+    into f16: no conversion); each of ``blocks`` has that shape, itemsize 2 and any strides
+    whose last axis is contiguous (an engine's page seen through a transposed view, as
+    SGLang's host pool pages are). ``payload_offset`` and ``record_bytes`` are as for
+    ``scatter_crc``. The copy stops at the first envelope whose CRC does not match, whose
+    blocks may then be partly written: the caller treats them and the blocks after them
+    as not loaded.
+
+    The compiled kernel checksums each ``[B][D]`` run of the envelope and copies its rows
+    while they are in L1; elsewhere the CRC of each envelope is checked before its copy.
+
+    Raises:
+        ValueError: a block of another shape, itemsize or layout, an envelope shorter than
+            its payload or not a whole number of blocks, or a block count other than the
+            envelopes'.
+    """
+    if _native is not None and _crc32c is _native.crc32c:
+        return int(_native.scatter_crc_views(envelopes, payload_offset, blocks, record_bytes))
+    if record_bytes is None and len(blocks) != len(envelopes):
+        raise ValueError("scatter_crc_views: one block per envelope")
+    if payload_offset < 0 or (record_bytes is not None and record_bytes < 0):
+        raise ValueError("scatter_crc_views: payload_offset >= 0, record_bytes None or >= 0")
+    arrays = [np.asarray(b) for b in blocks]
+    for i, a in enumerate(arrays):
+        if a.ndim != 5 or a.itemsize != 2 or a.strides[4] != 2 or not a.flags.writeable:
+            raise ValueError(
+                f"scatter_crc_views: block {i} is not a writable 5-D array of 2-byte "
+                f"elements whose last axis is contiguous"
+            )
+        if a.shape != arrays[0].shape:
+            raise ValueError(f"scatter_crc_views: block {i}'s shape differs from block 0's")
+        if a.shape[1] != 2:
+            raise ValueError("scatter_crc_views: blocks are [L][2][H][B][D]")
+    payload = arrays[0].size * 2 if arrays else 0
+    if arrays and payload == 0:
+        raise ValueError("scatter_crc_views: blocks of no elements")
+    mvs = [memoryview(env).cast("B") for env in envelopes]
+    counts = []
+    for i, mv in enumerate(mvs):
+        if not arrays or len(mv) < payload_offset + payload + TRAILER.size:
+            raise ValueError(
+                f"scatter_crc_views: envelope {i} has {len(mv)} bytes, fewer than its payload needs"
+            )
+        if record_bytes is None:
+            counts.append(1)
+            continue
+        k, extra = divmod(
+            len(mv) - payload_offset - TRAILER.size + record_bytes, payload + record_bytes
+        )
+        if extra:
+            raise ValueError(
+                f"scatter_crc_views: envelope {i} has {len(mv)} bytes, not a whole number of blocks"
+            )
+        counts.append(k)
+    if sum(counts) != len(arrays):
+        raise ValueError(
+            f"scatter_crc_views: the envelopes hold {sum(counts)} blocks, "
+            f"{len(arrays)} blocks given"
+        )
+    done = 0
+    stride = payload + (record_bytes or 0)
+    for mv, k in zip(mvs, counts, strict=True):
+        (stored,) = TRAILER.unpack_from(mv, len(mv) - TRAILER.size)
+        if crc32c(mv[: len(mv) - TRAILER.size]) != stored:
+            return done
+        for j in range(k):
+            dst = arrays[done + j]
+            src = np.frombuffer(mv, dst.dtype, dst.size, payload_offset + j * stride)
+            np.copyto(dst, src.reshape(dst.shape))
+        done += k
+    return done

@@ -23,7 +23,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyObject *module = PyModule_Create(&native_module);
     if (module == NULL)
         return NULL;
-    PyMethodDef *tables[] = {crc32c_methods, join_methods, scatter_methods, fnv_methods,
+    PyMethodDef *tables[] = {crc32c_methods, join_methods, scatter_methods,
+                             scatter_views_methods, fnv_methods,
                              f16_methods};
     for (size_t i = 0; i < sizeof(tables) / sizeof(tables[0]); i++)
         if (PyModule_AddFunctions(module, tables[i]) < 0) {

@@ -8,6 +8,7 @@
  *                  pass; the page advice of large fresh buffers
  *   scatter.c      scatter_crc(): each block's payload copied, run by run, to its slot in
  *                  per-layer arrays, each envelope's CRC-32C checked in the same pass
+ *   scatter_views.c scatter_crc_views(): the same into one strided 5-D array per block
  *   builder.c      BytesBuilder: one bytes object filled part by part
  *   fnv.c          fnv1a64(), fnv_chain(), fnv_chain_list(): FNV-1a 64 and the block hash
  *   f16.c          f16_finite()
@@ -156,6 +157,7 @@ KV_HIDDEN extern PyMethodDef join_methods[];
 /* --- scatter.c, builder.c, fnv.c, f16.c -------------------------------------------- */
 
 KV_HIDDEN extern PyMethodDef scatter_methods[];
+KV_HIDDEN extern PyMethodDef scatter_views_methods[];
 /* Ready the BytesBuilder type and add it to `module`; -1 with an exception set. */
 KV_HIDDEN int builder_add(PyObject *module);
 KV_HIDDEN extern PyMethodDef fnv_methods[];
