@@ -27,6 +27,27 @@ typedef struct {
     Py_ssize_t s_layer, s_kv, s_head, s_token;
 } block_dst;
 
+/* `rows` rows of `row` bytes from `src` (back to back) to `dst`, `stride` bytes apart.
+ * Rows of whole 16-byte vectors at 16-byte aligned places go through streaming stores:
+ * the pages a load fills are far larger than the cache and are not read back by this
+ * CPU soon, so the stores skip reading each line in first. Else memcpy per row. */
+static void copy_rows(uint8_t *dst, Py_ssize_t stride, const uint8_t *src, size_t row,
+                      size_t rows) {
+#if defined(KV_X86) && defined(__SSE2__)
+    if (row % 16 == 0 && ((uintptr_t)dst | (uintptr_t)stride) % 16 == 0) {
+        for (size_t t = 0; t < rows; t++) {
+            __m128i *to = (__m128i *)(dst + (Py_ssize_t)t * stride);
+            const __m128i *from = (const __m128i *)(src + t * row);
+            for (size_t v = 0; v < row / 16; v++)
+                _mm_stream_si128(to + v, _mm_loadu_si128(from + v));
+        }
+        return;
+    }
+#endif
+    for (size_t t = 0; t < rows; t++)
+        memcpy(dst + (Py_ssize_t)t * stride, src + t * row, row);
+}
+
 /* Per envelope: the CRC of the bytes before the first payload, then per block each
  * (layer, K/V, head) run of B rows: checksummed, then its rows copied to their places
  * while still in L1 (one fused copy + CRC when the rows lie back to back), and the
@@ -59,8 +80,7 @@ static Py_ssize_t scatter_views_run(crc_kernel_fn fn, crc_copy_fn copy, Py_buffe
                             crc = copy_crc(fn, copy, crc, to, src, unit);
                         } else {
                             crc = fn(crc, src, unit);
-                            for (size_t t = 0; t < tokens; t++)
-                                memcpy(to + (Py_ssize_t)t * d->s_token, src + t * row, row);
+                            copy_rows(to, d->s_token, src, row, tokens);
                         }
                         src += unit;
                     }
@@ -69,9 +89,12 @@ static Py_ssize_t scatter_views_run(crc_kernel_fn fn, crc_copy_fn copy, Py_buffe
         uint32_t stored = (uint32_t)end[0] | (uint32_t)end[1] << 8 | (uint32_t)end[2] << 16 |
                           (uint32_t)end[3] << 24;
         if (crc != stored)
-            return done;
+            break;
         done += counts[i];
     }
+#if defined(KV_X86) && defined(__SSE2__)
+    _mm_sfence(); /* the streaming stores are ordered before the caller's next ones */
+#endif
     return done;
 }
 
