@@ -116,6 +116,38 @@ def test_pages_round_trip_byte_for_byte(tmp_path: Path, layout: str, v1: bool) -
     assert _same(blocks_of(again.mem_pool_host, dest), written)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_f16_pages_take_envelopes_in_one_pass_with_their_crc(layout: str) -> None:
+    """The fused load (``PageSlots.scatter_envelopes``) on SGLang's real pool: pool pages
+    and flat pages get exactly the blocks; a bad CRC stops at its envelope; a bf16 pool
+    declines it (checked views convert)."""
+    from kvstore.codec.envelope import Block, encode
+    from kvstore.engines._sglang_pages import HostPages, PageSlots
+
+    pool = make_pool(layout)
+    pages = HostPages(pool)
+    g = pages.geometry
+    kv = np.random.default_rng(3).standard_normal((4, *g.kv_shape)).astype(np.float16)
+    envs = [encode(g, [Block(100 + i, g.block_tokens, kv[i])]) for i in range(4)]
+    dest = pool.alloc(4 * pool.page_size)
+    starts = pages.page_starts(dest, 4)
+    slots = PageSlots(pages, [pages.page(s) for s in starts])
+    assert slots.scatter_envelopes(envs, range(4)) == 4
+    assert _same(blocks_of(pool, dest), kv)
+    flat = [pool.get_dummy_flat_data_page() for _ in range(2)]
+    joined = encode(g, [Block(7, g.block_tokens, kv[2]), Block(8, g.block_tokens, kv[3])])
+    on_flat = PageSlots(pages, [pages.flat(t) for t in flat])
+    assert on_flat.scatter_envelopes([joined], [1, 0], joined=True) == 2
+    assert _same(np.stack([pages.flat(t) for t in flat]), kv[[3, 2]])
+    bad = bytearray(envs[1])
+    bad[-1] ^= 1
+    again = pool.alloc(4 * pool.page_size)
+    slots = PageSlots(pages, [pages.page(s) for s in pages.page_starts(again, 4)])
+    assert slots.scatter_envelopes([envs[0], bytes(bad), envs[2], envs[3]], range(4)) == 1
+    bf16 = HostPages(make_pool(layout, dtype="bfloat16"))
+    assert PageSlots(bf16, []).scatter_envelopes(envs[:1], [0]) is None
+
+
 def test_a_page_written_in_one_layout_is_read_in_the_other(tmp_path: Path) -> None:
     first = make_pool("page_first")
     keys = page_keys(5)

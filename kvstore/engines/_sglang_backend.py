@@ -17,14 +17,12 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
-from ..codec.envelope import BlockView
 from ..codec.layout import SUPPORTED_VERSIONS
 from ..errors import CacheLayoutError, ShapeError
-from ._sglang_pages import HostPages
+from ._sglang_pages import HostPages, PageSlots
 from ._sglang_target import PageTarget, open_page_target
 from .sglang import TESTED_SGLANG, block_names, namespace_for, salt_of
 
@@ -213,20 +211,6 @@ class TlkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             self._count(keys_refused=1)
             raise
 
-    @contextmanager
-    def _checked(
-        self, pages: HostPages, target: PageTarget, names: Sequence[int]
-    ) -> Iterator[list[BlockView]]:
-        """The leading blocks of ``names`` the target holds that are the blocks asked for
-        (checked: reader rules, CRC, name, geometry, full), valid in the block."""
-        with target.views(names) as views:
-            good = []
-            for bv, name in zip(views, names):
-                if not pages.usable(bv, name):
-                    break
-                good.append(bv)
-            yield good
-
     # --- lookups ---------------------------------------------------------------------
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
@@ -259,10 +243,8 @@ class TlkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             pages, target = self._where(extra_info)
             names = self._names(keys)
             starts = pages.page_starts(host_indices, len(keys))
-            with self._checked(pages, target, names) as views:
-                for bv, start in zip(views, starts):
-                    pages.fill(pages.page(start), bv)
-                    done += 1
+            slots = PageSlots(pages, [pages.page(start) for start in starts])
+            done = target.load(names, slots)
         except Exception as exc:
             self._count(load_errors=1)
             self._failed("load", exc)
@@ -282,11 +264,9 @@ class TlkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             names = self._names(keys)
             if target_locations is None or len(target_locations) != len(keys):
                 raise CacheLayoutError("batch_get needs one flat page to fill per key")
-            with self._checked(pages, target, names) as views:
-                for bv, loc in zip(views, target_locations):
-                    pages.fill(pages.flat(loc), bv)
-                    out[done] = loc
-                    done += 1
+            slots = PageSlots(pages, [pages.flat(loc) for loc in target_locations])
+            done = target.load(names, slots)
+            out[:done] = target_locations[:done]
         except Exception as exc:
             self._count(load_errors=1)
             self._failed("load", exc)

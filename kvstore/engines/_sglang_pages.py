@@ -11,14 +11,17 @@ MHA model uses keep the pool as one tensor ``kv_buffer``:
   copy ``[2][B][L][Hkv][D]``.
 
 A block is a transposed numpy view of either (no copy); a save copies f16 pages straight
-into an envelope buffer used again, and a checked block is written into its page with
-one strided copy. Every fact relied on is checked against the
-registered pool (class, layout, dtype, the buffer's shape, where ``get_data_page`` points)
-or refused with ``CacheLayoutError``. torch is imported only when a pool is registered.
+into an envelope buffer used again. A load copies stored v1 envelopes into f16 pages with
+each CRC checked in the same pass (``PageSlots.scatter_envelopes``); other blocks are
+checked first, then written into their pages with one strided copy each. Every fact
+relied on is checked against the registered pool (class, layout, dtype, the buffer's
+shape, where ``get_data_page`` points) or refused with ``CacheLayoutError``. torch is
+imported only when a pool is registered.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -27,7 +30,7 @@ import ml_dtypes
 import numpy as np
 
 from ..codec.assembly import pack_header
-from ..codec.checksum import crc32c
+from ..codec.checksum import crc32c, scatter_crc_views
 from ..codec.envelope import Block, BlockView, encode
 from ..codec.geometry import Geometry
 from ..codec.layout import (
@@ -41,7 +44,7 @@ from ..codec.layout import (
 )
 from ..errors import CacheLayoutError
 
-__all__ = ["KNOWN_LAYOUTS", "KNOWN_POOLS", "HostPages"]
+__all__ = ["KNOWN_LAYOUTS", "KNOWN_POOLS", "HostPages", "PageSlots"]
 
 # exactly these classes: a subclass (asymmetric K/V, MXFP8...) lays its pages out otherwise
 KNOWN_POOLS = ("MHATokenToKVPoolHost",)
@@ -240,7 +243,50 @@ class HostPages:
         else:
             np.copyto(dst, bv.to_float32(), casting="unsafe")
 
-    def usable(self, bv: BlockView, name: int) -> bool:
-        """Whether ``bv`` is the full block ``name`` of this pool's geometry."""
+
+class PageSlots:
+    """Pages of a host pool, or SGLang's flat page copies, as the numbered slots a
+    target's ``load`` copies blocks into (``targets.BlockSlots``): slot ``i`` is
+    ``pages[i]``, a ``[L][2][Hkv][B][D]`` view from ``HostPages.page`` or ``.flat``."""
+
+    def __init__(self, host: HostPages, pages: Sequence[np.ndarray]) -> None:
+        self.host = host
+        self.geometry = host.geometry
+        self.pages = pages
+
+    def scatter(self, views: Sequence[BlockView], slot_ids: Sequence[int]) -> int:
+        """Copy checked views into their pages (converted to the pool's dtype, v2
+        dequantized); returns the payload bytes read.
+
+        Raises:
+            CacheLayoutError: a view is not a full block of the pool's geometry (checked for
+                all before any is copied).
+        """
         g = self.geometry
-        return bv.hash == name and bv.n_tokens == g.block_tokens and bv.geometry == g
+        for i, bv in enumerate(views):
+            if bv.geometry != g or bv.n_tokens != g.block_tokens:
+                raise CacheLayoutError(
+                    f"block {i} has geometry {bv.geometry.as_tuple()} and {bv.n_tokens} "
+                    f"tokens, the pool's pages are {g.as_tuple()} (full pages)"
+                )
+        for bv, slot in zip(views, slot_ids):
+            self.host.fill(self.pages[slot], bv)
+        return sum(len(bv.raw) for bv in views)
+
+    def scatter_envelopes(
+        self, envelopes: Sequence[Any], slot_ids: Sequence[int], *, joined: bool = False
+    ) -> int | None:
+        """Copy v1 envelopes of full blocks of the pool's geometry (every reader rule but
+        the CRC checked by the caller) into their pages, each CRC checked in the same pass
+        (``scatter_crc_views``); returns how many leading blocks are in place (the blocks of
+        an envelope whose CRC fails may be partly written: they and the ones after them are
+        not loaded). None for a pool that is not f16 on a little-endian CPU: checked views
+        and ``scatter`` then convert."""
+        if self.host.dtype != np.float16 or sys.byteorder != "little":
+            return None
+        return scatter_crc_views(
+            envelopes,
+            HEADER_SIZE + RECORD_SIZE,
+            [self.pages[slot] for slot in slot_ids],
+            RECORD_SIZE if joined else None,
+        )

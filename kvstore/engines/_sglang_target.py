@@ -5,12 +5,11 @@ one call only this backend makes (``clear``)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import AbstractContextManager, suppress
+from contextlib import suppress
 
-from ..codec.envelope import BlockView
 from ..codec.geometry import Geometry
 from ..errors import PinnedError
-from .targets import Target, open_target
+from .targets import BlockSlots, Target, open_target
 
 __all__ = ["PageTarget", "open_page_target"]
 
@@ -41,10 +40,11 @@ class PageTarget:
         """Store an envelope's blocks."""
         return self._target.put(envelope)
 
-    def views(self, names: Sequence[int]) -> AbstractContextManager[list[BlockView]]:
-        """Views of the longest held prefix of ``names``, each checked (reader rules and
-        CRC-32C; a store's corrupt block is quarantined), valid in the block."""
-        return self._target.views(names)
+    def load(self, names: Sequence[int], slots: BlockSlots) -> int:
+        """Copy the longest held prefix of ``names`` into slots ``0, 1, ...`` of ``slots``,
+        each block checked (reader rules, CRC-32C, its name; a store's corrupt block is
+        quarantined) before it counts; returns how many leading blocks are in place."""
+        return self._target.load(names, slots, range(len(names)))[0]
 
     def clear(self) -> bool:
         """Delete every block of the namespace of a store directory (blocks a sequence
