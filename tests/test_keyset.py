@@ -38,6 +38,8 @@ def test_has_and_longest_prefix_agree_with_a_set(
     assert store.longest_prefix(stored) == len(stored)
     assert store.longest_prefix([]) == 0 and store.has([]) == []
     assert store.has([0]) == [False]  # hash 0 names no block
+    # one hash (an engine asking about a first page): one lookup answers
+    assert [store.longest_prefix([h]) for h in (stored[5], absent[0], 0)] == [1, 0, 0]
 
 
 def test_hash_array_refuses_what_is_not_u64() -> None:

@@ -225,6 +225,8 @@ class KeySet:
         first = int(queries[0])
         if not first or txn.get(BLOCK_KEY.pack(first), None, self._dbs.blocks) is None:
             return 0
+        if queries.size == 1:  # asked about one block (an engine's check of a first page)
+            return 1
         present = self._present(txn, queries.size)
         if present is None:
             found = self._probe(txn, queries, stop_at_miss=True)
