@@ -203,6 +203,13 @@ def test_batch_exists_is_the_leading_run(tmp_path: Path) -> None:
     assert backend.batch_exists(keys) == 5
     assert backend.batch_exists(keys[6:]) == 1
     assert backend.batch_exists([]) == 0
+    assert backend.batch_exists(keys[5:]) == 0 and backend.batch_exists(keys[:1]) == 1
+    # a store directory reads no key past an absent first page (the common miss: one
+    # lookup); past a held one, every key is read, and a bad one is refused
+    assert backend.batch_exists([keys[5], "not a page hash"]) == 0
+    assert backend.stats()["keys_refused"] == 0
+    assert backend.batch_exists([keys[0], "not a page hash"]) == 0
+    assert backend.stats()["keys_refused"] == 1
     assert [backend.exists(k) for k in keys] == [i in held for i in range(8)]
     dest = pool.alloc(8 * b)
     assert backend.batch_get_v1(keys, dest) == [True] * 5 + [False] * 3  # ends at the gap

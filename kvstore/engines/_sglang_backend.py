@@ -24,7 +24,7 @@ from ..codec.layout import SUPPORTED_VERSIONS
 from ..errors import CacheLayoutError, ShapeError
 from ._sglang_pages import HostPages, PageSlots
 from ._sglang_target import PageTarget, open_page_target
-from .sglang import TESTED_SGLANG, block_names, namespace_for, salt_of
+from .sglang import TESTED_SGLANG, block_name, block_names, namespace_for, salt_of
 
 try:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
@@ -206,7 +206,7 @@ class TlkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     def _names(self, keys: Sequence[str]) -> list[int]:
         try:
-            return block_names(keys)
+            return [block_name(keys[0])] if len(keys) == 1 else block_names(keys)
         except ValueError:
             self._count(keys_refused=1)
             raise
@@ -215,11 +215,18 @@ class TlkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """How many leading pages of ``keys`` the target holds (one round trip); 0 when
-        it cannot tell."""
+        it cannot tell.
+
+        A store directory is asked for the first page alone first: a new prompt's chain
+        (its first page not held, the common miss) is answered by one lookup, without
+        parsing the other keys; a held first page costs that one lookup more (a server is
+        asked once: a round trip costs more than the keys)."""
         if not keys:
             return 0
         try:
             _, target = self._where(extra_info)
+            if target.local and not target.longest_prefix(self._names(keys[:1])):
+                return 0
             return target.longest_prefix(self._names(keys))
         except Exception as exc:
             self._count(lookup_errors=1)

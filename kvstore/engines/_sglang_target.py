@@ -9,7 +9,7 @@ from contextlib import suppress
 
 from ..codec.geometry import Geometry
 from ..errors import PinnedError
-from .targets import BlockSlots, Target, open_target
+from .targets import BlockSlots, StoreTarget, Target, open_target
 
 __all__ = ["PageTarget", "open_page_target"]
 
@@ -23,6 +23,7 @@ class PageTarget:
 
     def __init__(self, target: Target) -> None:
         self._target = target
+        self.local = isinstance(target, StoreTarget)  # a store directory: no round trips
 
     def geometry(self) -> Geometry | None:
         """The namespace's block geometry; None when it holds none (or cannot tell)."""
