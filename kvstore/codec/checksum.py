@@ -77,6 +77,34 @@ def join_crc(parts: Sequence[Any]) -> bytes:
     return b"".join([*parts, TRAILER.pack(crc)])
 
 
+def _envelope_blocks(
+    name: str, mvs: Sequence[memoryview], offset: int, payload: int, record_bytes: int | None
+) -> list[int]:
+    """Each envelope's block count: one (``record_bytes`` None) or ``k >= 1`` payloads of
+    ``payload`` bytes ``record_bytes`` apart from ``offset``, then the trailer (the compiled
+    ``envelope_blocks``'s rules and words).
+
+    Raises:
+        ValueError: an envelope shorter than one payload, or not a whole number of blocks.
+    """
+    counts = []
+    for i, mv in enumerate(mvs):
+        if not payload or len(mv) < offset + payload + TRAILER.size:
+            raise ValueError(
+                f"{name}: envelope {i} has {len(mv)} bytes, fewer than its payload needs"
+            )
+        if record_bytes is None:
+            counts.append(1)
+            continue
+        k, extra = divmod(len(mv) - offset - TRAILER.size + record_bytes, payload + record_bytes)
+        if extra:
+            raise ValueError(
+                f"{name}: envelope {i} has {len(mv)} bytes, not a whole number of blocks"
+            )
+        counts.append(k)
+    return counts
+
+
 def scatter_crc(
     envelopes: Sequence[Any],
     payload_offset: int,
@@ -148,19 +176,7 @@ def scatter_crc(
         if not 0 <= block < n_blocks:
             raise ValueError(f"scatter_crc: block id {block} is not in 0..{n_blocks - 1}")
     mvs = [memoryview(env).cast("B") for env in envelopes]
-    counts = []
-    for i, mv in enumerate(mvs):
-        if len(mv) < payload_offset + payload + TRAILER.size:
-            raise ValueError(f"scatter_crc: envelope {i} is shorter than its payload needs")
-        if record_bytes is None:
-            counts.append(1)
-            continue
-        k, extra = divmod(
-            len(mv) - payload_offset - TRAILER.size + record_bytes, payload + record_bytes
-        )
-        if extra:
-            raise ValueError(f"scatter_crc: envelope {i} is not a whole number of blocks")
-        counts.append(k)
+    counts = _envelope_blocks("scatter_crc", mvs, payload_offset, payload, record_bytes)
     if sum(counts) != len(block_ids):
         raise ValueError(
             f"scatter_crc: the envelopes hold {sum(counts)} blocks, "
@@ -234,23 +250,7 @@ def scatter_crc_views(
     if arrays and payload == 0:
         raise ValueError("scatter_crc_views: blocks of no elements")
     mvs = [memoryview(env).cast("B") for env in envelopes]
-    counts = []
-    for i, mv in enumerate(mvs):
-        if not arrays or len(mv) < payload_offset + payload + TRAILER.size:
-            raise ValueError(
-                f"scatter_crc_views: envelope {i} has {len(mv)} bytes, fewer than its payload needs"
-            )
-        if record_bytes is None:
-            counts.append(1)
-            continue
-        k, extra = divmod(
-            len(mv) - payload_offset - TRAILER.size + record_bytes, payload + record_bytes
-        )
-        if extra:
-            raise ValueError(
-                f"scatter_crc_views: envelope {i} has {len(mv)} bytes, not a whole number of blocks"
-            )
-        counts.append(k)
+    counts = _envelope_blocks("scatter_crc_views", mvs, payload_offset, payload, record_bytes)
     if sum(counts) != len(arrays):
         raise ValueError(
             f"scatter_crc_views: the envelopes hold {sum(counts)} blocks, "

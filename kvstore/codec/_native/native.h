@@ -7,7 +7,8 @@
  *   join.c         join_crc(): parts copied into one bytes object and checksummed in one
  *                  pass; the page advice of large fresh buffers
  *   scatter.c      scatter_crc(): each block's payload copied, run by run, to its slot in
- *                  per-layer arrays, each envelope's CRC-32C checked in the same pass
+ *                  per-layer arrays, each envelope's CRC-32C checked in the same pass;
+ *                  the envelope walk both scatters share
  *   scatter_views.c scatter_crc_views(): the same into one strided 5-D array per block
  *   builder.c      BytesBuilder: one bytes object filled part by part
  *   fnv.c          fnv1a64(), fnv_chain(), fnv_chain_list(): FNV-1a 64 and the block hash
@@ -158,6 +159,25 @@ KV_HIDDEN extern PyMethodDef join_methods[];
 
 KV_HIDDEN extern PyMethodDef scatter_methods[];
 KV_HIDDEN extern PyMethodDef scatter_views_methods[];
+/* The envelopes of the sequence `seq` as buffers envs[0..*got) (the caller releases them),
+ * each holding whole blocks of `payload` bytes from `off`: one block each (rec < 0) or
+ * k >= 1 blocks `rec` bytes apart; counts[i] its blocks. Returns their total, or -1 with a
+ * ValueError that starts with `name`. */
+KV_HIDDEN Py_ssize_t envelope_blocks(const char *name, PyObject *seq, Py_buffer *envs,
+                                     Py_ssize_t *counts, size_t off, size_t payload,
+                                     Py_ssize_t rec, Py_ssize_t *got);
+/* Copy one block's payload from `src` (the caller's block number `block`) and continue
+ * the raw CRC over it: the part of a scatter that knows where blocks go. */
+typedef uint32_t (*block_scatter_fn)(const void *ctx, uint32_t crc, const uint8_t *src,
+                                     Py_ssize_t block);
+/* Per envelope: the CRC of the bytes before the first payload, each block's payload
+ * through `scatter` (fused copy + CRC) and the record before the next one, the bytes
+ * after the last; compared with the trailer. Returns how many leading blocks are in
+ * envelopes that matched (the walk stops at the first that does not). No GIL needed. */
+KV_HIDDEN Py_ssize_t scatter_envelopes_run(crc_kernel_fn fn, Py_buffer *envs,
+                                           const Py_ssize_t *counts, Py_ssize_t n, size_t off,
+                                           size_t rec, size_t payload, block_scatter_fn scatter,
+                                           const void *ctx);
 /* Ready the BytesBuilder type and add it to `module`; -1 with an exception set. */
 KV_HIDDEN int builder_add(PyObject *module);
 KV_HIDDEN extern PyMethodDef fnv_methods[];

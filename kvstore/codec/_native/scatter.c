@@ -71,16 +71,43 @@ static void transpose_u16(uint8_t *dst, const uint8_t *src, size_t rows, size_t 
             memcpy(dst + (c * rows + r) * 2, src + (r * cols + c) * 2, 2);
 }
 
-/* Per envelope: the CRC of the bytes before the first payload, then per block the
- * payload's runs in envelope order, each copied to its place in the block's slot (fused
- * copy + CRC), and the record between it and the next payload; then the bytes after the
- * last payload; compared with the trailer. counts[i]: envelope i's blocks. */
+/* The envelope walk both scatters share (declared in native.h). */
+Py_ssize_t envelope_blocks(const char *name, PyObject *seq, Py_buffer *envs, Py_ssize_t *counts,
+                           size_t off, size_t payload, Py_ssize_t rec, Py_ssize_t *got) {
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), total = 0;
+    for (; *got < n; (*got)++) {
+        Py_ssize_t i = *got;
+        if (get_contiguous(PySequence_Fast_GET_ITEM(seq, i), &envs[i]) < 0)
+            return -1;
+        size_t len = (size_t)envs[i].len;
+        if (payload == 0 || len < off + payload + 4) {
+            (*got)++;
+            PyErr_Format(PyExc_ValueError,
+                         "%s: envelope %zd has %zd bytes, fewer than its payload needs", name,
+                         i, envs[i].len);
+            return -1;
+        }
+        counts[i] = 1;
+        if (rec >= 0) { /* len - off - 4 == k * payload + (k - 1) * rec */
+            size_t stride = payload + (size_t)rec;
+            size_t span = len - off - 4 + (size_t)rec;
+            if (span % stride != 0) {
+                (*got)++;
+                PyErr_Format(PyExc_ValueError,
+                             "%s: envelope %zd has %zd bytes, not a whole number of blocks",
+                             name, i, envs[i].len);
+                return -1;
+            }
+            counts[i] = (Py_ssize_t)(span / stride);
+        }
+        total += counts[i];
+    }
+    return total;
+}
 
-static Py_ssize_t scatter_crc_run(crc_kernel_fn fn, crc_copy_fn copy, Py_buffer *envs,
-                                  const Py_ssize_t *counts, Py_ssize_t n, size_t off, size_t rec,
-                                  uint8_t **layers, Py_ssize_t n_layers, const Py_ssize_t *ids,
-                                  size_t heads, size_t run, size_t key_tokens) {
-    size_t block = heads * 2 * run;
+Py_ssize_t scatter_envelopes_run(crc_kernel_fn fn, Py_buffer *envs, const Py_ssize_t *counts,
+                                 Py_ssize_t n, size_t off, size_t rec, size_t payload,
+                                 block_scatter_fn scatter, const void *ctx) {
     Py_ssize_t done = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         const uint8_t *env = (const uint8_t *)envs[i].buf;
@@ -92,29 +119,48 @@ static Py_ssize_t scatter_crc_run(crc_kernel_fn fn, crc_copy_fn copy, Py_buffer 
                 crc = fn(crc, src, rec);
                 src += rec;
             }
-            for (Py_ssize_t l = 0; l < n_layers; l++) {
-                uint8_t *dst = layers[l] + (size_t)ids[done + j] * block;
-                for (size_t k = 0; k < 2; k++)
-                    for (size_t h = 0; h < heads; h++) {
-                        uint8_t *to = dst + (h * 2 + k) * run;
-                        if (k == 0 && key_tokens) {
-                            crc = fn(crc, src, run);
-                            transpose_u16(to, src, key_tokens, run / 2 / key_tokens);
-                        } else {
-                            crc = copy_crc(fn, copy, crc, to, src, run);
-                        }
-                        src += run;
-                    }
-            }
+            crc = scatter(ctx, crc, src, done + j);
+            src += payload;
         }
         crc = ~fn(crc, src, (size_t)(end - src));
         uint32_t stored = (uint32_t)end[0] | (uint32_t)end[1] << 8 | (uint32_t)end[2] << 16 |
                           (uint32_t)end[3] << 24;
         if (crc != stored)
-            return done;
+            break;
         done += counts[i];
     }
     return done;
+}
+
+/* One block's payload, [L][2][heads][run], run by run to its slot in each layer. */
+typedef struct {
+    crc_kernel_fn fn;
+    crc_copy_fn copy;
+    uint8_t **layers;
+    Py_ssize_t n_layers;
+    const Py_ssize_t *ids;
+    size_t heads, run, key_tokens;
+} layer_slots;
+
+static uint32_t scatter_block(const void *ctx, uint32_t crc, const uint8_t *src,
+                              Py_ssize_t block) {
+    const layer_slots *c = (const layer_slots *)ctx;
+    size_t slot = c->heads * 2 * c->run;
+    for (Py_ssize_t l = 0; l < c->n_layers; l++) {
+        uint8_t *dst = c->layers[l] + (size_t)c->ids[block] * slot;
+        for (size_t k = 0; k < 2; k++)
+            for (size_t h = 0; h < c->heads; h++) {
+                uint8_t *to = dst + (h * 2 + k) * c->run;
+                if (k == 0 && c->key_tokens) {
+                    crc = c->fn(crc, src, c->run);
+                    transpose_u16(to, src, c->key_tokens, c->run / 2 / c->key_tokens);
+                } else {
+                    crc = copy_crc(c->fn, c->copy, crc, to, src, c->run);
+                }
+                src += c->run;
+            }
+    }
+    return crc;
 }
 
 static PyObject *py_scatter_crc(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -204,44 +250,22 @@ static PyObject *py_scatter_crc(PyObject *self, PyObject *const *args, Py_ssize_
             goto done;
         }
     }
-    Py_ssize_t total = 0;
-    for (; got_e < n; got_e++) {
-        if (get_contiguous(PySequence_Fast_GET_ITEM(envs_seq, got_e), &envs[got_e]) < 0)
-            goto done;
-        size_t len = (size_t)envs[got_e].len;
-        if (len < (size_t)off + payload + 4) {
-            got_e++;
-            PyErr_Format(PyExc_ValueError,
-                         "scatter_crc: envelope %zd has %zd bytes, fewer than its payload needs",
-                         got_e - 1, envs[got_e - 1].len);
-            goto done;
-        }
-        counts[got_e] = 1;
-        if (rec >= 0) { /* len - off - 4 == k * payload + (k - 1) * rec */
-            size_t stride = payload + (size_t)rec;
-            size_t span = len - (size_t)off - 4 + (size_t)rec;
-            if (span % stride != 0) {
-                got_e++;
-                PyErr_Format(PyExc_ValueError,
-                             "scatter_crc: envelope %zd has %zd bytes, not a whole number of "
-                             "blocks", got_e - 1, envs[got_e - 1].len);
-                goto done;
-            }
-            counts[got_e] = (Py_ssize_t)(span / stride);
-        }
-        total += counts[got_e];
-    }
+    Py_ssize_t total =
+        envelope_blocks("scatter_crc", envs_seq, envs, counts, (size_t)off, payload, rec, &got_e);
+    if (total < 0)
+        goto done;
     if (total != n_ids) {
         PyErr_Format(PyExc_ValueError,
                      "scatter_crc: the envelopes hold %zd blocks, %zd block ids given", total,
                      n_ids);
         goto done;
     }
+    layer_slots ctx = {crc_run, crc_run_copy, bases, n_layers, ids,
+                       (size_t)heads, (size_t)run, (size_t)key_tokens};
     Py_ssize_t ok;
     Py_BEGIN_ALLOW_THREADS
-    ok = scatter_crc_run(crc_run, crc_run_copy, envs, counts, n, (size_t)off,
-                         rec < 0 ? 0 : (size_t)rec, bases, n_layers, ids, (size_t)heads,
-                         (size_t)run, (size_t)key_tokens);
+    ok = scatter_envelopes_run(crc_run, envs, counts, n, (size_t)off, rec < 0 ? 0 : (size_t)rec,
+                               payload, scatter_block, &ctx);
     Py_END_ALLOW_THREADS
     result = PyLong_FromSsize_t(ok);
 done:

@@ -48,54 +48,36 @@ static void copy_rows(uint8_t *dst, Py_ssize_t stride, const uint8_t *src, size_
         memcpy(dst + (Py_ssize_t)t * stride, src + t * row, row);
 }
 
-/* Per envelope: the CRC of the bytes before the first payload, then per block each
- * (layer, K/V, head) run of B rows: checksummed, then its rows copied to their places
- * while still in L1 (one fused copy + CRC when the rows lie back to back), and the
- * record before the next payload; then the bytes after the last payload, against the
- * trailer. counts[i]: envelope i's blocks. */
-static Py_ssize_t scatter_views_run(crc_kernel_fn fn, crc_copy_fn copy, Py_buffer *envs,
-                                    const Py_ssize_t *counts, Py_ssize_t n, size_t off,
-                                    size_t rec, const block_dst *dsts, size_t layers,
-                                    size_t heads, size_t tokens, size_t row) {
-    size_t unit = tokens * row;
-    Py_ssize_t done = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const uint8_t *env = (const uint8_t *)envs[i].buf;
-        const uint8_t *end = env + envs[i].len - 4;
-        uint32_t crc = fn(0xFFFFFFFFu, env, off);
-        const uint8_t *src = env + off;
-        for (Py_ssize_t j = 0; j < counts[i]; j++) {
-            if (j > 0) {
-                crc = fn(crc, src, rec);
-                src += rec;
+/* One block's payload, [L][2][H][B][row], into its strided destination: each (layer,
+ * K/V, head) run of B rows checksummed, then its rows copied while still in L1 (one fused
+ * copy + CRC when the rows lie back to back). */
+typedef struct {
+    crc_kernel_fn fn;
+    crc_copy_fn copy;
+    const block_dst *dsts;
+    size_t layers, heads, tokens, row;
+} view_slots;
+
+static uint32_t scatter_view_block(const void *ctx, uint32_t crc, const uint8_t *src,
+                                   Py_ssize_t block) {
+    const view_slots *c = (const view_slots *)ctx;
+    const block_dst *d = &c->dsts[block];
+    size_t unit = c->tokens * c->row;
+    int rows_joined = d->s_token == (Py_ssize_t)c->row;
+    for (size_t l = 0; l < c->layers; l++)
+        for (size_t k = 0; k < 2; k++)
+            for (size_t h = 0; h < c->heads; h++) {
+                uint8_t *to = d->base + (Py_ssize_t)l * d->s_layer + (Py_ssize_t)k * d->s_kv +
+                              (Py_ssize_t)h * d->s_head;
+                if (rows_joined) {
+                    crc = copy_crc(c->fn, c->copy, crc, to, src, unit);
+                } else {
+                    crc = c->fn(crc, src, unit);
+                    copy_rows(to, d->s_token, src, c->row, c->tokens);
+                }
+                src += unit;
             }
-            const block_dst *d = &dsts[done + j];
-            int rows_joined = d->s_token == (Py_ssize_t)row;
-            for (size_t l = 0; l < layers; l++)
-                for (size_t k = 0; k < 2; k++)
-                    for (size_t h = 0; h < heads; h++) {
-                        uint8_t *to = d->base + (Py_ssize_t)l * d->s_layer +
-                                      (Py_ssize_t)k * d->s_kv + (Py_ssize_t)h * d->s_head;
-                        if (rows_joined) {
-                            crc = copy_crc(fn, copy, crc, to, src, unit);
-                        } else {
-                            crc = fn(crc, src, unit);
-                            copy_rows(to, d->s_token, src, row, tokens);
-                        }
-                        src += unit;
-                    }
-        }
-        crc = ~fn(crc, src, (size_t)(end - src));
-        uint32_t stored = (uint32_t)end[0] | (uint32_t)end[1] << 8 | (uint32_t)end[2] << 16 |
-                          (uint32_t)end[3] << 24;
-        if (crc != stored)
-            break;
-        done += counts[i];
-    }
-#if defined(KV_X86) && defined(__SSE2__)
-    _mm_sfence(); /* the streaming stores are ordered before the caller's next ones */
-#endif
-    return done;
+    return crc;
 }
 
 /* The shape every block must have (taken from the first) and its byte strides. */
@@ -189,43 +171,24 @@ static PyObject *py_scatter_crc_views(PyObject *self, PyObject *const *args, Py_
         PyErr_SetString(PyExc_ValueError, "scatter_crc_views: blocks of no elements");
         goto done;
     }
-    Py_ssize_t total = 0;
-    for (; got_e < n; got_e++) {
-        if (get_contiguous(PySequence_Fast_GET_ITEM(envs_seq, got_e), &envs[got_e]) < 0)
-            goto done;
-        size_t len = (size_t)envs[got_e].len;
-        if (n_blocks == 0 || len < (size_t)off + payload + 4) {
-            got_e++;
-            PyErr_Format(PyExc_ValueError,
-                         "scatter_crc_views: envelope %zd has %zd bytes, fewer than its "
-                         "payload needs", got_e - 1, envs[got_e - 1].len);
-            goto done;
-        }
-        counts[got_e] = 1;
-        if (rec >= 0) { /* len - off - 4 == k * payload + (k - 1) * rec */
-            size_t stride = payload + (size_t)rec;
-            size_t span = len - (size_t)off - 4 + (size_t)rec;
-            if (span % stride != 0) {
-                got_e++;
-                PyErr_Format(PyExc_ValueError,
-                             "scatter_crc_views: envelope %zd has %zd bytes, not a whole "
-                             "number of blocks", got_e - 1, envs[got_e - 1].len);
-                goto done;
-            }
-            counts[got_e] = (Py_ssize_t)(span / stride);
-        }
-        total += counts[got_e];
-    }
+    Py_ssize_t total = envelope_blocks("scatter_crc_views", envs_seq, envs, counts, (size_t)off,
+                                       payload, rec, &got_e);
+    if (total < 0)
+        goto done;
     if (total != n_blocks) {
         PyErr_Format(PyExc_ValueError,
                      "scatter_crc_views: the envelopes hold %zd blocks, %zd blocks given",
                      total, n_blocks);
         goto done;
     }
+    view_slots ctx = {crc_run, crc_run_copy, dsts, layers, heads, tokens, row};
     Py_ssize_t ok;
     Py_BEGIN_ALLOW_THREADS
-    ok = scatter_views_run(crc_run, crc_run_copy, envs, counts, n, (size_t)off,
-                           rec < 0 ? 0 : (size_t)rec, dsts, layers, heads, tokens, row);
+    ok = scatter_envelopes_run(crc_run, envs, counts, n, (size_t)off, rec < 0 ? 0 : (size_t)rec,
+                               payload, scatter_view_block, &ctx);
+#if defined(KV_X86) && defined(__SSE2__)
+    _mm_sfence(); /* the streaming stores are ordered before the caller's next ones */
+#endif
     Py_END_ALLOW_THREADS
     result = PyLong_FromSsize_t(ok);
 done:
