@@ -198,8 +198,8 @@ def _filler(path: str, seconds: float, queue: multiprocessing.Queue) -> None:
 
 def test_a_store_opens_while_another_process_keeps_growing_it(tmp_path: Path) -> None:
     """LMDB sizes a new map to the pages in use; a commit elsewhere that outgrows it
-    before py-lmdb's first transaction raised MapResizedError out of Store() (1,606 of
-    4,761 opens in 4 s failed so): the open adopts the new size and goes on."""
+    before py-lmdb's first transaction raises MapResizedError inside lmdb.open: Store()
+    opens again, adopting the new size, instead of failing."""
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     path = str(tmp_path / "s")
