@@ -24,7 +24,7 @@ from ..codec.layout import SUPPORTED_VERSIONS
 from ..errors import CacheLayoutError, ShapeError
 from ._sglang_pages import HostPages, PageSlots
 from ._sglang_target import PageTarget, open_page_target
-from .sglang import TESTED_SGLANG, block_name, block_names, namespace_for, salt_of
+from .sglang import TESTED_SGLANG, block_names, namespace_for, salt_of
 
 try:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
@@ -206,7 +206,7 @@ class TlkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     def _names(self, keys: Sequence[str]) -> list[int]:
         try:
-            return [block_name(keys[0])] if len(keys) == 1 else block_names(keys)
+            return block_names(keys)
         except ValueError:
             self._count(keys_refused=1)
             raise

@@ -107,6 +107,8 @@ def block_names(keys: Sequence[str]) -> list[int]:
         PageKeyError: naming the first key that is not an SGLang page hash.
     """
     n = len(keys)
+    if n == 1:  # one key (a first page asked alone): the parse without the batch's arrays
+        return [block_name(keys[0])]
     try:
         raw = "".join(keys).encode("ascii")
     except (TypeError, UnicodeEncodeError):
