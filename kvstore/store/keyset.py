@@ -215,15 +215,21 @@ class KeySet:
             return np.array(self._probe(txn, queries, stop_at_miss=False), dtype=bool)
         return present.contains(queries)
 
+    def holds(self, txn: Any, block_hash: int) -> bool:
+        """Whether the one hash ``block_hash`` (an int in 0..2^64-1) is stored in
+        ``txn``'s snapshot: one lookup, without the copy of the key set (``txn`` has
+        buffers=True: the value found is not copied)."""
+        if not block_hash:
+            return False
+        return txn.get(BLOCK_KEY.pack(block_hash), None, self._dbs.blocks) is not None
+
     def longest_prefix(self, txn: Any, queries: np.ndarray) -> int:
         """How many leading hashes are stored in ``txn``'s snapshot."""
         if not queries.size:
             return 0
         # A chain not held from its first block (a new prompt) is answered by one lookup,
-        # before the copy of the key set is brought to this snapshot (``txn`` has
-        # buffers=True: the value found is not copied).
-        first = int(queries[0])
-        if not first or txn.get(BLOCK_KEY.pack(first), None, self._dbs.blocks) is None:
+        # before the copy of the key set is brought to this snapshot.
+        if not self.holds(txn, int(queries[0])):
             return 0
         if queries.size == 1:  # asked about one block (an engine's check of a first page)
             return 1

@@ -17,7 +17,7 @@ import numpy as np
 from ..codec.assembly import crc_matches, envelope_version
 from ..codec.envelope import transcode
 from ..codec.geometry import Geometry
-from ..codec.layout import SUPPORTED_VERSIONS
+from ..codec.layout import SUPPORTED_VERSIONS, U64_MAX
 from ..errors import StoreError, UnconvertibleError, UnsupportedVersionError
 from .checks import check_hash, seq_key
 from .diskformat import BLOCK_KEY, parse_sequence
@@ -209,6 +209,10 @@ def has(h: Handle, hashes: Iterable[int], tier: bool) -> np.ndarray:
 
 def longest_prefix(h: Handle, hashes: Iterable[int], tier: bool) -> int:
     """``Store.longest_prefix``: how many leading hashes are stored."""
+    if isinstance(hashes, list) and len(hashes) == 1:  # an engine's check of a first page
+        first = hashes[0]
+        if type(first) is int and 0 <= first <= U64_MAX:
+            return _holds_one(h, first, tier)
     queries = hash_array(hashes)
     if not queries.size:
         return 0
@@ -219,6 +223,18 @@ def longest_prefix(h: Handle, hashes: Iterable[int], tier: bool) -> int:
         h.end_read(txn)
     if tier and h.tier is not None and k < queries.size:
         k += h.tier.prefix(queries[k:].tolist())
+    return k
+
+
+def _holds_one(h: Handle, block_hash: int, tier: bool) -> int:
+    """``longest_prefix`` of one hash (an int in 0..2^64-1): one lookup, no hash array."""
+    txn = h.begin_read(True)
+    try:
+        k = int(h.keys.holds(txn, block_hash))
+    finally:
+        h.end_read(txn)
+    if tier and h.tier is not None and not k:
+        k = h.tier.prefix([block_hash])
     return k
 
 

@@ -169,6 +169,7 @@ class Handle:
 
     __slots__ = (
         "closed",
+        "confirmed",
         "dbs",
         "env",
         "facade",
@@ -200,6 +201,8 @@ class Handle:
         self.last_flush = time.monotonic()
         self.rconsts: tuple[Geometry, dict[int, int], dict[int, KvSpec]] | None = None
         self.pending: int | None = None  # a number this model claims by its first write
+        # The sub-databases whose registration was last confirmed, and in which snapshot.
+        self.confirmed: tuple[Dbs | None, int] = (None, -1)
         self.hits = self.misses = 0
         # This process's figures for the service's metrics (``api.metrics``):
         self.tier_hits = 0  # local misses answered from the object tier (read through)
@@ -265,12 +268,20 @@ class Handle:
             self.resolve(create=False)
         lmdb = self.env.lmdb
         txn = lmdb.begin_read(buffers)
-        number = self.dbs.number
-        if number > 0 and not self.env.registry.holds(txn, self.model, number):
-            lmdb.end_read(txn)
-            self.forget_number()
-            self.resolve(create=False)
-            txn = lmdb.begin_read(buffers)
+        dbs = self.dbs
+        if dbs.number > 0:
+            # A snapshot is immutable: the registration confirmed in one (its transaction
+            # id) holds in every transaction of that id, and is not looked up again.
+            tid = txn.id()
+            confirmed = self.confirmed
+            if confirmed[0] is not dbs or confirmed[1] != tid:
+                if self.env.registry.holds(txn, self.model, dbs.number):
+                    self.confirmed = (dbs, tid)
+                else:
+                    lmdb.end_read(txn)
+                    self.forget_number()
+                    self.resolve(create=False)
+                    txn = lmdb.begin_read(buffers)
         return txn
 
     def end_read(self, txn: Any) -> None:
