@@ -24,7 +24,7 @@ from ..codec.layout import SUPPORTED_VERSIONS
 from ..errors import CacheLayoutError, ShapeError
 from ._sglang_pages import HostPages, PageSlots
 from ._sglang_target import PageTarget, open_page_target
-from .sglang import TESTED_SGLANG, block_names, namespace_for, salt_of
+from .sglang import TESTED_SGLANG, block_name, block_names, namespace_for, salt_of
 
 try:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
@@ -159,6 +159,9 @@ class TlkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
     # --- shared ----------------------------------------------------------------------
 
     def _target(self, namespace: str) -> PageTarget:
+        t = self._targets.get(namespace)  # opened already (every call after the first)
+        if t is not None:
+            return t
         with self._targets_lock:
             t = self._targets.get(namespace)
             if t is None:
@@ -204,6 +207,13 @@ class TlkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             self._metrics[f"{kind}_pgs"].append(pages)
             self._metrics[f"{kind}_bandwidth"].append(nbytes / max(seconds, 1e-9) / 1e9)
 
+    def _name(self, key: str) -> int:
+        try:
+            return block_name(key)
+        except ValueError:
+            self._count(keys_refused=1)
+            raise
+
     def _names(self, keys: Sequence[str]) -> list[int]:
         try:
             return block_names(keys)
@@ -225,7 +235,7 @@ class TlkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             return 0
         try:
             _, target = self._where(extra_info)
-            if target.local and not target.longest_prefix(self._names(keys[:1])):
+            if target.local and not target.holds(self._name(keys[0])):
                 return 0
             return target.longest_prefix(self._names(keys))
         except Exception as exc:

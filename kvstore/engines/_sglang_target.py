@@ -33,6 +33,10 @@ class PageTarget:
         """How many leading blocks of ``names`` are held."""
         return self._target.longest_prefix(names)
 
+    def holds(self, name: int) -> bool:
+        """Whether the one block ``name`` is held (a first page asked alone)."""
+        return self._target.longest_prefix([name]) == 1
+
     def has(self, names: Sequence[int]) -> list[bool]:
         """Whether each block is held."""
         return self._target.has(names)

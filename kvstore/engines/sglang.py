@@ -149,7 +149,7 @@ def salt_of(extra: Any) -> str | None:
     """The ``cache_salt`` of a call's ``HiCacheStorageExtraInfo`` (None when it has none;
     SGLang 0.5.23 folds the salt into the keys and passes none here)."""
     info = getattr(extra, "extra_info", None)
-    if isinstance(info, Mapping):
+    if info is not None and isinstance(info, Mapping):  # None: no ABC check (every call)
         salt = info.get("cache_salt")
         if isinstance(salt, str) and salt:
             return salt

@@ -221,7 +221,8 @@ class StoreTarget(Target):
     def longest_prefix(self, hashes: Sequence[int]) -> int:
         if not len(hashes):
             return 0
-        return int(self.store.longest_prefix(list(hashes), tier=self.store.tier is not None))
+        hashes = hashes if type(hashes) is list else list(hashes)
+        return int(self.store.longest_prefix(hashes, tier=self.store.tier is not None))
 
     def put(self, envelope: Any, tokens: BlockTokens | None = None) -> int:
         return int(self.store.put(envelope, tokens=tokens).stored)
