@@ -207,16 +207,11 @@ class TlkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             self._metrics[f"{kind}_pgs"].append(pages)
             self._metrics[f"{kind}_bandwidth"].append(nbytes / max(seconds, 1e-9) / 1e9)
 
-    def _name(self, key: str) -> int:
+    def _names(self, keys: Sequence[str], first: bool = False) -> list[int]:
+        """The keys' block names (``first``: the first key's alone); a refused key is
+        counted."""
         try:
-            return block_name(key)
-        except ValueError:
-            self._count(keys_refused=1)
-            raise
-
-    def _names(self, keys: Sequence[str]) -> list[int]:
-        try:
-            return block_names(keys)
+            return [block_name(keys[0])] if first else block_names(keys)
         except ValueError:
             self._count(keys_refused=1)
             raise
@@ -235,7 +230,7 @@ class TlkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             return 0
         try:
             _, target = self._where(extra_info)
-            if target.local and not target.holds(self._name(keys[0])):
+            if target.local and not target.holds(self._names(keys, first=True)[0]):
                 return 0
             return target.longest_prefix(self._names(keys))
         except Exception as exc:
