@@ -34,7 +34,7 @@ import httpx
 import numpy as np
 
 from .codec.envelope import decode, join, split
-from .codec.hashing import TokenInput
+from .codec.hashing import TokenInput, exact_u64_array
 from .codec.layout import NO_HASH
 from .codec.tokens import BlockTokens, pack_records, split_records, tokens_for
 from .errors import (
@@ -90,6 +90,9 @@ def _u64(hashes: Iterable[HashLike]) -> np.ndarray:
             raise ValueError(f"hashes must be u64 values, found dtype {hashes.dtype}")
         return np.ascontiguousarray(hashes.reshape(-1), dtype="<u8")
     items = hashes if isinstance(hashes, list) else list(hashes)
+    packed = exact_u64_array(items)
+    if packed is not None:
+        return packed
     if all(type(h) is int for h in items):  # numpy converts plain ints in one C loop
         with contextlib.suppress(OverflowError):  # out of range: refused below, by name
             return np.array(items, dtype="<u8")
@@ -526,7 +529,7 @@ class Client:
         """
         params = {"tier": 1} if tier else None
         data = self._query("/v1/has-blocks", hashes, tokens, params=params).json()
-        return HasResult([bool(p) for p in data["present"]], int(data["prefix"]))
+        return HasResult(list(map(bool, data["present"])), int(data["prefix"]))
 
     def lookup(
         self,

@@ -147,6 +147,29 @@ def test_has_blocks_and_prefix(client: Client) -> None:
     assert len(client.prefix(hashes=hashes[3:])) == 32
 
 
+def test_has_blocks_takes_every_hash_form_and_names_a_bad_one(client: Client) -> None:
+    """Plain ints take the compiled one-pass conversion; a list or tuple mixing in hex
+    strings or numpy integers takes the general path; either way the answer is the same,
+    and a hash that is not a u64 is refused by name before anything is sent."""
+    _tokens, data = _prompt(22, seed=23)
+    hashes = [int(h) for h in decode(data).hashes if h]
+    client.put(_first_blocks(data, 3))
+    expected = HasResult([True, True, True, False, False], 3)
+    mixed = [hashes[0], f"{hashes[1]:016x}", np.uint64(hashes[2]), *hashes[3:]]
+    assert client.has_blocks(hashes=tuple(hashes)) == expected
+    assert client.has_blocks(hashes=mixed) == expected
+    assert client.has_blocks(hashes=iter(hashes)) == expected
+    for bad, rule in [
+        (-1, "must fit u64"),
+        (1 << 64, "must fit u64"),
+        (True, "is an integer"),
+        (1.0, "is an integer"),
+        ("0123", "16 lowercase hex digits"),
+    ]:
+        with pytest.raises(ValueError, match=rule):
+            client.has_blocks(hashes=[*hashes[:2], bad])
+
+
 def test_prefix_answers_are_never_overwritten_while_held(
     server: ServerProcess, client: Client
 ) -> None:

@@ -461,6 +461,38 @@ def test_fnv_chain_list_bad_arguments() -> None:
     assert native.fnv_chain_list([1, 2, 3], 1 << 62) == b""
 
 
+# ------------------------------------------------------------------------------ u64_list
+
+
+@settings(max_examples=200, deadline=None)
+@given(hashes=st.lists(st.one_of(st.integers(0, U64), st.sampled_from([0, 1, U64])), max_size=300))
+def test_u64_list_is_the_little_endian_u64_array(hashes: list[int]) -> None:
+    want = struct.pack(f"<{len(hashes)}Q", *hashes)
+    assert native.u64_list(hashes) == want
+    assert native.u64_list(tuple(hashes)) == want
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [-1, 1 << 64, -(1 << 70), True, False, 1.0, np.uint64(1), "1", "00000000000000ff", None, [1]],
+)
+@pytest.mark.parametrize("where", [0, 4, 9])
+def test_u64_list_declines_anything_but_u64_ints(bad: object, where: int) -> None:
+    items: list[object] = list(range(10))
+    items[where] = bad
+    assert native.u64_list(items) is None
+    assert native.u64_list(tuple(items)) is None
+
+
+def test_u64_list_bad_arguments() -> None:
+    for not_a_list in (np.arange(4), range(4), b"1234", iter([1, 2]), {1}):
+        with pytest.raises(TypeError):
+            native.u64_list(not_a_list)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        native.u64_list()  # type: ignore[call-arg]
+    assert native.u64_list([]) == b""
+
+
 # ---------------------------------------------------------------------------- f16_finite
 
 
@@ -544,6 +576,7 @@ def test_docstrings() -> None:
         "fnv1a64",
         "fnv_chain",
         "fnv_chain_list",
+        "u64_list",
         "f16_finite",
     ):
         assert getattr(native, name).__doc__

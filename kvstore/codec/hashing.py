@@ -135,3 +135,14 @@ def chain_hashes_array(
     if _native is None:
         return np.array(_chain_hashes_py(toks, block_tokens, parent), dtype="<u8")
     return np.frombuffer(_native.fnv_chain(toks, block_tokens, parent), dtype="<u8")
+
+
+def exact_u64_array(items: list[Any] | tuple[Any, ...]) -> np.ndarray | None:
+    """``items`` as a read-only ``<u8`` array when every one is an exact int in
+    0..2**64-1, converted in one compiled pass (no per-item type check in Python first);
+    None when an item is anything else or the compiled kernels are not built: the caller
+    then takes its general path, which converts other hash forms and names a bad one."""
+    if _native is None:
+        return None
+    packed = _native.u64_list(items)
+    return None if packed is None else np.frombuffer(packed, dtype="<u8")

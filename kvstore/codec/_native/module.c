@@ -5,8 +5,8 @@
 static struct PyModuleDef native_module = {
     PyModuleDef_HEAD_INIT, "kvstore.codec._native",
     "Compiled kernels: CRC-32C (and join+CRC, and a copy of block payloads to their slots\n"
-    "with their CRC), FNV-1a 64, the chained block hash (also from a list), f16\n"
-    "finiteness, and a builder of one bytes object.", -1,
+    "with their CRC), FNV-1a 64, the chained block hash (also from a list), a list of\n"
+    "hashes as u64 bytes, f16 finiteness, and a builder of one bytes object.", -1,
     NULL, NULL, NULL, NULL, NULL,
 };
 
@@ -24,7 +24,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (module == NULL)
         return NULL;
     PyMethodDef *tables[] = {crc32c_methods, join_methods, scatter_methods,
-                             scatter_views_methods, fnv_methods,
+                             scatter_views_methods, fnv_methods, ints_methods,
                              f16_methods};
     for (size_t i = 0; i < sizeof(tables) / sizeof(tables[0]); i++)
         if (PyModule_AddFunctions(module, tables[i]) < 0) {

@@ -12,6 +12,7 @@
  *   scatter_views.c scatter_crc_views(): the same into one strided 5-D array per block
  *   builder.c      BytesBuilder: one bytes object filled part by part
  *   fnv.c          fnv1a64(), fnv_chain(), fnv_chain_list(): FNV-1a 64 and the block hash
+ *   ints.c         u64_list(): a list of hashes as little-endian u64 bytes
  *   f16.c          f16_finite()
  *   module.c       the module: every file's functions, and the one-time set-up
  *
@@ -181,6 +182,7 @@ KV_HIDDEN Py_ssize_t scatter_envelopes_run(crc_kernel_fn fn, Py_buffer *envs,
 /* Ready the BytesBuilder type and add it to `module`; -1 with an exception set. */
 KV_HIDDEN int builder_add(PyObject *module);
 KV_HIDDEN extern PyMethodDef fnv_methods[];
+KV_HIDDEN extern PyMethodDef ints_methods[];
 /* Choose the f16 kernel from the CPU's features (once, under the GIL). */
 KV_HIDDEN void f16_init(void);
 KV_HIDDEN extern PyMethodDef f16_methods[];
