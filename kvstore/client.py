@@ -370,6 +370,7 @@ class Client:
         self._http = httpx.Client(
             base_url=base_url.rstrip("/"), headers=headers, timeout=timeout, transport=transport
         )
+        self._direct = transport if isinstance(transport, _BodyTransport) else None
         self._answers = _ReceivePool()  # what prefix() reads into
 
     def close(self) -> None:
@@ -403,9 +404,10 @@ class Client:
         if into is not None and not isinstance(into, _ReceivePool):
             into = memoryview(into).cast("B")
         extensions = {_INTO: into} if into is not None else None
-        response = self._http.request(
+        request = self._http.build_request(
             method, url, content=content, params=params, headers=headers, extensions=extensions
         )
+        response = self._send(request)
         if response.status_code == 404 and missing_ok:
             err = error_from_response(response)
             if isinstance(err, NotFoundError):
@@ -413,6 +415,29 @@ class Client:
             raise err
         if response.status_code >= 400:
             raise error_from_response(response)
+        return response
+
+    def _send(self, request: httpx.Request) -> httpx.Response:
+        """Send ``request`` (built by httpx: base URL, headers, timeouts) and read its answer.
+
+        On tlkv's own transport the request goes to it directly. ``httpx.Client.send``
+        wraps an answer's stream in one that refers back to the response: a cycle that keeps
+        every answer (2 MiB for a block, a receive buffer's view for a prefix) alive until
+        the garbage collector runs, so the next answer is read into freshly faulted pages
+        and the receive pool finds its buffers still referenced; a 2 MiB block GET took
+        1.6 ms where the exchange alone takes 0.7. This client uses none of what ``send``
+        adds around the exchange (redirects are not followed, no auth flow, cookies or
+        event hooks), so the direct call is the same request and answer. With any other
+        transport (a caller's, or httpx's own behind a proxy), httpx sends as usual.
+        """
+        transport = self._direct
+        if transport is None:
+            return self._http.send(request)
+        if self._http.is_closed:
+            raise RuntimeError("Cannot send a request, as the client has been closed.")
+        response = transport.handle_request(request)
+        response.request = request
+        response.read()
         return response
 
     def _ok(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
@@ -436,7 +461,7 @@ class Client:
         it): what it held (``blocks``, ``bytes``, ``sequences``), None when there is none."""
         # Dots encoded too: httpx would take "." or ".." (old ids) as path steps.
         path = f"{_MODELS_PATH}/{quote(model, safe='').replace('.', '%2E')}"
-        response = self._http.request("DELETE", path)
+        response = self._send(self._http.build_request("DELETE", path))
         if response.status_code >= 400:
             err = error_from_response(response)
             if isinstance(err, NotFoundError):

@@ -8,6 +8,7 @@ actual request bodies.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import socket
 import threading
@@ -159,15 +160,50 @@ def test_has_blocks_takes_every_hash_form_and_names_a_bad_one(client: Client) ->
     assert client.has_blocks(hashes=tuple(hashes)) == expected
     assert client.has_blocks(hashes=mixed) == expected
     assert client.has_blocks(hashes=iter(hashes)) == expected
-    for bad, rule in [
+    bad_hashes: list[tuple[Any, str]] = [
         (-1, "must fit u64"),
         (1 << 64, "must fit u64"),
         (True, "is an integer"),
         (1.0, "is an integer"),
         ("0123", "16 lowercase hex digits"),
-    ]:
+    ]
+    for bad, rule in bad_hashes:
         with pytest.raises(ValueError, match=rule):
             client.has_blocks(hashes=[*hashes[:2], bad])
+
+
+def test_an_answer_is_freed_when_the_caller_drops_it(server: ServerProcess) -> None:
+    """On tlkv's transport no reference cycle holds a response: a block read and then
+    dropped is freed at once, not at the garbage collector's next run (so the next read
+    reuses warm memory instead of faulting in fresh pages)."""
+    _tokens, data = _prompt(8, seed=24)  # 2 full blocks
+    client = Client(server.url, token=TOKEN)
+    client.put(data)
+    hashes = [int(h) for h in decode(data).hashes]
+
+    def live_responses() -> int:
+        return sum(1 for o in gc.get_objects() if type(o) is httpx.Response)
+
+    gc.collect()
+    gc.disable()
+    try:
+        before = live_responses()
+        for _ in range(3):
+            assert client.get(hashes[0]) is not None
+            assert client.has_blocks(hashes=hashes).prefix == 2
+            assert client.get(1) is None  # a 404 answer too
+        assert live_responses() == before
+    finally:
+        gc.enable()
+        client.close()
+
+
+def test_a_closed_client_sends_nothing(server: ServerProcess) -> None:
+    c = Client(server.url, token=TOKEN)
+    assert c.health()
+    c.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        c.health()
 
 
 def test_prefix_answers_are_never_overwritten_while_held(
