@@ -16,6 +16,9 @@ median) is the engine's TTFT. Per run (new prompts and fresh directories each):
 - Ratios: tlkv warm / Example warm (target <= 0.9), tlkv HTTP warm / Example warm
   (<= 1.0), tlkv warm and HTTP warm / Mooncake warm, tlkv warm / cold (<= 0.5), tlkv cold
   saving / cold (<= 1.15).
+- The floor: the same prompts served a second time by one engine with vLLM's own prefix
+  cache on and no connector (992 tokens found in memory, nothing loaded): what no
+  connector's warm TTFT can go under. Rows: that floor / Example warm, tlkv warm / floor.
 - First load: the TTFT of a fresh engine's first request, every block of it stored,
   against the first request of a fresh engine without a connector (<= 0.5, as warm vs
   cold), and against the same engine's later loads: the one-off cost a fresh engine pays,
@@ -73,6 +76,23 @@ def _ttft(
     }
 
 
+def _in_memory_hit(run_engine: Any, model: str, prompts: list[list[int]]) -> float:
+    """The floor of any connector's warm TTFT: one engine without a connector, vLLM's own
+    prefix cache on, serves each prompt twice; the median TTFT of the second servings
+    (992 tokens found in the engine's own cache: nothing loaded at all)."""
+    spec = {
+        "model": model,
+        "connector": None,
+        "prompts": [{"tokens": prompts[0]}] + [{"tokens": p} for p in prompts[1:] for _ in "ab"],
+        "max_tokens": 1,
+        "enable_prefix_caching": True,
+    }
+    results = run_engine(spec, ENV)["results"]
+    hits = results[2::2]
+    assert all(r["cached"] == (TOKENS - 1) // 32 * 32 for r in hits), hits
+    return float(statistics.median(r["seconds"] for r in hits))
+
+
 def _example(path: str) -> dict[str, Any]:
     return {
         "kv_connector": "ExampleConnector",
@@ -105,6 +125,7 @@ def _one_run(run: int, model: str, root: Path) -> dict[str, float]:
     ex = _ttft(run_engine, model, _example(example), prompts)
     assert ex["cached"] > 0, ex
     t["example_warm"] = ex["seconds"]
+    t["in_memory_hit"] = _in_memory_hit(run_engine, model, prompts)
     if bench_vllm_mooncake.available() is None:  # the same prompts saved, then loaded
         (root / f"mooncake-{run}").mkdir()
         with bench_vllm_mooncake.store(root / f"mooncake-{run}") as env:
@@ -233,6 +254,15 @@ def run(args: argparse.Namespace) -> list[Row]:
             "TTFT warm, tlkv HTTP vs ExampleConnector", runs, "http_warm", "example_warm", 1.0
         ),
         *_mooncake_rows(runs),
+        _ratio_row(
+            "  vLLM's own in-memory prefix hit (no load: the floor) vs ExampleConnector",
+            runs,
+            "in_memory_hit",
+            "example_warm",
+        ),
+        _ratio_row(
+            "  tlkv store dir vs vLLM's own in-memory prefix hit", runs, "warm", "in_memory_hit"
+        ),
         _ratio_row("TTFT warm (tlkv) vs cold (no connector)", runs, "warm", "cold", 0.5),
         _ratio_row("TTFT cold, tlkv saving vs no connector", runs, "cold_save", "cold", 1.15),
         _ratio_row(
