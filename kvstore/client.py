@@ -422,10 +422,9 @@ class Client:
 
         On tlkv's own transport the request goes to it directly. ``httpx.Client.send``
         wraps an answer's stream in one that refers back to the response: a cycle that keeps
-        every answer (2 MiB for a block, a receive buffer's view for a prefix) alive until
-        the garbage collector runs, so the next answer is read into freshly faulted pages
-        and the receive pool finds its buffers still referenced; a 2 MiB block GET took
-        1.6 ms where the exchange alone takes 0.7. This client uses none of what ``send``
+        every answer (2 MiB for a block) alive until the garbage collector runs, so the
+        next answer is read into freshly faulted pages, which can double a block GET's
+        time (BENCHMARKS.md, peers). This client uses none of what ``send``
         adds around the exchange (redirects are not followed, no auth flow, cookies or
         event hooks), so the direct call is the same request and answer. With any other
         transport (a caller's, or httpx's own behind a proxy), httpx sends as usual.

@@ -5,11 +5,11 @@
 
 /* A client's has-blocks or prefix call gets its hashes as a Python list. numpy's
  * array(list, dtype="<u8") does not tell a bool, a float or a numeric string from a hash,
- * so the caller checked every item's type first: two passes over the objects, 0.47 ms of
- * 8,192 hashes. Here one pass reads each exact int and stores its bytes. Anything else (a
- * bool, a numpy scalar, a hex string, a negative or too large int) makes it return None
- * and the caller takes its general path, which accepts the other hash forms and raises
- * the one error message for a bad hash: no second copy of that rule here. */
+ * so Python code would check every item's type first: two passes over the objects. Here
+ * one pass reads each exact int and stores its bytes. Anything else (a bool, a numpy
+ * scalar, a hex string, a negative or too large int) makes it return None and the caller
+ * takes its general path, which accepts the other hash forms and raises the one error
+ * message for a bad hash: no second copy of that rule here. */
 
 /* The value of an exact int in 0..2**64-1 into *out; 0, or -1 (no exception set). */
 static inline int exact_u64(PyObject *item, uint64_t *out) {
