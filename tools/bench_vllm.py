@@ -49,6 +49,7 @@ from bench_common import Row, best_seconds
 
 MODEL = {"layers": 12, "hidden": 768, "heads": 12, "kv_heads": 4, "head_dim": 64}
 TOKENS = 1024
+LOADED = (TOKENS - 1) // 32 * 32  # a warm prompt's tokens found (the last block is computed)
 PROMPTS = 3  # measured prompts per engine (distinct, each cold or each stored): the median
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
@@ -81,16 +82,17 @@ def _in_memory_hit(run_engine: Any, model: str, prompts: list[list[int]]) -> flo
     cache on, serves each prompt twice; the median TTFT of the second servings (992 tokens
     found in the engine's own memory). A reference for what loading costs, not a strict
     floor: vLLM's prefix cache does its own work per request (hashing every block)."""
+    twice = [p for p in prompts[1:] for _ in range(2)]
     spec = {
         "model": model,
         "connector": None,
-        "prompts": [{"tokens": prompts[0]}] + [{"tokens": p} for p in prompts[1:] for _ in "ab"],
+        "prompts": [{"tokens": p} for p in [prompts[0], *twice]],
         "max_tokens": 1,
         "enable_prefix_caching": True,
     }
     results = run_engine(spec, ENV)["results"]
     hits = results[2::2]
-    assert all(r["cached"] == (TOKENS - 1) // 32 * 32 for r in hits), hits
+    assert all(r["cached"] == LOADED for r in hits), hits
     return float(statistics.median(r["seconds"] for r in hits))
 
 
@@ -119,7 +121,7 @@ def _one_run(run: int, model: str, root: Path) -> dict[str, float]:
     saving = _ttft(run_engine, model, tlkv_config(data), [*prompts, server_warm_up])
     t["cold_save"] = saving["seconds"]
     warm = _ttft(run_engine, model, tlkv_config(data), prompts)
-    assert warm["cached"] == (TOKENS - 1) // 32 * 32, warm
+    assert warm["cached"] == LOADED, warm
     t["warm"], t["first_load"] = warm["seconds"], warm["first"]
     example = str(root / f"example-{run}")
     _ttft(run_engine, model, _example(example), prompts)

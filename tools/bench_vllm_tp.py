@@ -45,14 +45,14 @@ def _engine(model: str, connector: Any, prompts: list[list[int]], tp: int, **llm
 
 def one_run(run: int, model: str, root: Path) -> dict[str, float]:
     """One run's TTFTs (seconds) and bytes per block; fp8 ones only where vLLM runs fp8."""
-    from bench_vllm import PROMPTS, TOKENS
+    from bench_vllm import LOADED, PROMPTS, TOKENS
     from vllm_demo import prompt, tlkv_config
 
     from kvstore import Store
     from kvstore.codec.hashing import chain_hashes
 
     prompts = [prompt(TOKENS, seed=100 * run + i) for i in range(PROMPTS + 1)]
-    hit = (TOKENS - 1) // 32 * 32
+    hit = LOADED
     data = str(root / f"tp2-{run}")
     t: dict[str, float] = {}
     t["tp2_cold"] = _engine(model, None, prompts, 2)["seconds"]
