@@ -17,6 +17,10 @@ same run (for times: peer time / tlkv time):
   (``Client.put`` to the server: fsync before the answer), tlkv's fastest mode
   (``Store(sync=False).put`` into the server's store directory from the writer process:
   no fsync, no HTTP), against Mooncake's DRAM ``put``/``put_from``/``batch_put_from``;
+- the same puts against what this disk allows any store (Mooncake's DRAM put keeps
+  nothing across a restart): the same bytes written into a new file beside the store,
+  one ``write`` each or one joined, with an ``fdatasync`` after each write (against
+  tlkv durable) or none (against ``Store(sync=False)``: the page cache);
 - get one by one from the reader (``Client.get`` against ``get``/``get_into``);
 - a whole 64-block prefix at once from the reader (``Client.prefix``, the default call,
   and ``Client.prefix_into`` a reused buffer, against ``batch_get_into``);
@@ -134,6 +138,12 @@ class _Side:
         batch_reg = timed(lambda: _ok(mc.batch_put_from(keys[3], self.ptrs, sizes)))
         out["mc_one"], out["mc_one_reg"] = one, one_reg
         out["mc_batch"], out["mc_batch_reg"] = batch, batch_reg
+        files = os.path.join(self.cfg["files"], f"run-{seed}")  # removed by drop()
+        os.makedirs(files, exist_ok=True)
+        for durable in (True, False):  # what this disk allows: the same bytes as files
+            kind = "durable" if durable else "fast"
+            out[f"file_{kind}_one"] = _file_write(files, sets[0][1], durable, batched=False)
+            out[f"file_{kind}_batch"] = _file_write(files, sets[1][1], durable, batched=True)
         out["hashes"] = sets[1][0]  # the durable batch: read by the reader
         out["keys"] = keys[1]
         out["all_hashes"] = [h for s in sets for h in s[0]]
@@ -141,7 +151,9 @@ class _Side:
         return out
 
     def drop(self, hashes: list[int], keys: list[str]) -> None:
-        """Remove a run's blocks from both (the disk and the DRAM segment stay bounded)."""
+        """Remove a run's blocks from both, and its files (the disk and the DRAM segment
+        stay bounded)."""
+        shutil.rmtree(self.cfg["files"], ignore_errors=True)
         for h in hashes:
             self.store.delete(h)
         for k in keys:
@@ -222,6 +234,27 @@ class _Side:
             self.store.close()
         with contextlib.suppress(Exception):
             self.mc.close()
+
+
+def _file_write(directory: str, blobs: list[bytes], durable: bool, batched: bool) -> float:
+    """Seconds to write ``blobs`` into a new file in ``directory``: one ``write`` of them
+    joined (``batched``) or one each, with an ``fdatasync`` after each write when
+    ``durable``. The file stays until the run ends, as a store's blocks do: its pages are
+    new page-cache pages, as the pages of a store that grows are."""
+    parts = [b"".join(blobs)] if batched else blobs  # joined before the clock starts
+    path = os.path.join(directory, f"blobs-{os.getpid()}-{time.monotonic_ns()}")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        t0 = time.perf_counter()
+        for part in parts:
+            view = memoryview(part)
+            while view:
+                view = view[os.write(fd, view) :]
+            if durable:
+                os.fdatasync(fd)
+        return time.perf_counter() - t0
+    finally:
+        os.close(fd)
 
 
 def _ok(rc: Any) -> None:
@@ -305,6 +338,7 @@ def run(args: argparse.Namespace) -> list[Row]:
         cfg = {
             "url": f"http://127.0.0.1:{server.port}",
             "data": str(root / "store"),
+            "files": str(root / "files"),
             "master_port": mport,
             "meta_port": meta,
             "n": n,
@@ -323,7 +357,7 @@ def run(args: argparse.Namespace) -> list[Row]:
             put = writer.call("puts", r + 1)
             got = reader.call("reads", put["hashes"], put["keys"])
             results.append(
-                {**{k: v for k, v in put.items() if k.startswith(("tlkv", "mc"))}, **got}
+                {**{k: v for k, v in put.items() if k.startswith(("tlkv", "mc", "file"))}, **got}
             )
             if r < runs - 1:
                 writer.call("drop", put["all_hashes"], put["all_keys"])
@@ -412,6 +446,22 @@ def _rows(
             "tlkv_fast_batch",
             ("mc_batch", "mc_batch_reg"),
             1.0,
+        ),
+        *(  # against what this disk allows: the same bytes as a file (_file_write)
+            ratio_row(
+                f"put {how}, tlkv {mode} vs {floor}",
+                f"tlkv_{kind}_{way}",
+                f"file_{kind}_{way}",
+                None,
+            )
+            for kind, mode, sync in (
+                ("durable", "durable", " + fdatasync"),
+                ("fast", "Store(sync=False)", ""),
+            )
+            for way, how, floor in (
+                ("one", "one by one", f"a file write{sync} each"),
+                ("batch", "batched", f"one file write{sync}"),
+            )
         ),
         ratio_row(
             "get one by one, Client.get vs get/get_into",
