@@ -1,5 +1,5 @@
-"""In-process pieces of the service: the streamed prefix answer, hash parsing, metrics text,
-which thread transcodes."""
+"""In-process pieces of the service: the prefix answer read in windows, hash parsing,
+metrics text, which thread transcodes."""
 
 from __future__ import annotations
 
@@ -23,43 +23,112 @@ from api.app import create_app
 from api.errors import error_body
 from api.metrics import Metrics
 from api.routes import blocks as blocks_module
-from api.routes.blocks import _stream
 from api.routes.common import parse_hash_list
 from api.settings import Settings
 from kvstore import Store, decode, join, split
 from kvstore.errors import InvalidRequestError, NotFoundError
 
 
-async def _collect(agen: object) -> bytes:
-    return b"".join([bytes(c) async for c in agen])  # type: ignore[attr-defined]
+def _prefix_calls(
+    tmp_path: Path, data: bytes, calls: Any, window_blocks: int, monkeypatch: pytest.MonkeyPatch
+) -> Any:
+    """Run ``calls(http, hashes)`` against an app holding ``data``, its prefix answers
+    read ``window_blocks`` blocks at a time; returns what it returns."""
+    monkeypatch.setattr(blocks_module, "PREFIX_WINDOW_BYTES", SMALL.envelope_bytes(window_blocks))
+    hashes = [f"{int(h):016x}" for h in decode(data).hashes]
+    app = create_app(Settings(data=tmp_path / "store", geometry=SMALL))
+
+    async def run() -> Any:
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as http,
+        ):
+            typed = {"content-type": "application/vnd.tlkv"}
+            assert (await http.put("/v1/blocks", content=data, headers=typed)).status_code == 200
+            return await calls(http, hashes, app.state.store)
+
+    return asyncio.run(run())
 
 
-def test_streamed_prefix_equals_joined_blocks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("window_blocks", [1, 2, 5, 64])
+def test_prefix_windows_equal_the_joined_blocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, window_blocks: int
+) -> None:
+    """However many windows a prefix answer is read in, it is the stored blocks joined,
+    byte for byte, in the stored version or transcoded; a tail beyond the stored prefix
+    is left out."""
     data = make_envelope(SMALL, 20, seed=1, version=2)  # 5 full blocks
-    with Store(tmp_path / "s") as store:
-        store.put(data)
-        hashes = decode(data).hashes.copy()
-        first = store.get(int(hashes[0]))
-        assert first is not None
-        out = asyncio.run(_collect(_stream(store, hashes, first, SMALL, 2)))
-        assert out == join(split(data))
-        assert len(out) == SMALL.envelope_bytes(5, 2)
-        as_v1 = store.get(int(hashes[0]), version=1)
-        assert as_v1 is not None
-        v1 = asyncio.run(_collect(_stream(store, hashes, as_v1, SMALL, 1)))
-        assert decode(v1).version == 1 and len(decode(v1)) == 5
+
+    async def calls(http: httpx.AsyncClient, hashes: list[str], store: Any) -> None:
+        r = await http.post("/v1/prefix", json={"hashes": [*hashes, "00000000000000aa"]})
+        assert r.status_code == 200 and r.headers["x-tlkv-prefix-blocks"] == "5"
+        assert r.content == join(split(data))
+        assert int(r.headers["content-length"]) == SMALL.envelope_bytes(5, 2)
+        r = await http.post("/v1/prefix", json={"hashes": hashes}, params={"format": 1})
+        env = decode(r.content)  # the CRC of the whole answer checks
+        assert (
+            env.version == 1
+            and len(env) == 5
+            and env.hashes.tolist() == decode(data).hashes.tolist()
+        )
+        r = await http.post("/v1/prefix", json={"hashes": ["00000000000000aa"]})
+        assert r.headers["x-tlkv-prefix-blocks"] == "0" and len(decode(r.content)) == 0
+
+    _prefix_calls(tmp_path, data, calls, window_blocks, monkeypatch)
 
 
-def test_streamed_prefix_aborts_when_a_block_vanishes(tmp_path: Path) -> None:
-    data = make_envelope(SMALL, 12, seed=2)
-    with Store(tmp_path / "s") as store:
-        store.put(data)
-        hashes = decode(data).hashes.copy()
-        first = store.get(int(hashes[0]))
-        assert first is not None
-        store.delete(int(hashes[2]))
-        with pytest.raises(NotFoundError):
-            asyncio.run(_collect(_stream(store, hashes, first, SMALL, 1)))
+def test_prefix_cut_in_its_first_window_is_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A block gone between the prefix lookup and the first window's read cuts the answer
+    there: a whole, valid envelope of the blocks before it."""
+    data = make_envelope(SMALL, 20, seed=4)
+    real = blocks_module._first_window
+
+    def first_window(store: Any, hashes: Any, *args: Any) -> Any:
+        store.delete(int(hashes[2]))  # after the lookup counted it
+        return real(store, hashes, *args)
+
+    monkeypatch.setattr(blocks_module, "_first_window", first_window)
+
+    async def calls(http: httpx.AsyncClient, hashes: list[str], store: Any) -> None:
+        r = await http.post("/v1/prefix", json={"hashes": hashes})
+        assert r.status_code == 200 and r.headers["x-tlkv-prefix-blocks"] == "2"
+        assert r.content == join(split(data)[:2])
+
+    _prefix_calls(tmp_path, data, calls, 4, monkeypatch)
+
+
+def test_prefix_aborts_when_a_block_of_a_later_window_vanishes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A block gone before its window is read, after the header promised it, aborts the
+    answer (the client sees an error, never a completed wrong envelope)."""
+    data = make_envelope(SMALL, 20, seed=2)
+    real = blocks_module._window
+
+    def window(store: Any, hashes: Any, *args: Any) -> Any:
+        store.delete(int(hashes[0]))
+        return real(store, hashes, *args)
+
+    monkeypatch.setattr(blocks_module, "_window", window)
+
+    async def calls(http: httpx.AsyncClient, hashes: list[str], store: Any) -> None:
+        # The app raises (Starlette wraps the error: the answer has started), so the
+        # transport aborts; the error names the block.
+        with pytest.raises(Exception) as caught:
+            await http.post("/v1/prefix", json={"hashes": hashes})
+        chain: list[BaseException] = []
+        err: BaseException | None = caught.value
+        while err is not None and len(chain) < 10:
+            chain.append(err)
+            err = err.__cause__ or err.__context__
+        assert any(
+            isinstance(e, NotFoundError) and "vanished while streaming the prefix" in str(e)
+            for e in chain
+        ), chain
+
+    _prefix_calls(tmp_path, data, calls, 2, monkeypatch)
 
 
 def test_parse_hash_list() -> None:
@@ -170,8 +239,8 @@ def _on_event_loop() -> bool:
     return True
 
 
-@pytest.mark.parametrize("streamed", [False, True], ids=["gathered", "streamed"])
-def test_prefix_transcodes_and_joins_off_the_event_loop(
+@pytest.mark.parametrize("streamed", [False, True], ids=["one window", "a window per block"])
+def test_prefix_reads_and_transcodes_off_the_event_loop(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, streamed: bool
 ) -> None:
     calls: list[tuple[str, bool]] = []
@@ -186,11 +255,13 @@ def test_prefix_transcodes_and_joins_off_the_event_loop(
     monkeypatch.setattr(reads_module, "transcode", spy("transcode", reads_module.transcode))
     # (the routes transcode stored blocks through kvstore.store.transcode_stored, which calls
     # the reads module's transcode: the spy above sees every one)
-    monkeypatch.setattr(blocks_module, "join", spy("join", blocks_module.join))
-    # A gathered answer is assembled (CRC checks, transcodes) in one call, zero-copy.
-    monkeypatch.setattr(blocks_module, "_held_prefix", spy("assemble", blocks_module._held_prefix))
-    if streamed:  # every answer above one byte streams block by block
-        monkeypatch.setattr(blocks_module, "PREFIX_BUFFER_BYTES", 1)
+    # A window of an answer is read (CRC checks, transcodes) in one call, zero-copy.
+    monkeypatch.setattr(
+        blocks_module, "_first_window", spy("assemble", blocks_module._first_window)
+    )
+    monkeypatch.setattr(blocks_module, "_window", spy("window", blocks_module._window))
+    if streamed:  # a window per block
+        monkeypatch.setattr(blocks_module, "PREFIX_WINDOW_BYTES", 1)
     data = make_envelope(SMALL, 24, seed=3, version=1)  # 6 full blocks, stored as v1
     hashes = [f"{int(h):016x}" for h in decode(data).hashes]
     app = create_app(Settings(data=tmp_path / "store", geometry=SMALL))
@@ -211,7 +282,8 @@ def test_prefix_transcodes_and_joins_off_the_event_loop(
 
     asyncio.run(requests())
     names = {name for name, _ in calls}
-    assert "transcode" in names and (streamed or "assemble" in names), calls
+    assert "transcode" in names and "assemble" in names, calls
+    assert ("window" in names) == streamed, calls
     assert not [call for call in calls if call[1]], calls
 
 

@@ -4,34 +4,36 @@ Envelopes go out verbatim as ``application/vnd.tlkv`` bytes (no serialization la
 Plain single-block reads run on the event loop (an LMDB read plus a CRC check, well under
 a millisecond for 2 MiB). Everything that takes milliseconds runs in the thread pool:
 writes and deletes (they wait for a durable commit), every read with ``?format=`` (it may
-transcode 2 MiB), and the multi-block reads of ``/v1/prefix`` -- gathered in one call,
-or, when streamed, one call per block that reads it (transcoding it if needed) and folds
-it into the running CRC of the envelope (``kvstore.codec.assembly.EnvelopeStream``).
+transcode 2 MiB), and the reads of ``/v1/prefix``: one call per window of up to
+``PREFIX_WINDOW_BYTES`` that reads its blocks (transcoding them if needed) and folds them
+into the running CRC of the envelope (``kvstore.codec.assembly.EnvelopeStream``).
 
-Zero copy: ``GET /v1/blocks/{hash}`` and a ``/v1/prefix`` answer up to
-``PREFIX_BUFFER_BYTES`` are sent straight from LMDB's map (``Store.get_buffers``: every
-block CRC-checked first). The transport may keep a body after ``send`` returns (uvloop
-queues what the socket did not take), so the read snapshot is not ended there: it ends
-when the transport releases the last buffer (the store watches the arrays exporting
-them). A client that stops reading would hold its snapshot open: ``api.bodywatch`` aborts
-the connection of a body whose transport makes no progress for ``BODY_HOLD_SECONDS``.
+Zero copy: ``GET /v1/blocks/{hash}`` and every window of a ``/v1/prefix`` answer are sent
+straight from LMDB's map (``Store.get_buffers``: every block CRC-checked first). The
+transport may keep a body after ``send`` returns (uvloop queues what the socket did not
+take), so the read snapshot is not ended there: it ends when the transport releases the
+last buffer (the store watches the arrays exporting them). A client that stops reading
+would hold its snapshot open: ``api.bodywatch`` aborts the connection of a body whose
+transport makes no progress for ``BODY_HOLD_SECONDS``. A prefix's later windows are read
+from snapshots of their own: a block evicted meanwhile aborts the answer (its header has
+promised it), a block gone before the first window cuts the answer there.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Annotated, Any
 
 import numpy as np
 from fastapi import APIRouter, Path, Query, Request
 from starlette.concurrency import run_in_threadpool
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from kvstore.codec.assembly import EnvelopeStream, envelope_version
 from kvstore.codec.builder import BytesBuilder
-from kvstore.codec.envelope import decode, encode, join
+from kvstore.codec.envelope import encode
 from kvstore.codec.geometry import Geometry
 from kvstore.codec.layout import VERSION_V1
 from kvstore.codec.tokens import BlockTokens, pack_records, split_records
@@ -69,9 +71,10 @@ from .common import (
 
 router = APIRouter(tags=["blocks"])
 
-# A prefix answer up to this size is gathered first (and cut at a block that vanished);
-# a larger one streams block by block, so memory stays flat whatever the prefix length.
-PREFIX_BUFFER_BYTES = 64 * 1024 * 1024
+# A prefix answer is read and sent a window of up to this many bytes at a time (v1 block
+# sizes; at least one block): a window's blocks come from one read snapshot, held while
+# they are sent, and memory stays flat whatever the prefix length.
+PREFIX_WINDOW_BYTES = 64 * 1024 * 1024
 
 HashPath = Annotated[str, Path(pattern=HASH_PATTERN, description="16 lowercase hex digits")]
 FormatQuery = Annotated[
@@ -165,31 +168,6 @@ def _with_tokens(store: Store, h: int, data: bytes) -> Response:
         media_type=ENVELOPE_MEDIA_TYPE,
         headers={TOKEN_RECORDS_HEADER: "1" if records else "0"},
     )
-
-
-class _Parts(Response):
-    """An envelope sent as several buffers, in order (header, records, trailer), each
-    handed to the transport as it is (zero-copy buffers of ``Store.get_buffers``)."""
-
-    media_type = ENVELOPE_MEDIA_TYPE
-
-    def __init__(self, parts: list[Any], headers: dict[str, str]) -> None:
-        size = sum(len(p) for p in parts)
-        super().__init__(None, headers={**headers, "content-length": str(size)})
-        self.parts = parts
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        parts, self.parts = self.parts, []
-        owners = owner_refs(parts)
-        await send(
-            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
-        )
-        watch_body_of(scope, owners)  # before the parts: sending one may wait for the client
-        last = len(parts) - 1
-        for i in range(len(parts)):
-            part, parts[i] = parts[i], b""
-            await send({"type": "http.response.body", "body": part, "more_body": i < last})
-        del part
 
 
 async def _read_buffers(store: Store, h: int) -> list[Any]:
@@ -307,64 +285,94 @@ def _empty(geometry: Geometry | None, version: int) -> bytes:
     return encode(geometry, [], version)
 
 
-def _gather(store: Store, hashes: np.ndarray, version: int) -> bytes | None:
-    """The blocks in order, all in ``version``, joined; cut at the first that is gone.
-
-    Returns None when only the first block is left (the caller has it already).
-    """
-    blocks = []
-    for data in store.get_many(hashes, version=version):
-        if data is None:
-            break
-        blocks.append(data)
-    return join(blocks) if len(blocks) > 1 else None
-
-
-def _held_prefix(
-    store: Store, hashes: np.ndarray, version: int | None, geometry: Geometry
-) -> list[Any]:
-    """Header, records and trailer of the envelope of the blocks of ``hashes`` still
-    stored (cut at the first gone), in ``version`` (default: the first block's); records
-    are zero-copy views over LMDB's map (``Store.get_buffers``) unless transcoded."""
+def _window(store: Store, hashes: np.ndarray, version: int, out: EnvelopeStream) -> list[Any]:
+    """The records of the blocks of ``hashes``, in ``version``, accounted for in ``out``'s
+    CRC: zero-copy views over one snapshot of LMDB's map (``Store.get_buffers``: each
+    block CRC-checked), unless transcoded. A block gone raises ``NotFoundError``: the
+    header has promised it already."""
     blocks: list[Any] = store.get_buffers(hashes)
-    if not blocks:
-        return []
-    version = version or envelope_version(blocks[0])
-    out = EnvelopeStream(version, geometry, len(blocks))
-    parts: list[Any] = [out.header]
+    if len(blocks) < len(hashes):
+        # The client sees a short body: the answer is aborted, never completed wrongly.
+        h = int(hashes[len(blocks)])
+        raise NotFoundError(f"block {h:016x} vanished while streaming the prefix")
+    return _records(blocks, hashes, version, out)
+
+
+def _records(blocks: list[Any], hashes: np.ndarray, version: int, out: EnvelopeStream) -> list[Any]:
+    """The records of the stored envelopes ``blocks`` (of ``hashes``) in ``version``,
+    accounted for in ``out``'s CRC (``blocks`` is emptied)."""
+    records = []
     for i in range(len(blocks)):
         data, blocks[i] = blocks[i], b""  # the record keeps what it needs alive
         if envelope_version(data) != version:  # a new envelope: its CRC is right
             data = transcode_stored(int(hashes[i]), data, version)
-        parts.append(out.add_checked_single(data))
-    parts.append(out.trailer())
-    return parts
+        records.append(out.add_checked_single(data))
+    return records
 
 
-def _stream_record(
-    store: Store, out: EnvelopeStream, h: int, version: int, data: bytes | None = None
-) -> memoryview:
-    """Block ``h``'s record in ``version`` (``data``, when already read), accounted for in
-    ``out``'s CRC: one thread-pool call of the streamed prefix. ``store.get`` checked the
-    block's CRC, so the record's CRC follows from it without a second pass."""
-    if data is None:
-        data = store.get(h, version=version)
-        if data is None:
-            # The header already promised this block: abort, the client sees a short body.
-            raise NotFoundError(f"block {h:016x} vanished while streaming the prefix")
-    return out.add_checked_single(data)
+@dataclass
+class _Begun:
+    """A prefix answer begun: its blocks, version and stream, and the first window's
+    records (accounted for in the stream)."""
+
+    hashes: np.ndarray
+    version: int
+    out: EnvelopeStream
+    records: list[Any]
 
 
-async def _stream(
-    store: Store, hashes: np.ndarray, first: bytes, geometry: Geometry, version: int
-) -> AsyncIterator[bytes | memoryview]:
-    out = EnvelopeStream(version, geometry, len(hashes))
-    yield out.header
-    for i, h in enumerate(hashes.tolist()):
-        yield await run_in_threadpool(
-            _stream_record, store, out, h, version, first if i == 0 else None
+def _first_window(
+    store: Store, hashes: np.ndarray, per: int, version: int | None, geometry: Geometry
+) -> _Begun | None:
+    """The answer for the prefix ``hashes`` begun with its first window (cut to the blocks
+    that window still holds, if one is gone); None when the first block is gone.
+    ``version``: the answer's (None: the first block's)."""
+    first = hashes[:per]
+    blocks: list[Any] = store.get_buffers(first)
+    if not blocks:
+        return None
+    version = version or envelope_version(blocks[0])
+    kept = hashes if len(blocks) == len(first) else first[: len(blocks)]
+    out = EnvelopeStream(version, geometry, len(kept))
+    records = _records(blocks, kept, version, out)
+    return _Begun(kept, version, out, records)
+
+
+class _Windows(Response):
+    """A prefix envelope sent from LMDB's map a window at a time: header, the records of
+    each window (read in the thread pool, zero copy, once the window before is handed to
+    the transport), trailer. The body watch covers each window's buffers
+    (``api.bodywatch``)."""
+
+    media_type = ENVELOPE_MEDIA_TYPE
+
+    def __init__(self, store: Store, begun: _Begun, geometry: Geometry, per: int) -> None:
+        n = len(begun.hashes)
+        size = geometry.envelope_bytes(n, begun.version)
+        super().__init__(None, headers={PREFIX_HEADER: str(n), "content-length": str(size)})
+        self.store, self.begun, self.per = store, begun, per
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        begun, store, per = self.begun, self.store, self.per
+        records, begun.records = begun.records, []
+        hashes, version, out = begun.hashes, begun.version, begun.out
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
         )
-    yield out.trailer()
+        await send({"type": "http.response.body", "body": out.header, "more_body": True})
+        at = len(records)
+        while True:
+            watch_body_of(scope, owner_refs(records))  # before sending: a send may wait
+            for i in range(len(records)):
+                part, records[i] = records[i], b""
+                await send({"type": "http.response.body", "body": part, "more_body": True})
+                del part
+            if at >= len(hashes):
+                break
+            nxt = hashes[at : at + per]
+            records = await run_in_threadpool(_window, store, nxt, version, out)
+            at += len(nxt)
+        await send({"type": "http.response.body", "body": out.trailer(), "more_body": False})
 
 
 @router.post("/v1/prefix", openapi_extra=HASHES_BODY, responses=ENVELOPE_RESPONSE)
@@ -378,26 +386,14 @@ async def prefix(request: Request, format: FormatQuery = None) -> Response:
     else:
         k = store.longest_prefix(hashes) if len(hashes) else 0
     geometry = store.geometry
-    if k and geometry is not None and geometry.envelope_bytes(k, VERSION_V1) <= PREFIX_BUFFER_BYTES:
-        # Off the event loop: up to 64 MiB of reads and CRC checks; sent from LMDB's map.
-        parts = await run_in_threadpool(_held_prefix, store, hashes[:k], format, geometry)
-        if parts:
-            return _Parts(parts, {PREFIX_HEADER: str(len(parts) - 2)})
-        k = 0  # the first block went away meanwhile
-    first = await _read(store, int(hashes[0]), format) if k else None
-    if first is None or geometry is None:
-        data = _empty(geometry, format or VERSION_V1)
-        return Response(data, media_type=ENVELOPE_MEDIA_TYPE, headers={PREFIX_HEADER: "0"})
-    version = decode(first, verify_crc=False).version
-    size = geometry.envelope_bytes(k, version)
-    if size <= PREFIX_BUFFER_BYTES:
-        # Off the event loop: up to 64 MiB of reads, CRC checks and one join.
-        joined = await run_in_threadpool(_gather, store, hashes[:k], version) if k > 1 else None
-        data = first if joined is None else joined
-        n = len(decode(data, verify_crc=False))
-        return Response(data, media_type=ENVELOPE_MEDIA_TYPE, headers={PREFIX_HEADER: str(n)})
-    return StreamingResponse(
-        _stream(store, hashes[:k], first, geometry, version),
+    if k and geometry is not None:
+        # Off the event loop: a window's reads, CRC checks and transcodes.
+        per = max(1, PREFIX_WINDOW_BYTES // geometry.envelope_bytes(1, VERSION_V1))
+        begun = await run_in_threadpool(_first_window, store, hashes[:k], per, format, geometry)
+        if begun is not None:
+            return _Windows(store, begun, geometry, per)
+    return Response(
+        _empty(geometry, format or VERSION_V1),
         media_type=ENVELOPE_MEDIA_TYPE,
-        headers={PREFIX_HEADER: str(k), "content-length": str(size)},
+        headers={PREFIX_HEADER: "0"},
     )
