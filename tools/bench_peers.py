@@ -21,7 +21,9 @@ same run (for times: peer time / tlkv time):
   nothing across a restart): the same bytes written into a new file beside the store,
   one ``write`` each or one joined, with an ``fdatasync`` after each write (against
   tlkv durable) or none (against ``Store(sync=False)``: the page cache);
-- get one by one from the reader (``Client.get`` against ``get``/``get_into``);
+- get one by one from the reader (``Client.get`` against ``get``/``get_into``), after the
+  writer's ``os.sync()``: no read is timed against the kernel writing back the puts'
+  pages (on 2 cores, without it, a run's reads ran up to 2x slower on both sides);
 - a whole 64-block prefix at once from the reader (``Client.prefix``, the default call,
   and ``Client.prefix_into`` a reused buffer, against ``batch_get_into``);
 - existence of 8,192 keys, 64 present (``Client.has_blocks``, p50 of 20, against
@@ -144,6 +146,7 @@ class _Side:
             kind = "durable" if durable else "fast"
             out[f"file_{kind}_one"] = _file_write(files, sets[0][1], durable, batched=False)
             out[f"file_{kind}_batch"] = _file_write(files, sets[1][1], durable, batched=True)
+        os.sync()  # the reads that follow are not timed against the writeback of these puts
         out["hashes"] = sets[1][0]  # the durable batch: read by the reader
         out["keys"] = keys[1]
         out["all_hashes"] = [h for s in sets for h in s[0]]
