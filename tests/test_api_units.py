@@ -260,27 +260,18 @@ def test_prefix_reads_and_transcodes_off_the_event_loop(
         blocks_module, "_first_window", spy("assemble", blocks_module._first_window)
     )
     monkeypatch.setattr(blocks_module, "_window", spy("window", blocks_module._window))
-    if streamed:  # a window per block
-        monkeypatch.setattr(blocks_module, "PREFIX_WINDOW_BYTES", 1)
     data = make_envelope(SMALL, 24, seed=3, version=1)  # 6 full blocks, stored as v1
-    hashes = [f"{int(h):016x}" for h in decode(data).hashes]
-    app = create_app(Settings(data=tmp_path / "store", geometry=SMALL))
 
-    async def requests() -> None:
-        async with (
-            app.router.lifespan_context(app),
-            httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as http,
-        ):
-            typed = {"content-type": "application/vnd.tlkv"}
-            assert (await http.put("/v1/blocks", content=data, headers=typed)).status_code == 200
-            r = await http.post("/v1/prefix", json={"hashes": hashes}, params={"format": 2})
-            assert r.status_code == 200 and r.headers["x-tlkv-prefix-blocks"] == "6"
-            env = decode(r.content)
-            assert env.version == 2 and len(env) == 6
-            r = await http.post("/v1/prefix", json={"hashes": hashes})  # no transcoding
-            assert r.content == join(split(data))
+    async def requests(http: httpx.AsyncClient, hashes: list[str], store: Any) -> None:
+        r = await http.post("/v1/prefix", json={"hashes": hashes}, params={"format": 2})
+        assert r.status_code == 200 and r.headers["x-tlkv-prefix-blocks"] == "6"
+        env = decode(r.content)
+        assert env.version == 2 and len(env) == 6
+        r = await http.post("/v1/prefix", json={"hashes": hashes})  # no transcoding
+        assert r.content == join(split(data))
 
-    asyncio.run(requests())
+    # a window per block, or one window for all six
+    _prefix_calls(tmp_path, data, requests, 1 if streamed else 64, monkeypatch)
     names = {name for name, _ in calls}
     assert "transcode" in names and "assemble" in names, calls
     assert ("window" in names) == streamed, calls

@@ -300,7 +300,7 @@ def _window(store: Store, hashes: np.ndarray, version: int, out: EnvelopeStream)
 
 def _records(blocks: list[Any], hashes: np.ndarray, version: int, out: EnvelopeStream) -> list[Any]:
     """The records of the stored envelopes ``blocks`` (of ``hashes``) in ``version``,
-    accounted for in ``out``'s CRC (``blocks`` is emptied)."""
+    accounted for in ``out``'s CRC (each entry of ``blocks`` is released as it is used)."""
     records = []
     for i in range(len(blocks)):
         data, blocks[i] = blocks[i], b""  # the record keeps what it needs alive
