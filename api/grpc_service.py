@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import ctypes.util
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -50,6 +48,7 @@ from kvstore.errors import (
     UnauthorizedError,
 )
 from kvstore.protocol import DEFAULT_MODEL, MODEL_HEADER, check_model_id, hash_hex
+from kvstore.store.memory import keep_freed_memory
 from kvstore.transfer import (
     ERROR_KIND_KEY,
     MAX_CHUNK_PAYLOAD,
@@ -396,40 +395,6 @@ def _add_service(service: KvTransferService, server: grpc.aio.Server) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
 
-# glibc mallopt parameters (malloc.h) and the values set by _keep_freed_memory.
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-_TRIM_THRESHOLD = 512 << 20
-_MMAP_THRESHOLD = 32 << 20  # glibc's largest on 64-bit (HEAP_MAX_SIZE / 2)
-
-
-def _keep_freed_memory() -> bool:
-    """Let this process reuse freed memory for the next stream (glibc only).
-
-    A PushKv stream holds all its chunks (gRPC hands each 2 MiB message over in newly
-    allocated memory) until LMDB copies them into its own newly allocated dirty pages. By
-    default glibc serves such blocks with fresh ``mmap``s and returns freed memory to the
-    kernel, so every push page-faults its whole size in twice. With allocations up to
-    32 MiB taken from the heap, and up to 512 MiB of free heap kept, the next push reuses
-    that memory (PushKv into a store at capacity runs faster with it: BENCHMARKS.md,
-    "Measurements behind design choices"). The cost: a worker's RSS stays at its peak (plus
-    up to 512 MiB of free heap) instead of shrinking after a large push.
-
-    Returns:
-        True when both parameters were set (False elsewhere than glibc).
-    """
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    return bool(
-        mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
-    )
-
-
 class TransferServer:
     """One worker's running gRPC server (KvTransfer and health)."""
 
@@ -462,12 +427,17 @@ async def start_server(
     """Start a grpc.aio server on ``address`` (``host:port``) serving KvTransfer, tlkv's own
     ``tlkv.v1.Models`` (``api.grpc_models``) and health.
 
-    Also tunes this process's allocator for whole buffered streams (``_keep_freed_memory``).
+    Also makes this process keep freed memory (``kvstore.store.memory``): a PushKv stream
+    holds all its chunks (gRPC hands each 2 MiB message over in newly allocated memory)
+    until LMDB copies them into its dirty pages, and without it every push faults both in
+    afresh (PushKv into a store at capacity ran faster with it: BENCHMARKS.md, "Measurements
+    behind design choices"). A worker's RSS stays at its peak plus up to 512 MiB of free
+    heap instead of shrinking after a large push.
 
     Raises:
         RuntimeError: the address cannot be bound.
     """
-    if not _keep_freed_memory():
+    if not keep_freed_memory():
         log.info("mallopt unavailable: freed memory goes back to the system after each push")
     server = grpc.aio.server(
         options=[

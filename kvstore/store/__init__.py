@@ -16,6 +16,7 @@ transaction's block space) and ``seqtxn`` (its sequence records), ``lmdbenv``
 CRC scrub) and ``debug`` (raw state, for invariant checks in tests).
 """
 
+from .memory import keep_freed_memory
 from .store import PutReport, PutResult, Store, transcode_stored
 
-__all__ = ["PutReport", "PutResult", "Store", "transcode_stored"]
+__all__ = ["PutReport", "PutResult", "Store", "keep_freed_memory", "transcode_stored"]
