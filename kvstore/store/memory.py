@@ -3,12 +3,11 @@
 LMDB ``malloc``s the dirty pages of a write transaction and frees them at commit. By
 default glibc serves blocks of a few MiB (one 2 MiB block's overflow pages) from fresh
 ``mmap``s, or from heap it returns to the kernel once more than a few MiB lie free, so each
-large put faults its whole size in again as new memory. On a VM whose guest hands freed
-memory back to the host (virtio-balloon free page reporting) a new page is expensive: a
-64-block ``Store(sync=False)`` put ran at 1.1-1.4 GB/s in one process, 3.4-4.1 GB/s after
-``keep_freed_memory()`` from the third put on (BENCHMARKS.md, "Peers"). Where the
-store's file grows with every put, its new page-cache pages cost the same and this does
-not help (``tools/bench.py peers``: 1.39 against 1.32 GB/s).
+large put faults its whole size in again as new memory. Where a new page is expensive
+(a VM whose guest hands freed memory back to the host) a batched put in steady state runs
+at a fraction of its speed with the memory kept; where the store's file grows with every
+put, its new page-cache pages cost the same and keeping heap does not help
+(BENCHMARKS.md, "Peers", eighth session).
 
 The setting is process-wide, so the store never makes it on its own: ``tlkv serve``'s
 gRPC workers call it (a PushKv stream buffers whole), and a writer process that puts
