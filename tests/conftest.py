@@ -64,3 +64,17 @@ def s3_server():  # type: ignore[no-untyped-def]
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_engine_host() -> Iterator[None]:
+    """The vLLM tests' engines forked from one process that imported vLLM once
+    (``tools/vllm_host.py``): each engine still runs in a process of its own, about 10 s
+    sooner. A run whose environment the host cannot give starts a fresh interpreter."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    from vllm_demo import engine_host
+
+    with engine_host():
+        yield

