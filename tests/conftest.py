@@ -69,8 +69,9 @@ def s3_server():  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="session")
 def vllm_engine_host() -> Iterator[None]:
     """The vLLM tests' engines forked from one process that imported vLLM once
-    (``tools/vllm_host.py``): each engine still runs in a process of its own, about 10 s
-    sooner. A run whose environment the host cannot give starts a fresh interpreter."""
+    (``tools/vllm_host.py``): each engine still runs in a process of its own, without
+    importing vLLM again. A run whose environment the host cannot give starts a fresh
+    interpreter."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))

@@ -172,7 +172,7 @@ _HOST: Any = None  # a vllm_host.EngineHost while ``engine_host()`` is active
 @contextlib.contextmanager
 def engine_host() -> Iterator[None]:
     """While active, ``run_engine`` forks each engine from one process that has imported
-    vLLM already (``tools/vllm_host.py``: about 10 s less per engine), when the run's
+    vLLM already (``tools/vllm_host.py``: no import per engine), when the run's
     environment allows it; other runs start a fresh interpreter as before."""
     global _HOST
     from vllm_host import EngineHost

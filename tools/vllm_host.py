@@ -1,9 +1,9 @@
 """One process that imports vLLM once and forks a fresh child for each engine run.
 
-Importing vLLM takes about 10 s of CPU here (torch, transformers, its config and model
-registries); the LLM's own start-up takes 2-3 s. A test suite that runs some thirty
-engines, each in a process of its own (``vllm_demo.run_engine``), spends most of its time
-importing. ``EngineHost`` starts ``python tools/vllm_host.py`` once: it imports vLLM and
+Importing vLLM (torch, transformers, its config and model registries) costs several
+times what a small engine's own start-up does, so a test suite that runs each engine in a
+process of its own (``vllm_demo.run_engine``) spends most of its time importing.
+``EngineHost`` starts ``python tools/vllm_host.py`` once: it imports vLLM and
 then, for each run, forks a child that sets the run's environment, sends its output to
 the run's files and calls ``vllm_demo._engine`` exactly as ``vllm_demo.py engine`` does.
 Each engine still runs in a process of its own, with its own vLLM state and a cache it
