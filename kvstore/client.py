@@ -4,28 +4,18 @@ Mirrors the store's API over HTTP; server errors come back as the codec's and st
 typed exceptions (chosen by the error's ``kind``), and :meth:`Client.push` implements the
 spec's transfer rule for the prefix cache: only the full blocks the server lacks travel.
 
-The wire I/O is :class:`_BodyTransport`, an httpx transport on stdlib ``http.client``
-keep-alive connections. A restore is dominated by one large response (128 blocks of 2 MiB:
-256 MiB), and httpx's own transport receives it as 4,098 reads of 64 KiB that h11 buffers
-and httpx joins; ``http.client`` reads a body of known length with one ``bytes``
-allocation filled in place by ``recv_into`` (``BufferedReader.read(n)``), and httpx hands
-that same object out as ``Response.content``. Measured in ``python tools/bench.py client``
-(BENCHMARKS.md, the client table). httpx stays the API: its request building, auth header,
+The wire I/O is ``kvstore.client_wire.BodyTransport`` (``http.client`` keep-alive
+connections; why, in that module). httpx stays the API: its request building, auth header,
 timeouts and exception types (``httpx.HTTPError``) are what callers already use, and an
-explicit ``transport=`` (tests pass a recording one) replaces ours.
+explicit ``transport=`` (tests pass a recording one) replaces ours. A block read
+(:meth:`Client.get`) goes to the transport's round trip without httpx's request and
+response objects (the same bytes on the wire, less client CPU).
 """
 
 from __future__ import annotations
 
 import contextlib
-import http.client
 import json
-import select
-import ssl
-import sys
-import threading
-import time
-import urllib.request
 from collections.abc import Iterable, Sequence
 from typing import Any
 from urllib.parse import quote
@@ -33,6 +23,7 @@ from urllib.parse import quote
 import httpx
 import numpy as np
 
+from .client_wire import INTO, BodyTransport, ReceivePool, env_proxy, origin_of
 from .codec.envelope import decode, join, split
 from .codec.hashing import TokenInput, exact_u64_array
 from .codec.layout import NO_HASH
@@ -112,232 +103,6 @@ def _with_records(
     return body, {TOKEN_RECORDS_HEADER: str(kept.n_blocks)}
 
 
-_Origin = tuple[str, str, int]
-_INTO = "tlkv_into"  # request extension: a writable buffer a 200's body is read into
-_KEEPALIVE_EXPIRY = 5.0  # seconds an idle connection is kept (httpx's default)
-_MAX_IDLE = 20  # idle connections kept per transport (httpx's default)
-
-
-class _ReceivePool:
-    """Receive buffers of one client that its answers are read into, each used again
-    once nothing references the last answer read into it (so an answer is never
-    overwritten while someone holds it: a view, a slice of it, an array over it).
-
-    A fresh buffer per answer costs a page fault per 4 KiB page as the kernel copies the
-    data in (128 MiB: ~32,000), about as much time as the copy; a buffer used again has
-    its pages mapped. At most ``_KEPT`` buffers are kept (the largest answers' size);
-    an answer arriving while all are referenced gets a buffer of its own.
-    """
-
-    _KEPT = 2
-    _ROUND = 1 << 20  # buffers are allocated in whole MiB (a slightly longer answer fits)
-
-    def __init__(self) -> None:
-        self._bufs: list[bytearray] = []
-        self._lock = threading.Lock()
-
-    def take(self, length: int) -> memoryview:
-        """``length`` bytes of a buffer nothing else references."""
-        with self._lock:
-            bufs = self._bufs
-            free = [i for i in range(len(bufs)) if sys.getrefcount(bufs[i]) <= _UNREFERENCED]
-            for i in free:
-                if len(self._bufs[i]) >= length:
-                    return memoryview(self._bufs[i])[:length]
-            buf = bytearray(-(-length // self._ROUND) * self._ROUND)
-            if free:  # too small: replaced
-                self._bufs[free[0]] = buf
-            elif len(self._bufs) < self._KEPT:
-                self._bufs.append(buf)
-            return memoryview(buf)[:length]
-
-    def clear(self) -> None:
-        with self._lock:
-            self._bufs.clear()
-
-
-# sys.getrefcount(bufs[i]) of a pool buffer that nothing outside the pool references: the
-# list's reference and the call's argument.
-_UNREFERENCED = 2
-
-
-class _BodyTransport(httpx.BaseTransport):
-    """An httpx transport on ``http.client`` keep-alive connections (see the module docstring).
-
-    Thread-safe: a request takes an idle connection of its origin (or opens one) and gives
-    it back once the response is read in full. An idle connection that the server has
-    closed (its socket reads as ready) or that idled for ``_KEEPALIVE_EXPIRY`` is dropped,
-    as httpcore does; a reused connection that still turns out dead before any response
-    byte (the server closed it while the request was in flight) is retried once on a new
-    connection: every route of the service is idempotent (PUT, DELETE) or read-only (the
-    POST queries), so the retry cannot apply a change twice.
-    """
-
-    def __init__(self) -> None:
-        self._idle: dict[_Origin, list[tuple[http.client.HTTPConnection, float]]] = {}
-        self._lock = threading.Lock()
-        self._ssl: ssl.SSLContext | None = None
-        self._closed = False
-
-    def _checkout(self, origin: _Origin) -> http.client.HTTPConnection | None:
-        now = time.monotonic()
-        with self._lock:
-            idle = self._idle.get(origin, [])
-            while idle:
-                conn, since = idle.pop()
-                sock = conn.sock
-                if sock is not None and now - since < _KEEPALIVE_EXPIRY:
-                    try:
-                        readable = select.select([sock], [], [], 0)[0]
-                    except (OSError, ValueError):
-                        readable = [sock]
-                    if not readable:
-                        return conn
-                conn.close()
-        return None
-
-    def _checkin(self, origin: _Origin, conn: http.client.HTTPConnection) -> None:
-        with self._lock:
-            idle = self._idle.setdefault(origin, [])
-            if self._closed or len(idle) >= _MAX_IDLE:
-                conn.close()
-            else:
-                idle.append((conn, time.monotonic()))
-
-    def _connect(self, origin: _Origin, timeout: float | None) -> http.client.HTTPConnection:
-        scheme, host, port = origin
-        conn: http.client.HTTPConnection
-        if scheme == "https":
-            if self._ssl is None:
-                self._ssl = httpx.create_ssl_context()  # httpx's verification (certifi)
-            conn = http.client.HTTPSConnection(host, port, timeout=timeout, context=self._ssl)
-        else:
-            conn = http.client.HTTPConnection(host, port, timeout=timeout)
-        conn.connect()
-        return conn
-
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
-        url = request.url
-        origin = (url.scheme, url.host, url.port or (443 if url.scheme == "https" else 80))
-        timeouts = request.extensions.get("timeout", {})
-        body = request.read() or None
-        conn = self._checkout(origin)
-        reused = conn is not None
-        while True:
-            if conn is None:
-                try:
-                    conn = self._connect(origin, timeouts.get("connect"))
-                except TimeoutError as exc:
-                    raise httpx.ConnectTimeout(str(exc), request=request) from exc
-                except OSError as exc:
-                    raise httpx.ConnectError(str(exc), request=request) from exc
-            try:
-                return self._exchange(conn, origin, request, body, timeouts)
-            except _StaleConnection as exc:
-                conn.close()
-                conn = None
-                if not reused:
-                    raise httpx.RemoteProtocolError(str(exc), request=request) from exc
-                reused = False
-            except BaseException:
-                conn.close()
-                raise
-
-    def _exchange(
-        self,
-        conn: http.client.HTTPConnection,
-        origin: _Origin,
-        request: httpx.Request,
-        body: bytes | None,
-        timeouts: dict[str, float | None],
-    ) -> httpx.Response:
-        sock = conn.sock
-        assert sock is not None
-        try:
-            sock.settimeout(timeouts.get("write"))
-            conn.putrequest(
-                request.method,
-                request.url.raw_path.decode("ascii"),
-                skip_host=True,
-                skip_accept_encoding=True,
-            )
-            for name, value in request.headers.raw:
-                conn.putheader(name, value)
-            conn.endheaders(body)
-        except TimeoutError as exc:
-            raise httpx.WriteTimeout(str(exc), request=request) from exc
-        except (BrokenPipeError, ConnectionResetError) as exc:
-            raise _StaleConnection(str(exc)) from exc
-        except OSError as exc:
-            raise httpx.WriteError(str(exc), request=request) from exc
-        try:
-            sock.settimeout(timeouts.get("read"))
-            try:
-                response = conn.getresponse()
-            except (http.client.RemoteDisconnected, ConnectionResetError) as exc:
-                raise _StaleConnection(str(exc)) from exc
-            into = request.extensions.get(_INTO)
-            length = response.length
-            if isinstance(into, _ReceivePool):
-                into = into.take(length) if response.status == 200 and length else None
-            if (
-                into is not None
-                and response.status == 200
-                and length is not None
-                and length <= len(into)
-            ):
-                # The caller's buffer (pages it has used before: no fault a page), filled
-                # in place; the response's content stays empty.
-                if response.readinto(into[:length]) != length:
-                    raise http.client.IncompleteRead(b"", length)
-                content = b""
-            else:
-                # A Content-Length body: one bytes object filled in place (module docstring).
-                into = None
-                content = response.read()
-        except TimeoutError as exc:
-            raise httpx.ReadTimeout(str(exc), request=request) from exc
-        except http.client.HTTPException as exc:
-            raise httpx.RemoteProtocolError(str(exc), request=request) from exc
-        except OSError as exc:
-            raise httpx.ReadError(str(exc), request=request) from exc
-        if response.will_close:
-            conn.close()
-        else:
-            self._checkin(origin, conn)
-        return httpx.Response(
-            response.status,
-            headers=response.getheaders(),
-            stream=httpx.ByteStream(content),
-            extensions={
-                "http_version": b"HTTP/1.1",
-                "reason_phrase": response.reason.encode(),
-                **({_INTO: into[:length]} if into is not None else {}),
-            },
-        )
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, {}
-        for conns in idle.values():
-            for conn, _since in conns:
-                conn.close()
-
-
-class _StaleConnection(Exception):
-    """A connection found closed by the server before any byte of the response."""
-
-
-def _env_proxy(base_url: str) -> bool:
-    """True when the environment routes ``base_url`` through a proxy (httpx's default)."""
-    url = httpx.URL(base_url)
-    proxies = urllib.request.getproxies_environment()
-    if not (proxies.get(url.scheme) or proxies.get("all")):
-        return False
-    return not urllib.request.proxy_bypass(url.host)
-
-
 class Client:
     """A connection pool to one tlkv server.
 
@@ -346,7 +111,7 @@ class Client:
         token: the server's bearer token, if it requires one.
         timeout: seconds for connect/read/write (``None``: no timeout).
         transport: an httpx transport (tests may pass an in-process one); by default
-            :class:`_BodyTransport`, or httpx's own where the environment sets a proxy.
+            :class:`BodyTransport`, or httpx's own where the environment sets a proxy.
         model: the model (namespace) every call addresses (``/v1/models/{model}/...``;
             None: the server's ``default``, today's routes).
     """
@@ -365,13 +130,20 @@ class Client:
         self._prefix = (
             "" if model is None else f"/v1/models/{quote(check_model_id(model), safe='')}"
         )
-        if transport is None and not _env_proxy(base_url):
-            transport = _BodyTransport()
+        if transport is None and not env_proxy(base_url):
+            transport = BodyTransport()
         self._http = httpx.Client(
             base_url=base_url.rstrip("/"), headers=headers, timeout=timeout, transport=transport
         )
-        self._direct = transport if isinstance(transport, _BodyTransport) else None
-        self._answers = _ReceivePool()  # what prefix() reads into
+        self._direct = transport if isinstance(transport, BodyTransport) else None
+        self._answers = ReceivePool()  # what prefix() reads into
+        # What httpx would build for every GET of this client: the origin, the base URL's
+        # path (without its closing "/"), the headers (Host, auth, ...), the timeouts.
+        template = self._http.build_request("GET", "/")
+        self._origin = origin_of(template.url)
+        self._base_path = template.url.raw_path.decode("ascii")[:-1]
+        self._get_headers = template.headers.raw
+        self._timeouts = template.extensions.get("timeout", {})
 
     def close(self) -> None:
         """Close the connection pool (and drop the receive buffers)."""
@@ -397,17 +169,27 @@ class Client:
         headers: dict[str, str] | None = None,
     ) -> httpx.Response | None:
         headers = {**({"content-type": body_type} if body_type else {}), **(headers or {})}
-        if self._prefix and url.startswith("/v1/") and url not in (_MODELS_PATH, _LOOKUP_PATH):
-            url = self._prefix + url[3:]
+        url = self._path(url)
         if content is not None and not isinstance(content, bytes):
             content = bytes(content)
-        if into is not None and not isinstance(into, _ReceivePool):
+        if into is not None and not isinstance(into, ReceivePool):
             into = memoryview(into).cast("B")
-        extensions = {_INTO: into} if into is not None else None
+        extensions = {INTO: into} if into is not None else None
         request = self._http.build_request(
             method, url, content=content, params=params, headers=headers, extensions=extensions
         )
-        response = self._send(request)
+        return self._checked(self._send(request), missing_ok)
+
+    def _path(self, url: str) -> str:
+        """``url`` with this client's model in it: "/v1/..." becomes "/v1/models/<m>/..."."""
+        if self._prefix and url.startswith("/v1/") and url not in (_MODELS_PATH, _LOOKUP_PATH):
+            return self._prefix + url[3:]
+        return url
+
+    @staticmethod
+    def _checked(response: httpx.Response, missing_ok: bool) -> httpx.Response | None:
+        """``response``, None for a 404 ``NotFoundError`` when ``missing_ok``; an error
+        answer raises its typed exception."""
         if response.status_code == 404 and missing_ok:
             err = error_from_response(response)
             if isinstance(err, NotFoundError):
@@ -416,6 +198,31 @@ class Client:
         if response.status_code >= 400:
             raise error_from_response(response)
         return response
+
+    def _get_direct(self, url: str) -> bytes | None:
+        """The body of a plain ``GET url`` (None for a 404 ``NotFoundError``), sent on
+        tlkv's transport without building httpx's request and response objects.
+
+        The request is the one httpx would build (``__init__`` keeps its parts), so the
+        wire bytes are the same, without the client CPU of building both objects per read
+        (BENCHMARKS.md, peers). An error answer, and a transport error, get their httpx
+        request and go through the same rules as any other call.
+        """
+        assert self._direct is not None
+        if self._http.is_closed:
+            raise RuntimeError("Cannot send a request, as the client has been closed.")
+        path = self._path(url)
+        try:
+            answer = self._direct.exchange(
+                self._origin, "GET", self._base_path + path, self._get_headers, None, self._timeouts
+            )
+        except httpx.TransportError as exc:
+            exc.request = self._http.build_request("GET", path)
+            raise
+        if answer.status == 200:
+            return answer.content
+        response = self._checked(answer.response(self._http.build_request("GET", path)), True)
+        return None if response is None else response.content
 
     def _send(self, request: httpx.Request) -> httpx.Response:
         """Send ``request`` (built by httpx: base URL, headers, timeouts) and read its answer.
@@ -504,8 +311,11 @@ class Client:
 
     def get(self, hash: HashLike, format: int | None = None) -> bytes | None:
         """The block's single-block envelope (transcoded to ``format``), None when absent."""
+        url = f"/v1/blocks/{hash_hex(hash)}"
+        if format is None and self._direct is not None:
+            return self._get_direct(url)
         params = {"format": format} if format is not None else None
-        reply = self._request("GET", f"/v1/blocks/{hash_hex(hash)}", params=params, missing_ok=True)
+        reply = self._request("GET", url, params=params, missing_ok=True)
         return None if reply is None else reply.content
 
     def get_with_tokens(self, hash: HashLike) -> tuple[bytes, tuple[int, np.ndarray] | None] | None:
@@ -594,7 +404,7 @@ class Client:
         """
         params = {"format": format} if format is not None else None
         response = self._query("/v1/prefix", hashes, tokens, params=params, into=self._answers)
-        filled = response.extensions.pop(_INTO, None)  # the response must not hold the buffer
+        filled = response.extensions.pop(INTO, None)  # the response must not hold the buffer
         return response.content if filled is None else filled.toreadonly()
 
     def prefix_into(
@@ -612,7 +422,7 @@ class Client:
         """
         params = {"format": format} if format is not None else None
         response = self._query("/v1/prefix", hashes, tokens, params=params, into=out)
-        filled = response.extensions.get(_INTO)
+        filled = response.extensions.get(INTO)
         return response.content if filled is None else filled
 
     def push(

@@ -40,12 +40,14 @@ from kvstore import (
     split,
 )
 from kvstore.cli import main
-from kvstore.client import Client, HasResult, _BodyTransport, _ReceivePool
+from kvstore.client import Client, HasResult
+from kvstore.client_wire import BodyTransport, ReceivePool
 from kvstore.codec.layout import TRAILER
 from kvstore.errors import (
     InvalidRequestError,
     NotFoundError,
     PinnedError,
+    ServiceError,
     TooLargeError,
     UnauthorizedError,
 )
@@ -232,7 +234,7 @@ def test_prefix_answers_are_never_overwritten_while_held(
         assert isinstance(answer, memoryview) and answer == want[2]
         assert id(answer.obj) == buffer
         del answer
-    assert len(fast._answers._bufs) <= _ReceivePool._KEPT
+    assert len(fast._answers._bufs) <= ReceivePool._KEPT
     assert decode(fast.prefix(hashes=hashes)).hashes.tolist() == hashes
 
     def reader(k: int) -> list[bytes]:
@@ -459,17 +461,17 @@ def test_default_transport_round_trip(
     server: ServerProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     connects: list[object] = []
-    real_connect = _BodyTransport._connect
+    real_connect = BodyTransport._connect
 
-    def counting(self: _BodyTransport, origin: object, timeout: object) -> object:
+    def counting(self: BodyTransport, origin: object, timeout: object) -> object:
         connects.append(origin)
         return real_connect(self, origin, timeout)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(_BodyTransport, "_connect", counting)
+    monkeypatch.setattr(BodyTransport, "_connect", counting)
     tokens, data = _prompt(22, seed=20)
     hashes = [int(h) for h in decode(data).hashes if h]
     with Client(server.url, token=TOKEN) as c:
-        assert isinstance(c._http._transport, _BodyTransport)
+        assert isinstance(c._http._transport, BodyTransport)
         assert c.put(data).stored == hashes
         got = c.get(hashes[0])
         assert type(got) is bytes and got == split(data)[0]
@@ -501,10 +503,10 @@ def test_default_transport_under_a_proxy_is_httpx(monkeypatch: pytest.MonkeyPatc
     monkeypatch.delenv("NO_PROXY", raising=False)
     monkeypatch.delenv("no_proxy", raising=False)
     with Client("http://tlkv.invalid:8000") as c:
-        assert not isinstance(c._http._transport, _BodyTransport)
+        assert not isinstance(c._http._transport, BodyTransport)
     monkeypatch.setenv("NO_PROXY", "tlkv.invalid")
     with Client("http://tlkv.invalid:8000") as c:
-        assert isinstance(c._http._transport, _BodyTransport)
+        assert isinstance(c._http._transport, BodyTransport)
 
 
 class FakeServer:
@@ -646,3 +648,58 @@ def test_transport_errors_are_httpx_errors(fake: Any) -> None:
     closed.close()
     with Client(f"http://127.0.0.1:{port}") as c, pytest.raises(httpx.ConnectError):
         c._ok("GET", "/")
+
+
+def test_a_block_read_sends_the_request_httpx_builds(fake: Any) -> None:
+    """``Client.get`` skips httpx's request object, not any byte of the request: the
+    same head as the same GET built by httpx (base path, model, auth, Host)."""
+    heads: list[bytes] = []
+    body = b"an envelope"
+
+    def recording(sock: socket.socket, index: int) -> None:
+        while True:
+            heads.append(_read_request(sock))
+            sock.sendall(_reply(body))
+
+    srv = fake(recording)
+    with Client(srv.url + "/under/a/path/", token="t0k", model="m.1") as c:
+        assert c._direct is not None
+        assert c.get(0xABC) == body
+        assert c._ok("GET", "/v1/blocks/0000000000000abc").content == body
+    assert heads[0] == heads[1]
+    assert heads[0].startswith(b"GET /under/a/path/v1/models/m.1/blocks/0000000000000abc HTTP/1.1")
+    assert b"\r\nauthorization: Bearer t0k\r\n" in heads[0]
+
+
+def test_a_block_reads_errors_are_the_same_as_any_calls(fake: Any) -> None:
+    """The direct block read answers None for tlkv's 404, raises a typed error for other
+    error answers, and an httpx error that names its request when the transport fails."""
+
+    def answers(sock: socket.socket, index: int) -> None:
+        while True:
+            path = _read_request(sock).split(b" ")[1]
+            kind, status = (b"not_found", 404) if b"0001" in path else (b"unauthorized", 401)
+            if b"0003" in path:
+                sock.sendall(b"HTTP/1.1 404 Not Found\r\ncontent-length: 4\r\n\r\nnope")
+                continue
+            err = json.dumps({"error": {"kind": kind.decode(), "message": "m"}}).encode()
+            sock.sendall(
+                b"HTTP/1.1 %d X\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n%s" % (status, len(err), err)
+            )
+
+    with Client(fake(answers).url) as c:
+        assert c.get(1) is None
+        with pytest.raises(UnauthorizedError):
+            c.get(2)
+        with pytest.raises(ServiceError, match="without the error shape"):
+            c.get(3)  # a 404 that is not tlkv's is not taken for a missing block
+    closed = socket.create_server(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    with Client(f"http://127.0.0.1:{port}") as c, pytest.raises(httpx.ConnectError) as caught:
+        c.get(5)
+    assert caught.value.request.url.path == "/v1/blocks/0000000000000005"
+    c.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        c.get(5)
