@@ -52,6 +52,22 @@ def median_seconds(fn: Callable[[], object], repeat: int = 50) -> float:
     return statistics.median(times)
 
 
+def interleaved_medians(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
+    """Median wall time of one call of each of ``fns`` over ``repeat`` rounds, after one
+    warm-up call each. Every round calls each once, in an order rotated round by round,
+    so a slow spell of the machine falls on every side of a comparison alike."""
+    names = list(fns)
+    for name in names:
+        fns[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeat):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            t0 = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def gbps(nbytes: int, seconds: float) -> str:
     """Throughput as a string in GB/s (10^9 bytes per second)."""
     return f"{nbytes / seconds / 1e9:.2f} GB/s"

@@ -26,6 +26,10 @@ tlkv/peer in the same run (for times: peer time / tlkv time):
   pages (on 2 cores, without it, a run's reads ran up to 2x slower on both sides);
 - a whole 64-block prefix at once from the reader (``Client.prefix``, the default call,
   and ``Client.prefix_into`` a reused buffer, against ``batch_get_into``);
+- each read row: the median of ``READ_ROUNDS`` passes per call, the calls of both sides
+  taking turns pass by pass (``bench_common.interleaved_medians``), so a slow spell of
+  the VM (whole runs' reads slower by up to 2x on one side, BENCHMARKS.md) falls on
+  both sides alike instead of on whichever was timed during it;
 - existence of 8,192 keys, 64 present (``Client.has_blocks``, p50 of 20, against
   ``batch_is_exist``);
 - both servers restarted: what the reader finds (tlkv from disk; Mooncake's master keeps
@@ -51,11 +55,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_common import Row, free_port, median_seconds
+from bench_common import Row, free_port, interleaved_medians
 from bench_http import GEOMETRY, _start_tlkv
 from bench_procs import BenchProcess
 
 RUNS = 5  # the issue's rule: each target holds in the median of 5 runs and in each
+READ_ROUNDS = 5  # timed passes of each read call per run, taking turns
 EXIST_KEYS = 8192
 EXIST_CALLS = 20
 SEGMENT = 1 << 30
@@ -178,18 +183,10 @@ class _Side:
         mc, size, out = self.mc, self.single, {}
         sizes = [size] * n
 
-        def best(fn: Callable[[], object]) -> float:  # after a warm-up call
-            return median_seconds(fn, 3)
-
         def checked(data: Any) -> None:
             if data is None or len(data) != size:
                 raise RuntimeError("a block read back short")
 
-        out["tlkv_get_one"] = best(lambda: [checked(self.client.get(h)) for h in hashes])
-        out["mc_get_one"] = best(lambda: [checked(mc.get(k)) for k in keys])
-        out["mc_get_one_reg"] = best(
-            lambda: [_ok(mc.get_into(k, p, size)) for k, p in zip(keys, self.ptrs)]
-        )
         total = n * size + 0
         into = memoryview(bytearray(n * size + 4096))
 
@@ -197,9 +194,29 @@ class _Side:
             if len(data) < total - 4096:
                 raise RuntimeError("the prefix is not whole")
 
-        out["tlkv_prefix"] = best(lambda: whole(self.client.prefix(hashes=hashes)))
-        out["tlkv_prefix_into"] = best(lambda: whole(self.client.prefix_into(into, hashes=hashes)))
-        out["mc_batch_get_into"] = best(lambda: _ok(mc.batch_get_into(keys, self.ptrs, sizes)))
+        # Each row's calls, tlkv's and Mooncake's, take turns (module docstring).
+        out.update(
+            interleaved_medians(
+                {
+                    "tlkv_get_one": lambda: [checked(self.client.get(h)) for h in hashes],
+                    "mc_get_one": lambda: [checked(mc.get(k)) for k in keys],
+                    "mc_get_one_reg": lambda: [
+                        _ok(mc.get_into(k, p, size)) for k, p in zip(keys, self.ptrs)
+                    ],
+                },
+                READ_ROUNDS,
+            )
+        )
+        out.update(
+            interleaved_medians(
+                {
+                    "tlkv_prefix": lambda: whole(self.client.prefix(hashes=hashes)),
+                    "tlkv_prefix_into": lambda: whole(self.client.prefix_into(into, hashes=hashes)),
+                    "mc_batch_get_into": lambda: _ok(mc.batch_get_into(keys, self.ptrs, sizes)),
+                },
+                READ_ROUNDS,
+            )
+        )
         rng = np.random.default_rng(len(keys))
         absent = [int(h) for h in rng.integers(2**63, 2**64 - 1, EXIST_KEYS - n, np.uint64)]
         queries = hashes + absent
