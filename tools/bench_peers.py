@@ -28,8 +28,8 @@ tlkv/peer in the same run (for times: peer time / tlkv time):
   and ``Client.prefix_into`` a reused buffer, against ``batch_get_into``);
 - each read row: the median of ``READ_ROUNDS`` passes per call, the calls of both sides
   taking turns pass by pass (``bench_common.interleaved_medians``), so a slow spell of
-  the VM (whole runs' reads slower by up to 2x on one side, BENCHMARKS.md) falls on
-  both sides alike instead of on whichever was timed during it;
+  the VM (BENCHMARKS.md, peers) falls on both sides alike instead of on whichever was
+  timed during it;
 - existence of 8,192 keys, 64 present (``Client.has_blocks``, p50 of 20, against
   ``batch_is_exist``);
 - both servers restarted: what the reader finds (tlkv from disk; Mooncake's master keeps
