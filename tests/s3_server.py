@@ -17,6 +17,7 @@ import time
 import uuid
 
 import boto3
+from http_server import free_port
 from moto.server import ThreadedMotoServer
 
 CREDENTIALS = {
@@ -24,12 +25,6 @@ CREDENTIALS = {
     "AWS_SECRET_ACCESS_KEY": "tlkv-test-secret",
     "AWS_REGION": "us-east-1",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class S3Server:
