@@ -219,7 +219,8 @@ def _quantized_cache(model: Any, ids: Any) -> Any:
     except ValueError:  # "Unknown quantization backend `fp8`"
 
         class Layer(cache_utils.QuantizedLayer):  # a backend's shape, without its package
-            def _quantize(self, tensor: Any, axis: int) -> Any:
+            # (tensor, axis) before 5.21, (tensor) after: the signature takes either
+            def _quantize(self, tensor: Any, *_axis: Any) -> Any:
                 return tensor
 
             def _dequantize(self, qtensor: Any) -> Any:
