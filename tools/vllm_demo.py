@@ -153,6 +153,11 @@ def _engine(spec: dict[str, Any]) -> dict[str, Any]:
                 "seconds": elapsed,
             }
         )
+    # An orderly stop, as a serving engine's own: the connector's shutdown finishes its
+    # queued saves before the process ends (``vllm_host``'s child leaves by ``os._exit``,
+    # which runs no finalizer and no exit hook, so without this a save still queued when
+    # the last prompt returns is lost).
+    llm.llm_engine.engine_core.shutdown()
     return {"engine_seconds": load_s, "results": results}
 
 
