@@ -8,9 +8,11 @@ way), else checked views copied per block and layer. ``PagedCache`` is the
 Each layer's cache is registered as a tensor of logical shape ``[num_blocks, h, B, 2 * D]``;
 where a backend puts keys and values inside it is its ``Layout`` (``BACKEND_LAYOUTS``, by
 backend and, for vLLM's CPU backend, the kernels' ISA: its "vec" kernels store a block's
-keys transposed, D rows of B tokens, then B value rows), viewed without a copy as keys
-and values ``[num_blocks, h, B, D]`` and proven at registration (``_vllm_proof``); a
-block of the envelope is ``[L][2][Hkv][B][D]``. Under tensor parallelism a rank's cache
+keys transposed, D rows of B tokens, then B value rows; its "amx" kernels, bf16 on a CPU
+with AMX, store both in tiles), viewed without a copy as keys and values ``[num_blocks,
+h, B, D]`` (tiles: with B and D each split in two, ``split_block``) and proven at
+registration (``_vllm_proof``); a block of the envelope is ``[L][2][Hkv][B][D]``. Under
+tensor parallelism a rank's cache
 holds the heads ``[r*H/t, (r+1)*H/t)`` (``head_range``): blocks are stored whole (every
 head), so that engines of any TP size share them. An fp8 E4M3 cache is stored as v2
 (``_vllm_fp8``). Any other backend or ISA, another quantized ``kv_cache_dtype``, MLA,
@@ -40,6 +42,7 @@ from ._vllm_fp8 import FP8_CACHE_DTYPES, encode_fp8, fp8_codes, slab_scales
 __all__ = [
     "BACKEND_LAYOUTS",
     "BLOCK_KV",
+    "CPU_AMX",
     "CPU_VEC",
     "KNOWN_BACKENDS",
     "TOKEN_KV",
@@ -48,6 +51,7 @@ __all__ = [
     "UnsupportedLayoutError",
     "check_config",
     "head_range",
+    "split_block",
 ]
 
 
@@ -59,7 +63,17 @@ class Layout:
     ``[num_blocks, h, B, D]`` views."""
 
     name: str
-    view: Callable[[Any, int, int, int], tuple[Any, Any]]  # (cache, h, B, D) -> (K, V)
+    # (cache, h, B, D) -> (K, V): ``[num_blocks, h, B, D]``, or with B and D each split in
+    # two (``[num_blocks, h, B/b, b, D/d, d]``, a layout of tiles): a block's ``[h][B][D]``
+    # is viewed as either by splitting its last two dimensions (``split_block``)
+    view: Callable[[Any, int, int, int], tuple[Any, Any]]
+
+
+def split_block(x: Any, view: Any) -> Any:
+    """``x`` (``[..., B, D]``, numpy or torch) shaped as one block of ``view`` (a layer's
+    key or value view, ``[num_blocks, h, ...]``): its last two dimensions split as the
+    view's are; a view of ``x`` where its strides allow (a split always does for torch)."""
+    return x.reshape(*x.shape[:-2], *view.shape[2:])
 
 
 def _block_kv(t: Any, h: int, b: int, d: int) -> tuple[Any, Any]:
@@ -76,6 +90,18 @@ def _cpu_vec(t: Any, h: int, b: int, d: int) -> tuple[Any, Any]:
     return keys, t.view(t.shape[0], h, 2, b, d)[:, :, 1]
 
 
+def _cpu_amx(t: Any, h: int, b: int, d: int) -> tuple[Any, Any]:
+    # vLLM's CPU attention with its "amx" kernels (bf16 on a CPU with AMX tiles): each
+    # (block, head) plane holds the keys in tiles of 16 tokens, each tile D/2 rows of 16
+    # (token, 2 dims) pairs, then the values in tiles of 16 dims, each tile B/2 rows of 16
+    # (dim, 2 tokens) pairs (shown by its cpu_attn_reshape_and_cache: the layout proof).
+    # Neither is a [B, D] strided view: the views split B and D, in that order.
+    planes = t.view(t.shape[0], h, 2, b * d)
+    keys = planes[:, :, 0].view(t.shape[0], h, b // 16, d // 2, 16, 2).permute(0, 1, 2, 4, 3, 5)
+    values = planes[:, :, 1].view(t.shape[0], h, d // 16, b // 2, 16, 2)
+    return keys, values.permute(0, 1, 3, 5, 2, 4)
+
+
 def _token_kv(t: Any, h: int, b: int, d: int) -> tuple[Any, Any]:
     # Each token's content is its key's D values, then its value's D values (the GPU
     # backends: ``kv_cache.transpose(1, 2).split(head_size, dim=-1)``).
@@ -85,12 +111,18 @@ def _token_kv(t: Any, h: int, b: int, d: int) -> tuple[Any, Any]:
 
 BLOCK_KV = Layout("per block and head: B keys, then B values", _block_kv)
 CPU_VEC = Layout("per block and head: keys as D rows of B tokens, then B values", _cpu_vec)
+CPU_AMX = Layout(
+    "per block and head: keys in 16-token tiles of dim pairs, values in 16-dim tiles of "
+    "token pairs",
+    _cpu_amx,
+)
 TOKEN_KV = Layout("per token: its key, then its value", _token_kv)
 # The layouts the connector reads, by attention backend (vLLM's CPU backend: by the
 # kernels' ISA, ``<backend>/<isa>``). Each is proven at registration by the backend's own
 # cache-write op (``_vllm_proof``); any other backend or ISA is refused by name.
 BACKEND_LAYOUTS: dict[str, Layout] = {
     "CPU_ATTN/vec": CPU_VEC,
+    "CPU_ATTN/amx": CPU_AMX,
     "FLASH_ATTN": TOKEN_KV,
     "TRITON_ATTN": TOKEN_KV,
     "FLASHINFER": TOKEN_KV,
@@ -229,7 +261,8 @@ class PagedCache:
         self.layout_names = [x.name for x in layouts]
         self.geometry = geometry
         self.whole = self.heads == (0, geometry.n_kv_heads)
-        self.keys, self.values = keys, values  # [num_blocks, h, B, D] each
+        self.keys, self.values = keys, values  # [num_blocks, h, B, D] each, or split
+
         # the compiled copy (``scatter_envelopes``) writes BLOCK_KV's contiguous planes,
         # and CPU_VEC's with each key run transposed on the way
         self._planes = len(set(layouts)) == 1 and layouts[0] in (BLOCK_KV, CPU_VEC)
@@ -274,8 +307,8 @@ class PagedCache:
             (len(block_ids), g.n_layers, 2, h, g.block_tokens, g.head_dim), dtype=self.dtype
         )
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
-            out[:, i, 0] = k.index_select(0, ids).cpu()
-            out[:, i, 1] = v.index_select(0, ids).cpu()
+            split_block(out[:, i, 0], k).copy_(k.index_select(0, ids).cpu())
+            split_block(out[:, i, 1], v).copy_(v.index_select(0, ids).cpu())
         return out
 
     def as_numpy(self, blocks: Any) -> np.ndarray:
@@ -328,13 +361,13 @@ class PagedCache:
             src = kv[:, :, h0:h1]  # [L][2][h][B][D]
             if self._np_keys:
                 for i, (k, v) in enumerate(zip(self._np_keys, self._np_values)):
-                    k[block] = src[i, 0]
-                    v[block] = src[i, 1]
+                    k[block] = split_block(src[i, 0], k)
+                    v[block] = split_block(src[i, 1], v)
                 continue
             t = torch.from_numpy(np.ascontiguousarray(src)).to(self.device)
             for i, (k, v) in enumerate(zip(self.keys, self.values)):
-                k[block].copy_(t[i, 0])
-                v[block].copy_(t[i, 1])
+                k[block].copy_(split_block(t[i, 0], k))
+                v[block].copy_(split_block(t[i, 1], v))
 
     def scatter_envelopes(
         self, envelopes: Sequence[Any], block_ids: Sequence[int], *, joined: bool = False
@@ -389,5 +422,5 @@ class PagedCache:
             src = torch.from_numpy(shaped)
         ids = torch.as_tensor(list(block_ids[:n]), dtype=torch.long, device=self.device)
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
-            k.index_copy_(0, ids, src[i, 0].permute(1, 0, 2, 3).to(self.device))
-            v.index_copy_(0, ids, src[i, 1].permute(1, 0, 2, 3).to(self.device))
+            k.index_copy_(0, ids, split_block(src[i, 0].permute(1, 0, 2, 3), k).to(self.device))
+            v.index_copy_(0, ids, split_block(src[i, 1].permute(1, 0, 2, 3), v).to(self.device))

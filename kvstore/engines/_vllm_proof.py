@@ -96,7 +96,14 @@ def prove_layout(
         saved = cache[block].clone()
         try:
             op(layer, key.to(cache.device), value.to(cache.device), cache, slots.to(cache.device))
-            got = torch.stack([paged.keys[i][block].cpu(), paged.values[i][block].cpu()], 1)
+            # each as [h][B][D] (a view of tiles, B and D split, joined back: a copy)
+            got = torch.stack(
+                [
+                    x[block].cpu().reshape(h, g.block_tokens, g.head_dim)
+                    for x in (paged.keys[i], paged.values[i])
+                ],
+                1,
+            )
         except Exception as exc:
             raise UnsupportedLayoutError(
                 f"layer {name}: {label}'s cache-write op failed in the layout proof: "
