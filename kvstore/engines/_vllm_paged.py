@@ -60,13 +60,12 @@ class Layout:
     """How a backend lays out one layer's paged cache: vLLM registers it as a tensor of
     logical shape ``[num_blocks, h, B, C]`` (``C = 2 * D``; its strides are the physical
     order), and ``view`` maps it, without a copy, to the layer's keys and values, two
-    ``[num_blocks, h, B, D]`` views."""
+    ``[num_blocks, h, B, D]`` views, or for a layout of tiles two views with B and D each
+    split in two (``[num_blocks, h, B/b, b, D/d, d]``): a block's ``[h][B][D]`` is shaped
+    as either by splitting its last two dimensions (``split_block``)."""
 
     name: str
-    # (cache, h, B, D) -> (K, V): ``[num_blocks, h, B, D]``, or with B and D each split in
-    # two (``[num_blocks, h, B/b, b, D/d, d]``, a layout of tiles): a block's ``[h][B][D]``
-    # is viewed as either by splitting its last two dimensions (``split_block``)
-    view: Callable[[Any, int, int, int], tuple[Any, Any]]
+    view: Callable[[Any, int, int, int], tuple[Any, Any]]  # (cache, h, B, D) -> (K, V)
 
 
 def split_block(x: Any, view: Any) -> Any:
@@ -262,7 +261,6 @@ class PagedCache:
         self.geometry = geometry
         self.whole = self.heads == (0, geometry.n_kv_heads)
         self.keys, self.values = keys, values  # [num_blocks, h, B, D] each, or split
-
         # the compiled copy (``scatter_envelopes``) writes BLOCK_KV's contiguous planes,
         # and CPU_VEC's with each key run transposed on the way
         self._planes = len(set(layouts)) == 1 and layouts[0] in (BLOCK_KV, CPU_VEC)
