@@ -24,6 +24,9 @@ tlkv/peer in the same run (for times: peer time / tlkv time):
 - get one by one from the reader (``Client.get`` against ``get``/``get_into``), after the
   writer's ``os.sync()``: no read is timed against the kernel writing back the puts'
   pages (on 2 cores, without it, a run's reads ran up to 2x slower on both sides);
+  beside it, not judged, the same blocks as a same-host engine reads them: the server's
+  store directory opened in the reader, each CRC-checked view (``Store.get_buffers``)
+  copied into the reader's buffer, no socket;
 - a whole 64-block prefix at once from the reader (``Client.prefix``, the default call,
   and ``Client.prefix_into`` a reused buffer, against ``batch_get_into``);
 - each read row: the median of ``READ_ROUNDS`` passes per call, the calls of both sides
@@ -203,6 +206,9 @@ class _Side:
                     "mc_get_one_reg": lambda: [
                         _ok(mc.get_into(k, p, size)) for k, p in zip(keys, self.ptrs)
                     ],
+                    "tlkv_local_one": lambda: [
+                        self._local_into(h, i * size, size) for i, h in enumerate(hashes)
+                    ],
                 },
                 READ_ROUNDS,
             )
@@ -234,6 +240,17 @@ class _Side:
         out["tlkv_has"] = statistics.median(t_has)
         out["mc_exist"] = statistics.median(t_exist)
         return out
+
+    def _local_into(self, block_hash: int, at: int, size: int) -> None:
+        """One block read as a same-host engine reads its store directory: the server's
+        directory opened in this process, the CRC-checked view copied into the buffer."""
+        from kvstore import Store
+
+        if self.store is None:
+            self.store = Store(self.cfg["data"])
+        [view] = self.store.get_buffers([block_hash])
+        self.buf[at : at + size] = np.frombuffer(view, np.uint8)
+        view.release()
 
     def after_restart(self, url: str, hashes: list[int], keys: list[str]) -> dict[str, Any]:
         """What each finds of the blocks after both servers restarted (tlkv's at ``url``)."""
@@ -496,6 +513,13 @@ def _rows(
             "tlkv_get_one",
             ("mc_get_one", "mc_get_one_reg"),
             2.0,
+        ),
+        ratio_row(  # a socket copy per block either way above; no socket here
+            "get one by one, same host: Store.get_buffers on the server's directory, copied "
+            "into a buffer, vs get/get_into",
+            "tlkv_local_one",
+            ("mc_get_one", "mc_get_one_reg"),
+            None,
         ),
         ratio_row(
             f"whole {n}-block prefix, Client.prefix vs batch_get_into",
