@@ -1,17 +1,18 @@
 """HTTP service benchmarks: GET throughput against a bare ASGI app, has-blocks latency,
-durable PUT throughput, and a mixed load run (5xx, lost puts, worker RSS).
+durable PUT throughput, and a mixed load run (5xx, lost puts, worker RSS:
+``bench_http_load``).
 
 Both servers run as subprocesses with 2 workers, uvloop and httptools: ``tlkv serve`` on a
 temporary store of 2 MiB v1 blocks (geometry 16, 32, 8, 128), and a bare uvicorn ASGI app
-(``bare_app`` below) answering every GET with the same 2 MiB bytes from memory, and the
+(``bench_bare_app``) answering every GET with the same 2 MiB bytes from memory, and the
 same app checking the envelope's CRC-32C before each answer (tlkv's read check, kept on
 every read: the baseline that does the same work). For PUT, besides in-process
 ``Store.put`` (no HTTP at all), the bare app storing each received body with
 ``Store.put`` in its own store: the same HTTP receive and durable put, none of tlkv's
-service around them. The load generator is ``wrk`` when it
-is on PATH, else stdlib ``http.client`` keep-alive connections in several processes (httpx
-would be slower than the server); the same generator drives both servers, so the ratio
-compares server cost only.
+service around them. The load generator is ``wrk`` when it is on PATH, else stdlib
+``http.client`` keep-alive connections in several processes (httpx would be slower than
+the server); the same generator drives both servers, so the ratio compares server cost
+only.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -47,80 +47,8 @@ GET_ROUNDS = 9  # interleaved wrk rounds per server (5 with --quick): the VM's C
 PUT_ROUNDS = 5  # the disk writes fresh pages at 0.2-0.5 GB/s: the median of five rounds
 
 
-# --- the bare ASGI app (imported by its uvicorn workers) -----------------------------------
-
-_BLOB: list[bytes] = []
-_STORE: list[Any] = []
 BARE_CRC_ENV = "TLKV_BENCH_BARE_CRC"  # "1": the bare app checks the body's CRC per request
 BARE_STORE_ENV = "TLKV_BENCH_BARE_STORE"  # a store directory: the bare app puts into it
-
-
-async def bare_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    """A bare ASGI app: every HTTP request gets the same bytes, held in memory.
-
-    With ``TLKV_BENCH_BARE_CRC=1`` it first checks the envelope's CRC-32C (kvstore's
-    ``crc_matches``, the check tlkv runs on every read) and answers 500 if it fails: the
-    fair baseline of a server that promises to verify what it serves. With
-    ``TLKV_BENCH_BARE_STORE`` set, a PUT's body is read into one buffer of its
-    Content-Length and stored with ``Store.put`` in a worker thread (as tlkv does), then
-    answered ``{}``.
-    """
-    if scope["type"] == "lifespan":
-        while True:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                if os.environ.get(BLOB_ENV):
-                    _BLOB.append(Path(os.environ[BLOB_ENV]).read_bytes())
-                if os.environ.get(BARE_STORE_ENV):
-                    from kvstore import Geometry, Store
-
-                    _STORE.append(Store(os.environ[BARE_STORE_ENV], geometry=Geometry(*GEOMETRY)))
-                await send({"type": "lifespan.startup.complete"})
-            elif message["type"] == "lifespan.shutdown":
-                for store in _STORE:
-                    store.close()
-                await send({"type": "lifespan.shutdown.complete"})
-                return
-    if scope["method"] == "PUT" and _STORE:
-        await _bare_put(scope, receive, send)
-        return
-    body = _BLOB[0] if _BLOB else b"{}"  # the PUT server's health checks
-    ok = not _CHECK_CRC or crc_matches(body)
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 200 if ok else 500,
-            "headers": [
-                (b"content-type", ENVELOPE.encode()),
-                (b"content-length", str(len(body)).encode()),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
-
-
-async def _bare_put(scope: dict[str, Any], receive: Any, send: Any) -> None:
-    import asyncio
-
-    length = int(dict(scope["headers"]).get(b"content-length", b"0"))
-    buf = bytearray(length)
-    view, pos, more = memoryview(buf), 0, True
-    while more:
-        message = await receive()
-        chunk = message.get("body", b"")
-        view[pos : pos + len(chunk)] = chunk
-        pos += len(chunk)
-        more = message.get("more_body", False)
-    await asyncio.to_thread(_STORE[0].put, buf)
-    await send(
-        {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]}
-    )
-    await send({"type": "http.response.body", "body": b"{}"})
-
-
-_CHECK_CRC = os.environ.get(BARE_CRC_ENV) == "1"
-if _CHECK_CRC:
-    from kvstore.codec.assembly import crc_matches
 
 
 # --- processes ---------------------------------------------------------------------------
@@ -205,7 +133,7 @@ def _start_bare(
 ) -> _Server:
     port = free_port()
     code = (
-        "import uvicorn; uvicorn.run('bench_http:bare_app', host='127.0.0.1', "
+        "import uvicorn; uvicorn.run('bench_bare_app:bare_app', host='127.0.0.1', "
         f"port={port}, workers={WORKERS}, loop='uvloop', http='httptools', "
         "log_level='warning', access_log=False)"
     )
@@ -445,141 +373,6 @@ def _has_p50(port: int, body: bytes, content_type: str, repeat: int) -> float:
     return statistics.median(times)
 
 
-# --- the mixed load run ------------------------------------------------------------------
-
-
-def _load_client(
-    port: int, known: list[int], seconds: float, seed: int, first_hash: int, out: Any
-) -> None:
-    """One of the concurrent clients: 10% put, 70% get, 20% has-blocks."""
-    import numpy as np
-
-    rng = random.Random(seed)
-    statuses: Counter[int] = Counter()
-    acked: list[int] = []
-    errors: list[str] = []
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    fresh = _block_envelopes(list(range(first_hash, first_hash + 100000)), seed=seed)
-    mine = list(known)
-    probe = np.array(known + [rng.getrandbits(63) for _ in range(256)], dtype="<u8").tobytes()
-    buf = bytearray(4 << 20)
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        roll = rng.random()
-        try:
-            if roll < 0.1:
-                h, body = next(fresh)
-                conn.request("PUT", "/v1/blocks", body=body, headers={"content-type": ENVELOPE})
-                r = conn.getresponse()
-                r.read()
-                if r.status == 200:
-                    acked.append(h)
-                    mine.append(h)
-            elif roll < 0.8:
-                conn.request("GET", f"/v1/blocks/{rng.choice(mine):016x}")
-                r = conn.getresponse()
-                length = int(r.getheader("content-length", "0"))
-                view, got = memoryview(buf), 0
-                while got < length:
-                    k = r.readinto(view[got:length])
-                    if not k:
-                        break
-                    got += k
-            else:
-                conn.request(
-                    "POST",
-                    "/v1/has-blocks",
-                    body=probe,
-                    headers={"content-type": OCTET},
-                )
-                r = conn.getresponse()
-                r.read()
-            statuses[r.status] += 1
-        except (OSError, http.client.HTTPException) as exc:
-            errors.append(repr(exc))
-            conn.close()
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    conn.close()
-    out.put((dict(statuses), acked, errors))
-
-
-def _verify_acked(port: int, acked: list[int]) -> tuple[int, int]:
-    """(missing, corrupt): acknowledged puts not served back byte for byte."""
-    import numpy as np
-
-    from kvstore import crc32c
-
-    missing = corrupt = 0
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    for i in range(0, len(acked), 8192):
-        chunk = acked[i : i + 8192]
-        body = np.array(chunk, dtype="<u8").tobytes()
-        conn.request(
-            "POST",
-            "/v1/has-blocks",
-            body=body,
-            headers={"content-type": "application/octet-stream"},
-        )
-        present = json.loads(conn.getresponse().read())["present"]
-        missing += present.count(False)
-    for h in acked:
-        conn.request("GET", f"/v1/blocks/{h:016x}")
-        r = conn.getresponse()
-        data = r.read()
-        if r.status != 200:
-            missing += 1
-        elif crc32c(data[:-4]) != int.from_bytes(data[-4:], "little") or data[28:36] != h.to_bytes(
-            8, "little"
-        ):
-            corrupt += 1
-    conn.close()
-    return missing, corrupt
-
-
-def _load_run(server: _Server, known: list[int], seconds: float, clients: int) -> dict[str, Any]:
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    rss_start = server.rss_anon_mib()
-    workers_before = set(server.worker_pids())
-    procs = [
-        ctx.Process(
-            target=_load_client,
-            args=(server.port, known, seconds, 1000 + i, (i + 1) << 40, queue),
-        )
-        for i in range(clients)
-    ]
-    for p in procs:
-        p.start()
-    rss_samples = []
-    t_end = time.monotonic() + seconds
-    while time.monotonic() < t_end:
-        time.sleep(min(1.0, max(0.0, t_end - time.monotonic())))
-        rss_samples.append(server.rss_anon_mib())
-    results = _collect(procs, queue, seconds + 300)
-    statuses: Counter[int] = Counter()
-    acked: list[int] = []
-    errors: list[str] = []
-    for st, ack, err in results:
-        statuses.update(st)
-        acked += ack
-        errors += err
-    missing, corrupt = _verify_acked(server.port, acked)
-    return {
-        "requests": sum(statuses.values()),
-        "5xx": sum(n for s, n in statuses.items() if s >= 500),
-        "statuses": dict(statuses),
-        "acked": len(acked),
-        "missing": missing,
-        "corrupt": corrupt,
-        "errors": errors,
-        "rss_start": rss_start,
-        "rss_mid": rss_samples[len(rss_samples) // 2] if rss_samples else rss_start,
-        "rss_end": server.rss_anon_mib(),
-        # No worker died or was replaced during the run.
-        "alive": server.proc.poll() is None and set(server.worker_pids()) == workers_before,
-    }
-
-
 # --- the suite ---------------------------------------------------------------------------
 
 
@@ -774,7 +567,9 @@ def run(args: argparse.Namespace) -> list[Row]:
         )
 
         # Mixed load: 16 clients, put/get/has-blocks.
-        load = _load_run(tlkv, hashes, load_seconds, 16)
+        from bench_http_load import load_run  # it imports this module's parts
+
+        load = load_run(tlkv, hashes, load_seconds, 16)
         rows.append(
             Row(
                 f"load: 16 clients x {load_seconds:.0f} s, {load['requests']} requests",
