@@ -59,6 +59,7 @@ from typing import Any
 
 import numpy as np
 from bench_common import Row, free_port, interleaved_medians
+from bench_floors import file_write, loopback_rate
 from bench_http import GEOMETRY, _start_tlkv
 from bench_procs import BenchProcess
 
@@ -154,8 +155,8 @@ class _Side:
         os.makedirs(files, exist_ok=True)
         for durable in (True, False):  # what this disk allows: the same bytes as files
             kind = "durable" if durable else "fast"
-            out[f"file_{kind}_one"] = _file_write(files, sets[0][1], durable, batched=False)
-            out[f"file_{kind}_batch"] = _file_write(files, sets[1][1], durable, batched=True)
+            out[f"file_{kind}_one"] = file_write(files, sets[0][1], durable, batched=False)
+            out[f"file_{kind}_batch"] = file_write(files, sets[1][1], durable, batched=True)
         os.sync()  # the reads that follow are not timed against the writeback of these puts
         out["hashes"] = sets[1][0]  # the durable batch: read by the reader
         out["keys"] = keys[1]
@@ -281,59 +282,11 @@ class _Side:
             self.mc.close()
 
 
-def _file_write(directory: str, blobs: list[bytes], durable: bool, batched: bool) -> float:
-    """Seconds to write ``blobs`` into a new file in ``directory``: one ``write`` of them
-    joined (``batched``) or one each, with an ``fdatasync`` after each write when
-    ``durable``. The file stays until the run ends, as a store's blocks do: its pages are
-    new page-cache pages, as the pages of a store that grows are."""
-    parts = [b"".join(blobs)] if batched else blobs  # joined before the clock starts
-    path = os.path.join(directory, f"blobs-{os.getpid()}-{time.monotonic_ns()}")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        t0 = time.perf_counter()
-        for part in parts:
-            view = memoryview(part)
-            while view:
-                view = view[os.write(fd, view) :]
-            if durable:
-                os.fdatasync(fd)
-        return time.perf_counter() - t0
-    finally:
-        os.close(fd)
-
-
 def _ok(rc: Any) -> None:
     """Raise on a Mooncake return code (an int, or a list of them) below zero."""
     for code in rc if isinstance(rc, list) else [rc]:
         if isinstance(code, int) and code < 0:
             raise RuntimeError(f"Mooncake call failed: {code}")
-
-
-def _send(port: int, nbytes: int) -> None:
-    payload = memoryview(np.ones(nbytes, np.uint8))
-    with socket.create_connection(("127.0.0.1", port)) as s:
-        s.sendall(payload)
-
-
-def _loopback(ctx: Any, nbytes: int, runs: int) -> float:
-    """Bytes per second of a loopback TCP copy between two processes (median of runs)."""
-    buf = memoryview(bytearray(nbytes))
-    rates = []
-    for _ in range(runs + 1):
-        with socket.socket() as srv:
-            srv.bind(("127.0.0.1", 0))
-            srv.listen(1)
-            sender = ctx.Process(target=_send, args=(srv.getsockname()[1], nbytes))
-            sender.start()
-            conn, _addr = srv.accept()
-            with conn:
-                got = conn.recv_into(buf, 1)  # the first byte starts the clock
-                t0 = time.perf_counter()
-                while got < nbytes:
-                    got += conn.recv_into(buf[got:])
-                rates.append((nbytes - 1) / (time.perf_counter() - t0))
-            sender.join()
-    return statistics.median(rates[1:])
 
 
 def _start_master(
@@ -395,7 +348,7 @@ def run(args: argparse.Namespace) -> list[Row]:
         reader = BenchProcess(ctx, _Side, cfg, False)
         workers.append(reader)
         reader.ready(120)
-        loop = _loopback(ctx, n * single, max(3, runs))
+        loop = loopback_rate(ctx, n * single, max(3, runs))
         results = []
         last: dict[str, Any] = {}
         for r in range(runs):
@@ -492,7 +445,7 @@ def _rows(
             ("mc_batch", "mc_batch_reg"),
             1.0,
         ),
-        *(  # against what this disk allows: the same bytes as a file (_file_write)
+        *(  # against what this disk allows: the same bytes as a file (bench_floors.file_write)
             ratio_row(
                 f"put {how}, tlkv {mode} vs {floor}",
                 f"tlkv_{kind}_{way}",
