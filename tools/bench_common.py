@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import time
@@ -96,13 +95,6 @@ def print_table(rows: list[Row], markdown: bool = False) -> None:
     widths = [max(len(x) for x in col) for col in zip(header, *lines)]
     for line in [header, *lines]:
         print("  ".join(x.ljust(w) for x, w in zip(line, widths)).rstrip())
-
-
-def free_port() -> int:
-    """A free TCP port on the loopback interface."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def server_env() -> dict[str, str]:

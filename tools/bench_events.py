@@ -36,7 +36,8 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from bench_common import REPO, Row, free_port, server_env, stop_process
+from bench_common import REPO, Row, server_env, stop_process
+from ports import free_port
 
 from kvstore import Block, Geometry, Store, chain_hashes, encode
 from kvstore.client import Client

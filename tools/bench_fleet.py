@@ -35,10 +35,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_common import Row, free_port
+from bench_common import Row
 from bench_http import _start_tlkv
 from bench_peers import _ok, _start_master
 from bench_procs import BenchProcess
+from ports import free_port
 
 GEOMETRY = (16, 4, 8, 128)
 BLOCKS = 64

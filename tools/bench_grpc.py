@@ -46,7 +46,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench_common import REPO, Row, free_port, server_env, stop_process
+from bench_common import REPO, Row, server_env, stop_process
+from ports import free_port
 
 GEOMETRY = (16, 32, 8, 128)  # a 2 MiB v1 payload per block
 PUSH_BLOCKS = 64

@@ -35,7 +35,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench_common import REPO, Row, free_port, server_env, stop_process
+from bench_common import REPO, Row, server_env, stop_process
+from ports import free_port
 
 GEOMETRY = (16, 32, 8, 128)  # Llama-3-8B: a 2 MiB v1 payload per block
 WORKERS = 2

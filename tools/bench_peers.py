@@ -58,10 +58,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_common import Row, free_port, interleaved_medians
+from bench_common import Row, interleaved_medians
 from bench_floors import file_write, loopback_rate
 from bench_http import GEOMETRY, _start_tlkv
 from bench_procs import BenchProcess
+from ports import free_port
 
 RUNS = 5  # the rule: each target holds in the median of 5 runs and in each
 READ_ROUNDS = 5  # timed passes of each read call per run, taking turns

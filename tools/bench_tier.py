@@ -36,7 +36,8 @@ from pathlib import Path
 
 import numpy as np
 import obstore
-from bench_common import Row, free_port
+from bench_common import Row
+from ports import free_port
 
 from kvstore import Block, Geometry, Store, crc32c, encode
 from kvstore.archive.operations import create

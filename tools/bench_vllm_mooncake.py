@@ -24,8 +24,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench_common import free_port
 from bench_peers import _start_master
+from ports import free_port
 
 CONNECTOR: dict[str, Any] = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
 SEGMENT = "2GB"

@@ -49,7 +49,8 @@ from typing import Any
 
 import drill_cases
 import numpy as np
-from bench_common import REPO, free_port, server_env
+from bench_common import REPO, server_env
+from ports import free_port
 
 from kvstore import Block, Geometry, chain_hashes, encode, split
 from kvstore.protocol import ENVELOPE_MEDIA_TYPE, JSON_MEDIA_TYPE
