@@ -1,13 +1,13 @@
-"""HTTP client of the tlkv service (``tlkv serve``): httpx's API over an http.client transport.
+"""HTTP client of the tlkv service (``tlkv serve``): httpx's API over a transport of its own.
 
 Mirrors the store's API over HTTP; server errors come back as the codec's and store's
 typed exceptions (chosen by the error's ``kind``), and :meth:`Client.push` implements the
 spec's transfer rule for the prefix cache: only the full blocks the server lacks travel.
 
-The wire I/O is ``kvstore.client_wire.BodyTransport`` (``http.client`` keep-alive
-connections; why, in that module). httpx stays the API: its request building, auth header,
-timeouts and exception types (``httpx.HTTPError``) are what callers already use, and an
-explicit ``transport=`` (tests pass a recording one) replaces ours. A block read
+The wire I/O is ``kvstore.client_wire.BodyTransport`` (kept-alive HTTP/1.1 connections
+read by ``kvstore.client_http1``; why, in those modules). httpx stays the API: its request
+building, auth header, timeouts and exception types (``httpx.HTTPError``) are what callers
+already use, and an explicit ``transport=`` (tests pass a recording one) replaces ours. A block read
 (:meth:`Client.get`) goes to the transport's round trip without httpx's request and
 response objects (the same bytes on the wire, less client CPU).
 """

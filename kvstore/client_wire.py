@@ -1,9 +1,9 @@
-"""The HTTP client's wire: an httpx transport on ``http.client`` keep-alive connections.
+"""The HTTP client's wire: an httpx transport on kept-alive HTTP/1.1 connections.
 
 A restore is dominated by one large response (128 blocks of 2 MiB: 256 MiB), and httpx's
 own transport receives it as 4,098 reads of 64 KiB that h11 buffers and httpx joins;
-``http.client`` reads a body of known length with one ``bytes`` allocation filled in place
-by ``recv_into`` (``BufferedReader.read(n)``), and httpx hands that same object out as
+``kvstore.client_http1`` reads a body of known length with one ``bytes`` allocation filled
+in place by ``recv_into`` (``BufferedReader.read(n)``), and httpx hands that same object out as
 ``Response.content``. Measured in ``python tools/bench.py client`` (BENCHMARKS.md, the
 client table).
 
@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+
+from .client_http1 import Connection, Disconnected, ProtocolError
 
 __all__ = ["INTO", "Answer", "BodyTransport", "ReceivePool", "env_proxy", "origin_of"]
 
@@ -79,7 +81,7 @@ _UNREFERENCED = 2
 
 
 class BodyTransport(httpx.BaseTransport):
-    """An httpx transport on ``http.client`` keep-alive connections (see the module docstring).
+    """An httpx transport on kept-alive connections (see the module docstring).
 
     Thread-safe: a request takes an idle connection of its origin (or opens one) and gives
     it back once the response is read in full. An idle connection that the server has
@@ -91,12 +93,12 @@ class BodyTransport(httpx.BaseTransport):
     """
 
     def __init__(self) -> None:
-        self._idle: dict[Origin, list[tuple[http.client.HTTPConnection, float]]] = {}
+        self._idle: dict[Origin, list[tuple[Connection, float]]] = {}
         self._lock = threading.Lock()
         self._ssl: ssl.SSLContext | None = None
         self._closed = False
 
-    def _checkout(self, origin: Origin) -> http.client.HTTPConnection | None:
+    def _checkout(self, origin: Origin) -> Connection | None:
         now = time.monotonic()
         with self._lock:
             idle = self._idle.get(origin, [])
@@ -113,7 +115,7 @@ class BodyTransport(httpx.BaseTransport):
                 conn.close()
         return None
 
-    def _checkin(self, origin: Origin, conn: http.client.HTTPConnection) -> None:
+    def _checkin(self, origin: Origin, conn: Connection) -> None:
         with self._lock:
             idle = self._idle.setdefault(origin, [])
             if self._closed or len(idle) >= _MAX_IDLE:
@@ -121,7 +123,9 @@ class BodyTransport(httpx.BaseTransport):
             else:
                 idle.append((conn, time.monotonic()))
 
-    def _connect(self, origin: Origin, timeout: float | None) -> http.client.HTTPConnection:
+    def _connect(self, origin: Origin, timeout: float | None) -> Connection:
+        """A new connection to ``origin``: ``http.client`` connects it (TCP_NODELAY set,
+        TLS with httpx's verification for https) and hands its socket over."""
         scheme, host, port = origin
         conn: http.client.HTTPConnection
         if scheme == "https":
@@ -131,7 +135,9 @@ class BodyTransport(httpx.BaseTransport):
         else:
             conn = http.client.HTTPConnection(host, port, timeout=timeout)
         conn.connect()
-        return conn
+        sock, conn.sock = conn.sock, None
+        assert sock is not None
+        return Connection(sock)
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         """httpx's entry: the request's round trip through :meth:`exchange`."""
@@ -193,7 +199,7 @@ class BodyTransport(httpx.BaseTransport):
 
     def _exchange(
         self,
-        conn: http.client.HTTPConnection,
+        conn: Connection,
         origin: Origin,
         method: str,
         target: str,
@@ -203,13 +209,9 @@ class BodyTransport(httpx.BaseTransport):
         into: Any,
     ) -> Answer:
         sock = conn.sock
-        assert sock is not None
         try:
             sock.settimeout(timeouts.get("write"))
-            conn.putrequest(method, target, skip_host=True, skip_accept_encoding=True)
-            for name, value in headers:
-                conn.putheader(name, value)
-            conn.endheaders(body)
+            conn.send(method, target, headers, body)
         except TimeoutError as exc:
             raise httpx.WriteTimeout(str(exc)) from exc
         except (BrokenPipeError, ConnectionResetError) as exc:
@@ -219,39 +221,28 @@ class BodyTransport(httpx.BaseTransport):
         try:
             sock.settimeout(timeouts.get("read"))
             try:
-                response = conn.getresponse()
-            except (http.client.RemoteDisconnected, ConnectionResetError) as exc:
+                head = conn.read_head(method)
+            except (Disconnected, ConnectionResetError) as exc:
                 raise _StaleConnection(str(exc)) from exc
-            length = response.length
+            length = head.length
             if isinstance(into, ReceivePool):
-                into = into.take(length) if response.status == 200 and length else None
-            if (
-                into is not None
-                and response.status == 200
-                and length is not None
-                and length <= len(into)
-            ):
-                # The caller's buffer (pages it has used before: no fault a page), filled
-                # in place; the answer's content stays empty.
-                if response.readinto(into[:length]) != length:
-                    raise http.client.IncompleteRead(b"", length)
-                content = b""
-                filled = into[:length]
-            else:
-                # A Content-Length body: one bytes object filled in place (module docstring).
-                content = response.read()
-                filled = None
+                into = into.take(length) if head.status == 200 and length else None
+            elif head.status != 200:
+                into = None
+            # A body of known length: one bytes object filled in place, or the caller's
+            # buffer (pages it has used before: no fault a page) when it fits.
+            content, filled = conn.read_body(head, into)
         except TimeoutError as exc:
             raise httpx.ReadTimeout(str(exc)) from exc
-        except http.client.HTTPException as exc:
+        except ProtocolError as exc:
             raise httpx.RemoteProtocolError(str(exc)) from exc
         except OSError as exc:
             raise httpx.ReadError(str(exc)) from exc
-        if response.will_close:
+        if head.will_close:
             conn.close()
         else:
             self._checkin(origin, conn)
-        return Answer(response.status, response.reason, response.getheaders(), content, filled)
+        return Answer(head.status, head.reason, head.headers, content, filled)
 
     def close(self) -> None:
         with self._lock:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fake_http import fake  # noqa: F401  (a fixture, for every test module)
 
 from kvstore import Block, Geometry, Store, chain_hashes, encode
 

@@ -7,14 +7,12 @@ actual request bodies.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import socket
-import threading
 import time
 import tracemalloc
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -23,6 +21,7 @@ import httpx
 import numpy as np
 import pytest
 from conftest import SMALL, make_blocks, make_envelope
+from fake_http import read_request, reply
 from http_server import ServerProcess, assert_error
 
 from kvstore import (
@@ -509,68 +508,11 @@ def test_default_transport_under_a_proxy_is_httpx(monkeypatch: pytest.MonkeyPatc
         assert isinstance(c._http._transport, BodyTransport)
 
 
-class FakeServer:
-    """A loopback server whose every connection runs ``handler(sock, index)`` in a thread."""
-
-    def __init__(self, handler: Callable[[socket.socket, int], None]) -> None:
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
-        self.accepted = 0
-        self.closed = threading.Semaphore(0)  # released as each connection is closed
-        self._handler = handler
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                sock, _addr = self.listener.accept()
-            except OSError:
-                return
-            index, self.accepted = self.accepted, self.accepted + 1
-            threading.Thread(target=self._run, args=(sock, index), daemon=True).start()
-
-    def _run(self, sock: socket.socket, index: int) -> None:
-        with sock, contextlib.suppress(OSError):
-            self._handler(sock, index)
-        self.closed.release()
-
-    def close(self) -> None:
-        self.listener.close()
-
-
-def _read_request(sock: socket.socket) -> bytes:
-    """The request head (the fake servers are only sent bodiless GETs)."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        if not chunk:
-            raise ConnectionError("client closed")
-        data += chunk
-    return data
-
-
-def _reply(body: bytes, extra: bytes = b"") -> bytes:
-    return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n%s\r\n" % (len(body), extra) + body
-
-
-@pytest.fixture
-def fake() -> Iterator[Callable[[Callable[[socket.socket, int], None]], FakeServer]]:
-    servers: list[FakeServer] = []
-
-    def start(handler: Callable[[socket.socket, int], None]) -> FakeServer:
-        servers.append(FakeServer(handler))
-        return servers[-1]
-
-    yield start
-    for s in servers:
-        s.close()
-
-
 def test_transport_retries_a_connection_the_server_dropped(fake: Any) -> None:
     def one_response_per_connection(sock: socket.socket, index: int) -> None:
-        _read_request(sock)
-        sock.sendall(_reply(b"first" if index == 0 else b"again"))
-        _read_request(sock)  # a second request on the kept-alive connection: dropped unanswered
+        read_request(sock)
+        sock.sendall(reply(b"first" if index == 0 else b"again"))
+        read_request(sock)  # a second request on the kept-alive connection: dropped unanswered
 
     srv = fake(one_response_per_connection)
     with Client(srv.url) as c:
@@ -581,8 +523,8 @@ def test_transport_retries_a_connection_the_server_dropped(fake: Any) -> None:
 
 def test_transport_skips_an_idle_connection_the_server_closed(fake: Any) -> None:
     def close_after_one(sock: socket.socket, index: int) -> None:
-        _read_request(sock)
-        sock.sendall(_reply(b"x%d" % index))
+        read_request(sock)
+        sock.sendall(reply(b"x%d" % index))
 
     srv = fake(close_after_one)
     with Client(srv.url) as c:
@@ -596,7 +538,7 @@ def test_transport_large_and_chunked_bodies(fake: Any) -> None:
 
     def serve(sock: socket.socket, index: int) -> None:
         while True:
-            head = _read_request(sock)
+            head = read_request(sock)
             if b"/big" in head:  # head and body apart: no copy on this side either
                 sock.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(big))
                 sock.sendall(big)
@@ -606,7 +548,7 @@ def test_transport_large_and_chunked_bodies(fake: Any) -> None:
                     b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
                 )
             else:
-                sock.sendall(_reply(b""))
+                sock.sendall(reply(b""))
 
     srv = fake(serve)
     with Client(srv.url) as c:
@@ -626,15 +568,15 @@ def test_transport_large_and_chunked_bodies(fake: Any) -> None:
 
 def test_transport_errors_are_httpx_errors(fake: Any) -> None:
     def truncated(sock: socket.socket, index: int) -> None:
-        _read_request(sock)
+        read_request(sock)
         sock.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly ten b")
 
     def silent(sock: socket.socket, index: int) -> None:
-        _read_request(sock)
+        read_request(sock)
         time.sleep(2)  # never answers within the client's timeout: what is tested
 
     def garbage(sock: socket.socket, index: int) -> None:
-        _read_request(sock)
+        read_request(sock)
         sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
 
     with Client(fake(truncated).url) as c, pytest.raises(httpx.RemoteProtocolError):
@@ -658,8 +600,8 @@ def test_a_block_read_sends_the_request_httpx_builds(fake: Any) -> None:
 
     def recording(sock: socket.socket, index: int) -> None:
         while True:
-            heads.append(_read_request(sock))
-            sock.sendall(_reply(body))
+            heads.append(read_request(sock))
+            sock.sendall(reply(body))
 
     srv = fake(recording)
     with Client(srv.url + "/under/a/path/", token="t0k", model="m.1") as c:
@@ -677,7 +619,7 @@ def test_a_block_reads_errors_are_the_same_as_any_calls(fake: Any) -> None:
 
     def answers(sock: socket.socket, index: int) -> None:
         while True:
-            path = _read_request(sock).split(b" ")[1]
+            path = read_request(sock).split(b" ")[1]
             kind, status = (b"not_found", 404) if b"0001" in path else (b"unauthorized", 401)
             if b"0003" in path:
                 sock.sendall(b"HTTP/1.1 404 Not Found\r\ncontent-length: 4\r\n\r\nnope")
