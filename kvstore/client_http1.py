@@ -2,10 +2,10 @@
 response read (status line, headers, body) through a buffered reader the connection keeps.
 
 ``http.client`` parses every response's headers into an ``email`` message and opens a new
-buffered reader on the socket for each response: about 130 us of client CPU per 2 MiB
-block read, 14% of the read (BENCHMARKS.md, peers). :class:`Connection` reads the same
-responses with ``readline`` and one ``read(n)`` (a ``bytes`` filled in place) or
-``readinto`` per body, and checks what ``http.client`` checks on the way out:
+buffered reader on the socket for each response, client CPU that a block read pays on
+every call. :class:`Connection` reads the same responses with ``readline`` and one
+``read(n)`` (a ``bytes`` filled in place) or ``readinto`` per body, and checks what
+``http.client`` checks on the way out:
 
 - the request: a target without control characters or spaces, header names without
   separators, values without a bare CR or LF (``ValueError``, as ``http.client``);
