@@ -149,3 +149,57 @@ def test_write_crc_of_large_parts(impl: Any) -> None:
     spent.finish()
     with pytest.raises(ValueError, match="finished"):
         spent.write_crc(b"x")
+
+
+@pytest.mark.parametrize("capacity", [0, 10, 1 << 20])
+def test_a_view_is_filled_in_place_then_counted(impl: Any, capacity: int) -> None:
+    big = np.random.default_rng(3).integers(0, 256, 300_000, dtype=np.uint8)
+    b = impl(capacity)
+    b.write(b"head")
+    view = b.view(big.size)  # a large view: its pages populated first (compiled)
+    assert len(view) == big.size and not view.readonly
+    view[:] = big.data
+    del view
+    assert len(b) == 4  # not counted until advanced
+    assert b.advance(big.size) == 4 + big.size
+    with b.view(3) as small:
+        small[:] = b"abc"
+    assert b.advance(2) == 6 + big.size  # a part of the room: the rest is not written
+    b.write(b"tail")
+    out = b.finish()
+    assert type(out) is bytes
+    assert out == b"head" + big.tobytes() + b"ab" + b"tail"
+    assert hash(out) == hash(bytes(out))
+
+
+def test_a_held_view_blocks_what_would_move_the_bytes(impl: Any) -> None:
+    b = impl(4)
+    b.write(b"ab")
+    view = b.view(2)
+    view[:] = b"cd"
+    with pytest.raises(BufferError):
+        b.write(b"x" * 100)  # would grow the object under the view
+    with pytest.raises(BufferError):
+        b.finish()
+    part = view[1:]  # a slice of the view is an export too
+    view.release()
+    with pytest.raises(BufferError):
+        b.finish()
+    part.release()
+    assert b.advance(2) == 4
+    assert b.finish() == b"abcd"
+
+
+def test_view_and_advance_refuse_what_is_out_of_range(impl: Any) -> None:
+    b = impl(8)
+    with pytest.raises(ValueError, match="n must be >= 0"):
+        b.view(-1)
+    b.view(3).release()
+    for n in (-1, 1 << 20):
+        with pytest.raises(ValueError, match="not within"):
+            b.advance(n)
+    assert len(b) == 0
+    assert b.finish() == b""
+    for call in (lambda: b.view(1), lambda: b.advance(0)):
+        with pytest.raises(ValueError, match="finished"):
+            call()

@@ -1,6 +1,6 @@
 /* BytesBuilder(capacity=0): write(data), write_crc(data, crc=0), write_at(offset, data),
- * finish() -> bytes: fills one new bytes object (copies without the GIL, pages populated,
- * no join).
+ * view(n), advance(n), finish() -> bytes: fills one new bytes object (copies without the
+ * GIL, pages populated, no join; or filled in place through a writable view).
  */
 #include "native.h"
 
@@ -21,6 +21,7 @@ typedef struct {
     PyObject *bytes; /* NULL once finished */
     Py_ssize_t size; /* bytes written */
     int busy;        /* a copy runs without the GIL */
+    Py_ssize_t exports; /* writable views handed out and not yet released */
 } BytesBuilder;
 
 #define BUILDER_NOGIL_MIN (64 * 1024)
@@ -32,6 +33,17 @@ static int builder_ready(BytesBuilder *b) {
     }
     if (b->busy) {
         PyErr_SetString(PyExc_RuntimeError, "BytesBuilder: in use by another thread");
+        return -1;
+    }
+    return 0;
+}
+
+/* A call that may move or hand over the bytes object (growing it, finish) while a view of
+ * it is held would leave that view pointing at freed memory: refused, as bytearray does. */
+static int builder_unexported(BytesBuilder *b) {
+    if (b->exports > 0) {
+        PyErr_SetString(PyExc_BufferError,
+                        "BytesBuilder: a view of it is still held (release it first)");
         return -1;
     }
     return 0;
@@ -71,6 +83,8 @@ static int builder_reserve(BytesBuilder *b, Py_ssize_t more) {
         PyErr_NoMemory();
         return -1;
     }
+    if (builder_unexported(b) < 0)
+        return -1;
     Py_ssize_t need = b->size + more;
     Py_ssize_t grown = cap <= PY_SSIZE_T_MAX / 2 ? cap * 2 : PY_SSIZE_T_MAX;
     if (grown < need)
@@ -179,7 +193,7 @@ PyDoc_STRVAR(builder_finish_doc,
 
 static PyObject *builder_finish(BytesBuilder *b, PyObject *unused) {
     (void)unused;
-    if (builder_ready(b) < 0)
+    if (builder_ready(b) < 0 || builder_unexported(b) < 0)
         return NULL;
     PyObject *out = b->bytes;
     b->bytes = NULL;
@@ -187,6 +201,85 @@ static PyObject *builder_finish(BytesBuilder *b, PyObject *unused) {
         return NULL;
     return out;
 }
+
+PyDoc_STRVAR(builder_view_doc,
+"view(n, /) -> memoryview\n\n"
+"A writable view of the n bytes after those written (room made for them first, its pages\n"
+"populated), to be filled in place (e.g. by a socket's recv_into) and then counted with\n"
+"advance(). While any view is held, a write that must grow the object and finish() raise\n"
+"BufferError.");
+
+static PyObject *builder_view(BytesBuilder *b, PyObject *arg) {
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    if (n < 0) {
+        PyErr_SetString(PyExc_ValueError, "BytesBuilder.view: n must be >= 0");
+        return NULL;
+    }
+    if (builder_ready(b) < 0 || builder_reserve(b, n) < 0)
+        return NULL;
+    if (n >= BUILDER_NOGIL_MIN) { /* its pages faulted in with one call, not one per page */
+        uint8_t *dst = (uint8_t *)PyBytes_AS_STRING(b->bytes) + b->size;
+        b->busy = 1;
+        PyThreadState *state = PyEval_SaveThread();
+        populate_pages(dst, (size_t)n);
+        PyEval_RestoreThread(state);
+        b->busy = 0;
+    }
+    PyObject *whole = PyMemoryView_FromObject((PyObject *)b);
+    if (whole == NULL)
+        return NULL;
+    PyObject *part = PySequence_GetSlice(whole, b->size, b->size + n);
+    Py_DECREF(whole);
+    return part;
+}
+
+PyDoc_STRVAR(builder_advance_doc,
+"advance(n, /) -> int\n\n"
+"Count the n bytes after those written as written (the caller filled them through\n"
+"view()); returns the size written so far.");
+
+static PyObject *builder_advance(BytesBuilder *b, PyObject *arg) {
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    if (builder_ready(b) < 0)
+        return NULL;
+    if (n < 0 || n > PyBytes_GET_SIZE(b->bytes) - b->size) {
+        PyErr_Format(PyExc_ValueError,
+                     "BytesBuilder.advance: %zd bytes are not within the %zd of room after "
+                     "the %zd written", n, PyBytes_GET_SIZE(b->bytes) - b->size, b->size);
+        return NULL;
+    }
+    b->size += n;
+    return PyLong_FromSsize_t(b->size);
+}
+
+/* The buffer protocol: the whole bytes object (written or not), writable; each export
+ * counted until released. */
+static int builder_getbuffer(BytesBuilder *b, Py_buffer *view, int flags) {
+    if (b->bytes == NULL) {
+        PyErr_SetString(PyExc_BufferError, "BytesBuilder: already finished");
+        view->obj = NULL;
+        return -1;
+    }
+    if (PyBuffer_FillInfo(view, (PyObject *)b, PyBytes_AS_STRING(b->bytes),
+                          PyBytes_GET_SIZE(b->bytes), 0, flags) < 0)
+        return -1;
+    b->exports++;
+    return 0;
+}
+
+static void builder_releasebuffer(BytesBuilder *b, Py_buffer *view) {
+    (void)view;
+    b->exports--;
+}
+
+static PyBufferProcs builder_as_buffer = {
+    .bf_getbuffer = (getbufferproc)builder_getbuffer,
+    .bf_releasebuffer = (releasebufferproc)builder_releasebuffer,
+};
 
 static Py_ssize_t builder_len(BytesBuilder *b) { return b->size; }
 
@@ -196,6 +289,8 @@ static PyMethodDef builder_methods[] = {
      builder_write_crc_doc},
     {"write_at", (PyCFunction)(void (*)(void))builder_write_at, METH_FASTCALL,
      builder_write_at_doc},
+    {"view", (PyCFunction)builder_view, METH_O, builder_view_doc},
+    {"advance", (PyCFunction)builder_advance, METH_O, builder_advance_doc},
     {"finish", (PyCFunction)builder_finish, METH_NOARGS, builder_finish_doc},
     {NULL, NULL, 0, NULL},
 };
@@ -204,9 +299,10 @@ static PySequenceMethods builder_as_sequence = {.sq_length = (lenfunc)builder_le
 
 PyDoc_STRVAR(builder_doc,
 "BytesBuilder(capacity=0)\n\n"
-"Fills one new bytes object by appends (write) and patches (write_at), then returns it\n"
-"with finish(), trimmed to what was written, without a copy. Large parts are copied with\n"
-"the GIL released; one thread at a time.");
+"Fills one new bytes object by appends (write), patches (write_at) or in place through\n"
+"a writable view (view, advance), then returns it with finish(), trimmed to what was\n"
+"written, without a copy. Large parts are copied with the GIL released; one thread at a\n"
+"time.");
 
 static PyTypeObject BytesBuilderType = {
     PyVarObject_HEAD_INIT(NULL, 0)
@@ -218,6 +314,7 @@ static PyTypeObject BytesBuilderType = {
     .tp_dealloc = (destructor)builder_dealloc,
     .tp_methods = builder_methods,
     .tp_as_sequence = &builder_as_sequence,
+    .tp_as_buffer = &builder_as_buffer,
 };
 
 int builder_add(PyObject *module) {
