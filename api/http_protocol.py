@@ -11,9 +11,13 @@ sends: ``api.blockread`` decides whether the read is plain (the path, the method
 formats, the access rule) and what it answers, here as in the app's two doors, so
 this module only adds the transport's own declines and writes the answer:
 
-- the stored envelope from LMDB's map, its CRC-32C checked first (``Store.get_buffers``);
-  the read snapshot ends when the transport releases the body, and a body whose transport
-  makes no progress for ``BODY_HOLD_SECONDS`` aborts its connection (``api.bodywatch``);
+- the stored envelope from LMDB's map, its CRC-32C checked first (``Store.get_buffers``)
+  unless the request says that its reader checks it as it arrives (``READER_CHECKS_HEADER:
+  crc32c``, which ``kvstore.Client.get`` sends): the check then runs once, end to end,
+  where the block is in the reader's cache, instead of the server reading each block once
+  more. The read snapshot ends when the transport releases the body, and a body whose
+  transport makes no progress for ``BODY_HOLD_SECONDS`` aborts its connection
+  (``api.bodywatch``);
 - the same headers (uvicorn's ``date`` and ``server`` included), the same 404 body
   and uvicorn's access-log line when that log is on;
 - the same metrics, written out within ``BATCH_SECONDS`` (``Metrics.observe_request_soon``),
@@ -51,12 +55,15 @@ from fastapi import FastAPI
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from uvicorn.protocols.utils import get_client_addr
 
+from kvstore.protocol import READER_CHECKS_CRC, READER_CHECKS_HEADER
 from kvstore.store.protocols import BufferSource
 
 from .blockread import ROUTE, block_answer, may_read_default, plain_block_read
 from .bodywatch import watch_body
 
 _GET = frozenset({"GET"})  # a HEAD goes to the app
+_READER_CHECKS = READER_CHECKS_HEADER.encode()
+_READER_CHECKS_CRC = READER_CHECKS_CRC.encode()
 # Request headers that take a read off the plain case.
 _NOT_PLAIN = frozenset({b"content-length", b"transfer-encoding", b"if-none-match"})
 
@@ -201,10 +208,13 @@ class TlkvHttpProtocol(HttpToolsProtocol):
         ):
             return False
         authorization = host = None
+        check_crc = True
         for name, value in self.headers:
             if name in _NOT_PLAIN:
                 return False
-            if name == b"authorization":
+            if name == _READER_CHECKS:
+                check_crc = value != _READER_CHECKS_CRC
+            elif name == b"authorization":
                 if authorization is not None:
                     return False  # sent twice: the app refuses it
                 authorization = value
@@ -225,7 +235,7 @@ class TlkvHttpProtocol(HttpToolsProtocol):
         ):
             return False
         try:
-            found = store.get_buffers([h])
+            found = store.get_buffers([h], check_crc=check_crc)
         except Exception:  # a remap this thread may not wait for, a closed store, ...
             return False
         answer = block_answer(h, found)

@@ -9,7 +9,8 @@ read by ``kvstore.client_http1``; why, in those modules). httpx stays the API: i
 building, auth header, timeouts and exception types (``httpx.HTTPError``) are what callers
 already use, and an explicit ``transport=`` (tests pass a recording one) replaces ours. A block read
 (:meth:`Client.get`) goes to the transport's round trip without httpx's request and
-response objects (the same bytes on the wire, less client CPU).
+response objects (the same bytes on the wire, less client CPU), and checks the envelope's
+CRC-32C itself as it arrives, end to end (the server, asked to, skips its own check).
 """
 
 from __future__ import annotations
@@ -23,12 +24,20 @@ from urllib.parse import quote
 import httpx
 import numpy as np
 
-from .client_wire import INTO, BodyTransport, ReceivePool, env_proxy, origin_of
+from .client_wire import (
+    CHECKED_ENVELOPE,
+    INTO,
+    BodyTransport,
+    ReceivePool,
+    env_proxy,
+    origin_of,
+)
 from .codec.envelope import decode, join, split
 from .codec.hashing import TokenInput, exact_u64_array
 from .codec.layout import NO_HASH
 from .codec.tokens import BlockTokens, pack_records, split_records, tokens_for
 from .errors import (
+    ChecksumError,
     NotFoundError,
     ServiceError,
     TlkvError,
@@ -38,6 +47,8 @@ from .protocol import (
     ERROR_KINDS,
     HASHES_MEDIA_TYPE,
     JSON_MEDIA_TYPE,
+    READER_CHECKS_CRC,
+    READER_CHECKS_HEADER,
     TOKEN_RECORDS_HEADER,
     check_model_id,
     check_sequence_name,
@@ -143,6 +154,10 @@ class Client:
         self._origin = origin_of(template.url)
         self._base_path = template.url.raw_path.decode("ascii")[:-1]
         self._get_headers = template.headers.raw
+        self._checked_get_headers = [
+            *self._get_headers,
+            (READER_CHECKS_HEADER.encode(), READER_CHECKS_CRC.encode()),
+        ]
         self._timeouts = template.extensions.get("timeout", {})
 
     def close(self) -> None:
@@ -205,24 +220,48 @@ class Client:
 
         The request is the one httpx would build (``__init__`` keeps its parts), so the
         wire bytes are the same, without the client CPU of building both objects per read
-        (BENCHMARKS.md, peers). An error answer, and a transport error, get their httpx
-        request and go through the same rules as any other call.
+        (BENCHMARKS.md, peers), plus ``READER_CHECKS_HEADER``: the envelope's CRC-32C is
+        checked here as it arrives, and the server need not check it before sending. An
+        envelope that arrives corrupt is asked for again without the header: the server
+        then checks it, quarantines a corrupt stored block and answers 404 (or the tier's
+        copy), exactly as for any other reader; corrupt again, it raises ChecksumError
+        (damaged between the server's check and here). An error answer, and a transport
+        error, get their httpx request and go through the same rules as any other call.
         """
         assert self._direct is not None
-        if self._http.is_closed:
-            raise RuntimeError("Cannot send a request, as the client has been closed.")
         path = self._path(url)
-        try:
-            answer = self._direct.exchange(
-                self._origin, "GET", self._base_path + path, self._get_headers, None, self._timeouts
-            )
-        except httpx.TransportError as exc:
-            exc.request = self._http.build_request("GET", path)
-            raise
+        answer = self._exchange_get(path, self._checked_get_headers)
+        if answer.status == 200 and not answer.crc_ok:
+            answer = self._exchange_get(path, self._get_headers)
+            if answer.status == 200 and not answer.crc_ok:
+                raise ChecksumError(
+                    f"GET {path}: the envelope arrived with a CRC-32C that does not match "
+                    "its bytes, after the server checked it (FORMAT.md 2.2: the trailer is "
+                    "the CRC-32C of every byte before it)"
+                )
         if answer.status == 200:
             return answer.content
         response = self._checked(answer.response(self._http.build_request("GET", path)), True)
         return None if response is None else response.content
+
+    def _exchange_get(self, path: str, headers: Any) -> Any:
+        """One ``GET path`` on the transport, its 200 body read as a checked envelope."""
+        assert self._direct is not None
+        if self._http.is_closed:
+            raise RuntimeError("Cannot send a request, as the client has been closed.")
+        try:
+            return self._direct.exchange(
+                self._origin,
+                "GET",
+                self._base_path + path,
+                headers,
+                None,
+                self._timeouts,
+                CHECKED_ENVELOPE,
+            )
+        except httpx.TransportError as exc:
+            exc.request = self._http.build_request("GET", path)
+            raise
 
     def _send(self, request: httpx.Request) -> httpx.Response:
         """Send ``request`` (built by httpx: base URL, headers, timeouts) and read its answer.

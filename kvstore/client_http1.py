@@ -152,6 +152,12 @@ class Connection:
             raise ProtocolError(f"the connection closed within a body of {n} bytes")
         return data, None
 
+    def read_exactly(self, view: memoryview) -> None:
+        """Fill the writable ``view`` with the next bytes of a body whose length the caller
+        knows (``ProtocolError`` when the connection closes first)."""
+        if self._fp.readinto(view) != len(view):
+            raise ProtocolError(f"the connection closed within a body ({len(view)} bytes due)")
+
     def _chunked(self) -> bytes:
         parts = []
         while True:

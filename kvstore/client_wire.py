@@ -11,6 +11,13 @@ client table).
 response objects: ``kvstore.client`` sends its block reads through it directly (building
 an httpx request and response costs about as much client CPU as the rest of a 2 MiB
 read); :meth:`BodyTransport.handle_request` wraps the same call for httpx.
+
+A block read's answer can be read as an envelope (``into=CHECKED_ENVELOPE``): into one new
+``bytes`` in parts of ``_CHECK_PART``, each part's CRC-32C taken as soon as it has arrived,
+while it is still in the CPU's cache, and the result compared with the envelope's trailer
+(:attr:`Answer.crc_ok`). That check reads no byte from memory a second time, where the
+server's check before sending reads each block once more from DRAM; a client that does it
+asks the server to skip its own (``protocol.READER_CHECKS_HEADER``).
 """
 
 from __future__ import annotations
@@ -28,13 +35,55 @@ from typing import Any
 import httpx
 
 from .client_http1 import Connection, Disconnected, ProtocolError
+from .codec.assembly import crc_matches, stored_crc
+from .codec.builder import BytesBuilder
+from .codec.checksum import crc32c
+from .codec.layout import MIN_ENVELOPE_SIZE, TRAILER_SIZE
 
-__all__ = ["INTO", "Answer", "BodyTransport", "ReceivePool", "env_proxy", "origin_of"]
+__all__ = [
+    "CHECKED_ENVELOPE",
+    "INTO",
+    "Answer",
+    "BodyTransport",
+    "CheckedEnvelope",
+    "ReceivePool",
+    "env_proxy",
+    "origin_of",
+]
 
 Origin = tuple[str, str, int]  # scheme, host, port
 INTO = "tlkv_into"  # request extension: a writable buffer a 200's body is read into
 _KEEPALIVE_EXPIRY = 5.0  # seconds an idle connection is kept (httpx's default)
 _MAX_IDLE = 20  # idle connections kept per transport (httpx's default)
+# A checked envelope arrives in parts of this size: each is still in the CPU's cache (L2)
+# when its CRC-32C is taken.
+_CHECK_PART = 256 << 10
+
+
+class CheckedEnvelope:
+    """The ``into`` of an exchange whose 200 answer is one envelope, read into new bytes
+    with its CRC-32C checked as it arrives (see the module docstring)."""
+
+
+CHECKED_ENVELOPE = CheckedEnvelope()
+
+
+def read_checked_envelope(conn: Connection, n: int) -> tuple[bytes, bool]:
+    """The next ``n`` bytes of ``conn`` as one new ``bytes`` object, and whether they are an
+    envelope whose trailing CRC-32C matches them (taken part by part as they arrive)."""
+    builder = BytesBuilder(n)
+    end = n - TRAILER_SIZE  # the CRC covers every byte before the trailer
+    crc = 0
+    with builder.view(n) as room:
+        for pos in range(0, n, _CHECK_PART):
+            with room[pos : pos + _CHECK_PART] as part:
+                conn.read_exactly(part)
+                if pos < end:
+                    with part[: end - pos] as covered:
+                        crc = crc32c(covered, crc)
+    builder.advance(n)
+    data = builder.finish()
+    return data, n >= MIN_ENVELOPE_SIZE and crc == stored_crc(data)
 
 
 class ReceivePool:
@@ -172,8 +221,9 @@ class BodyTransport(httpx.BaseTransport):
         ``target`` is the request's path and query, ``headers`` its ``(name, value)``
         pairs (Host included), ``timeouts`` httpx's ``connect``/``read``/``write``
         seconds. ``into``: a writable buffer (or a :class:`ReceivePool`) that a 200's body
-        is read into when it fits. Raises httpx's transport errors (without a request:
-        the caller sets it).
+        is read into when it fits, or ``CHECKED_ENVELOPE`` (a 200's body of known length
+        read as an envelope, its CRC-32C checked: :attr:`Answer.crc_ok`). Raises httpx's
+        transport errors (without a request: the caller sets it).
         """
         conn = self._checkout(origin)
         reused = conn is not None
@@ -225,13 +275,22 @@ class BodyTransport(httpx.BaseTransport):
             except (Disconnected, ConnectionResetError) as exc:
                 raise _StaleConnection(str(exc)) from exc
             length = head.length
-            if isinstance(into, ReceivePool):
-                into = into.take(length) if head.status == 200 and length else None
-            elif head.status != 200:
-                into = None
-            # A body of known length: one bytes object filled in place, or the caller's
-            # buffer (pages it has used before: no fault a page) when it fits.
-            content, filled = conn.read_body(head, into)
+            crc_ok = None
+            if isinstance(into, CheckedEnvelope):
+                if head.status == 200 and length is not None:
+                    content, crc_ok = read_checked_envelope(conn, length)
+                    filled = None
+                else:  # an error's body, or a 200 framed by chunks or the close
+                    content, filled = conn.read_body(head)
+                    crc_ok = crc_matches(content) if head.status == 200 else None
+            else:
+                if isinstance(into, ReceivePool):
+                    into = into.take(length) if head.status == 200 and length else None
+                elif head.status != 200:
+                    into = None
+                # A body of known length: one bytes object filled in place, or the
+                # caller's buffer (pages it has used before: no fault a page) when it fits.
+                content, filled = conn.read_body(head, into)
         except TimeoutError as exc:
             raise httpx.ReadTimeout(str(exc)) from exc
         except ProtocolError as exc:
@@ -242,7 +301,7 @@ class BodyTransport(httpx.BaseTransport):
             conn.close()
         else:
             self._checkin(origin, conn)
-        return Answer(head.status, head.reason, head.headers, content, filled)
+        return Answer(head.status, head.reason, head.headers, content, filled, crc_ok)
 
     def close(self) -> None:
         with self._lock:
@@ -269,13 +328,16 @@ def env_proxy(base_url: str) -> bool:
 @dataclass
 class Answer:
     """A response read in full: ``filled`` is the part of the caller's buffer its body
-    went to (``content`` then stays empty), None when the body is ``content``."""
+    went to (``content`` then stays empty), None when the body is ``content``;
+    ``crc_ok``: whether a body read as a checked envelope matched its CRC-32C (None when
+    it was not read so)."""
 
     status: int
     reason: str
     headers: list[tuple[str, str]]
     content: bytes
     filled: memoryview | None = None
+    crc_ok: bool | None = None
 
     def response(self, request: httpx.Request | None = None) -> httpx.Response:
         """The answer as a read httpx response (the filled buffer under ``INTO``)."""

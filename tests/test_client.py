@@ -23,6 +23,7 @@ import pytest
 from conftest import SMALL, make_blocks, make_envelope
 from fake_http import read_request, reply
 from http_server import ServerProcess, assert_error
+from store_helpers import flip_on_disk, marked_block, marker_bytes
 
 from kvstore import (
     Block,
@@ -41,8 +42,10 @@ from kvstore import (
 from kvstore.cli import main
 from kvstore.client import Client, HasResult
 from kvstore.client_wire import BodyTransport, ReceivePool
+from kvstore.codec.assembly import crc_matches
 from kvstore.codec.layout import TRAILER
 from kvstore.errors import (
+    ChecksumError,
     InvalidRequestError,
     NotFoundError,
     PinnedError,
@@ -50,6 +53,7 @@ from kvstore.errors import (
     TooLargeError,
     UnauthorizedError,
 )
+from kvstore.protocol import READER_CHECKS_CRC, READER_CHECKS_HEADER, hash_hex
 
 TOKEN = "client-test-token"
 GEOMETRY_ARG = ",".join(map(str, SMALL.as_tuple()))
@@ -594,9 +598,10 @@ def test_transport_errors_are_httpx_errors(fake: Any) -> None:
 
 def test_a_block_read_sends_the_request_httpx_builds(fake: Any) -> None:
     """``Client.get`` skips httpx's request object, not any byte of the request: the
-    same head as the same GET built by httpx (base path, model, auth, Host)."""
+    same head as the same GET built by httpx (base path, model, auth, Host), and the
+    header saying that it checks the envelope's CRC-32C itself."""
     heads: list[bytes] = []
-    body = b"an envelope"
+    body = make_envelope()
 
     def recording(sock: socket.socket, index: int) -> None:
         while True:
@@ -608,9 +613,76 @@ def test_a_block_read_sends_the_request_httpx_builds(fake: Any) -> None:
         assert c._direct is not None
         assert c.get(0xABC) == body
         assert c._ok("GET", "/v1/blocks/0000000000000abc").content == body
-    assert heads[0] == heads[1]
+    checks = f"{READER_CHECKS_HEADER}: {READER_CHECKS_CRC}\r\n".encode()
+    assert heads[0] == heads[1][:-2] + checks + b"\r\n"
     assert heads[0].startswith(b"GET /under/a/path/v1/models/m.1/blocks/0000000000000abc HTTP/1.1")
     assert b"\r\nauthorization: Bearer t0k\r\n" in heads[0]
+
+
+def _corrupt(envelope: bytes, at: int) -> bytes:
+    damaged = bytearray(envelope)
+    damaged[at] ^= 0x40
+    return bytes(damaged)
+
+
+@pytest.mark.parametrize("geometry", [SMALL, Geometry(16, 32, 8, 128)], ids=["small", "2MiB"])
+def test_a_block_read_checks_the_envelope_as_it_arrives(fake: Any, geometry: Geometry) -> None:
+    """``Client.get`` reads a 200 as an envelope and checks its CRC-32C on arrival: a
+    corrupt one is asked for again without the reader-checks header (the server then
+    checks it), and one that arrives corrupt after that raises ChecksumError. Damage in
+    any part of a large answer (parts of 256 KiB) or in the trailer is found."""
+    good = make_envelope(geometry, geometry.block_tokens)
+    size = len(good)
+    answers: dict[int, list[bytes]] = {}
+    heads: list[bytes] = []
+
+    def serve(sock: socket.socket, index: int) -> None:
+        while True:
+            head = read_request(sock)
+            heads.append(head)
+            h = int(head.split(b" ")[1].rsplit(b"/", 1)[1], 16)
+            sock.sendall(reply(answers[h].pop(0)))
+
+    places = [0, 29, size // 2, (256 << 10) + 3, size - 5, size - 1]
+    with Client(fake(serve).url) as c:
+        for i, at in enumerate(p for p in places if p < size):
+            answers[2 * i + 1] = [_corrupt(good, at), good]  # damaged once
+            assert c.get(2 * i + 1) == good
+            answers[2 * i + 2] = [_corrupt(good, at), _corrupt(good, at)]  # damaged twice
+            with pytest.raises(ChecksumError, match=r"FORMAT\.md 2\.2"):
+                c.get(2 * i + 2)
+        answers[99] = [good[:-1] + bytes([good[-1] ^ 1]), good[:31]]  # not even an envelope
+        with pytest.raises(ChecksumError):
+            c.get(99)
+    header = f"\r\n{READER_CHECKS_HEADER}: {READER_CHECKS_CRC}\r\n".encode()
+    asked = [header in head for head in heads]
+    assert asked == [True, False] * (len(heads) // 2)  # every second ask: the server checks
+
+
+def test_a_stored_block_found_corrupt_by_the_client_is_quarantined(tmp_path: Path) -> None:
+    """Against a real server (its background scrub off, so the read is what finds it): a
+    block whose stored bytes rot is sent unchecked only to a reader that says it checks
+    the CRC itself. ``Client.get`` finds the damage, asks again without the header, and
+    the server's check then quarantines the block and answers 404: ``get`` answers None,
+    as for any other reader."""
+    good, bad = marked_block(1.0, 11), marked_block(-3.5, 12)
+    args = ("--geometry", GEOMETRY_ARG, "--scrub-rate", "0")
+    with ServerProcess(tmp_path / "d", *args) as srv:
+        with Client(srv.url) as c:
+            c.put(encode(SMALL, [good, bad]))
+        srv.stop()
+        flip_on_disk(tmp_path / "d", marker_bytes(-3.5), 7)
+        srv.start()
+        url = f"{srv.url}/v1/blocks/{hash_hex(12)}"
+        unchecked = httpx.get(url, headers={READER_CHECKS_HEADER: READER_CHECKS_CRC})
+        assert unchecked.status_code == 200  # sent as stored: this reader checks it
+        assert len(unchecked.content) == SMALL.envelope_bytes(1, 1)
+        assert not crc_matches(unchecked.content)
+        with Client(srv.url) as c:
+            assert c.get(11) == encode(SMALL, [good])
+            assert c.get(12) is None
+            assert httpx.get(url).status_code == 404  # quarantined by the second ask
+            assert c.has_blocks([11, 12]).present == [True, False]
 
 
 def test_a_block_reads_errors_are_the_same_as_any_calls(fake: Any) -> None:

@@ -155,8 +155,9 @@ def get_from_tier(h: Handle, block_hash: int) -> bytes | None:
     return data
 
 
-def get_buffers(h: Handle, hashes: Iterable[int]) -> list[memoryview]:
-    """``Store.get_buffers``: zero-copy envelopes of a chain's stored prefix."""
+def get_buffers(h: Handle, hashes: Iterable[int], check_crc: bool = True) -> list[memoryview]:
+    """``Store.get_buffers``: zero-copy envelopes of a chain's stored prefix (each
+    CRC-checked unless the reader checks them itself: ``check_crc=False``)."""
     items = hashes.tolist() if isinstance(hashes, np.ndarray) else hashes
     hs = [check_hash(x) for x in items]
     corrupt: list[int] = []
@@ -167,7 +168,7 @@ def get_buffers(h: Handle, hashes: Iterable[int]) -> list[memoryview]:
         get, db, touch = txn.get, h.dbs.blocks, h.recency.touch
         for x in hs:
             data = get(BLOCK_KEY.pack(x), None, db) if x else None
-            if data is not None and not crc_matches(data):
+            if data is not None and check_crc and not crc_matches(data):
                 corrupt.append(x)
                 data = None
             if data is None:

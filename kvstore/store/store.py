@@ -318,10 +318,16 @@ class Store:
         tier hit, not as another lookup."""
         return _reads.get_from_tier(self._h, block_hash)
 
-    def get_buffers(self, hashes: Iterable[int]) -> list[memoryview]:
+    def get_buffers(self, hashes: Iterable[int], *, check_crc: bool = True) -> list[memoryview]:
         """Zero-copy ``get_many`` of a chain's prefix: the stored envelopes of the leading
         hashes, each CRC-verified, up to the first one absent or corrupt, from one read
         snapshot, as read-only memoryviews straight over LMDB's map.
+
+        ``check_crc=False``: for a reader that checks each envelope's CRC-32C itself as it
+        arrives (``protocol.READER_CHECKS_HEADER``). The envelopes are handed over as
+        stored, unread here: one pass over each block less. A corrupt one is then found by
+        that reader (which asks again without the header: this store's check quarantines
+        it) or by a scrub, not by this read.
 
         For handing to something that releases them later (an HTTP transport): the
         snapshot stays open until every returned memoryview, and everything made from
@@ -329,7 +335,7 @@ class Store:
         open snapshot keeps its pages from being reused, and a remap of the map waits
         for it (``LmdbEnv.hold``). While a remap is pending they are copies.
         """
-        return _reads.get_buffers(self._h, hashes)
+        return _reads.get_buffers(self._h, hashes, check_crc)
 
     def lingering_snapshots(self) -> int:
         """Snapshots of closed readers this process keeps open because zero-copy arrays
