@@ -57,7 +57,7 @@ _KEEPALIVE_EXPIRY = 5.0  # seconds an idle connection is kept (httpx's default)
 _MAX_IDLE = 20  # idle connections kept per transport (httpx's default)
 # A checked envelope arrives in parts of this size: each is still in the CPU's cache (L2)
 # when its CRC-32C is taken.
-_CHECK_PART = 256 << 10
+_CHECK_PART = 128 << 10
 
 
 class CheckedEnvelope:

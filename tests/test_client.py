@@ -33,6 +33,7 @@ from kvstore import (
     StoreFullError,
     UnsupportedVersionError,
     chain_hashes,
+    client_wire,
     crc32c,
     decode,
     encode,
@@ -630,7 +631,7 @@ def test_a_block_read_checks_the_envelope_as_it_arrives(fake: Any, geometry: Geo
     """``Client.get`` reads a 200 as an envelope and checks its CRC-32C on arrival: a
     corrupt one is asked for again without the reader-checks header (the server then
     checks it), and one that arrives corrupt after that raises ChecksumError. Damage in
-    any part of a large answer (parts of 256 KiB) or in the trailer is found."""
+    any part of a large answer (either side of a part's end) or in the trailer is found."""
     good = make_envelope(geometry, geometry.block_tokens)
     size = len(good)
     answers: dict[int, list[bytes]] = {}
@@ -643,7 +644,8 @@ def test_a_block_read_checks_the_envelope_as_it_arrives(fake: Any, geometry: Geo
             h = int(head.split(b" ")[1].rsplit(b"/", 1)[1], 16)
             sock.sendall(reply(answers[h].pop(0)))
 
-    places = [0, 29, size // 2, (256 << 10) + 3, size - 5, size - 1]
+    part = client_wire._CHECK_PART
+    places = [0, 29, part - 1, part, 2 * part + 3, size // 2, size - 5, size - 1]
     with Client(fake(serve).url) as c:
         for i, at in enumerate(p for p in places if p < size):
             answers[2 * i + 1] = [_corrupt(good, at), good]  # damaged once
