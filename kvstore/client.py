@@ -9,8 +9,9 @@ read by ``kvstore.client_http1``; why, in those modules). httpx stays the API: i
 building, auth header, timeouts and exception types (``httpx.HTTPError``) are what callers
 already use, and an explicit ``transport=`` (tests pass a recording one) replaces ours. A block read
 (:meth:`Client.get`) goes to the transport's round trip without httpx's request and
-response objects (the same bytes on the wire, less client CPU), and checks the envelope's
-CRC-32C itself as it arrives, end to end (the server, asked to, skips its own check).
+response objects (the same bytes on the wire, less client CPU). A block read and a prefix
+check the envelope's CRC-32C as it arrives, end to end, and ask the server to skip its own
+check before sending (``_envelope_query``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import httpx
 import numpy as np
 
 from .client_wire import (
-    CHECKED_ENVELOPE,
+    CHECK,
+    CRC_OK,
     INTO,
     BodyTransport,
     ReceivePool,
@@ -62,6 +64,10 @@ __all__ = ["Client", "HasResult", "PutReport", "error_from_response"]
 HashLike = int | str | np.integer
 _MODELS_PATH = "/v1/models"  # /v1 routes no model prefixes
 _LOOKUP_PATH = "/v1/lookup"
+_ARRIVED_CORRUPT = (
+    "{what}: the envelope arrived with a CRC-32C that does not match its bytes, after the "
+    "server checked it (FORMAT.md 2.2: the trailer is the CRC-32C of every byte before it)"
+)
 
 
 def error_from_response(response: httpx.Response) -> TlkvError:
@@ -182,6 +188,7 @@ class Client:
         missing_ok: bool = False,
         into: Any = None,
         headers: dict[str, str] | None = None,
+        check: bool = False,
     ) -> httpx.Response | None:
         headers = {**({"content-type": body_type} if body_type else {}), **(headers or {})}
         url = self._path(url)
@@ -189,7 +196,9 @@ class Client:
             content = bytes(content)
         if into is not None and not isinstance(into, ReceivePool):
             into = memoryview(into).cast("B")
-        extensions = {INTO: into} if into is not None else None
+        extensions: dict[str, Any] = {INTO: into} if into is not None else {}
+        if check:
+            extensions[CHECK] = True
         request = self._http.build_request(
             method, url, content=content, params=params, headers=headers, extensions=extensions
         )
@@ -234,11 +243,7 @@ class Client:
         if answer.status == 200 and not answer.crc_ok:
             answer = self._exchange_get(path, self._get_headers)
             if answer.status == 200 and not answer.crc_ok:
-                raise ChecksumError(
-                    f"GET {path}: the envelope arrived with a CRC-32C that does not match "
-                    "its bytes, after the server checked it (FORMAT.md 2.2: the trailer is "
-                    "the CRC-32C of every byte before it)"
-                )
+                raise ChecksumError(_ARRIVED_CORRUPT.format(what=f"GET {path}"))
         if answer.status == 200:
             return answer.content
         response = self._checked(answer.response(self._http.build_request("GET", path)), True)
@@ -257,7 +262,7 @@ class Client:
                 headers,
                 None,
                 self._timeouts,
-                CHECKED_ENVELOPE,
+                check=True,
             )
         except httpx.TransportError as exc:
             exc.request = self._http.build_request("GET", path)
@@ -387,6 +392,27 @@ class Client:
             kind = JSON_MEDIA_TYPE
         return self._ok("POST", url, content=body, body_type=kind, **kw)
 
+    def _envelope_query(
+        self, url: str, hashes: Iterable[HashLike] | None, tokens: Sequence[int] | None, **kw: Any
+    ) -> httpx.Response:
+        """``_query`` of an envelope answer. On this client's own transport the envelope's
+        CRC-32C is checked as it arrives and the server is asked not to check it first
+        (``READER_CHECKS_HEADER``); an answer that fails the check is asked for again
+        without the header, so that the server's check quarantines a block that rotted on
+        disk and cuts the answer before it; failing again, ChecksumError. With another
+        transport (a caller's, a proxy's) the server checks, as for any client."""
+        if self._direct is None:
+            return self._query(url, hashes, tokens, **kw)
+        checks = {READER_CHECKS_HEADER: READER_CHECKS_CRC}
+        response = self._query(url, hashes, tokens, check=True, headers=checks, **kw)
+        if response.extensions.get(CRC_OK) is not False:
+            return response
+        response.extensions.pop(INTO, None)  # the receive buffer goes back to the pool
+        response = self._query(url, hashes, tokens, check=True, **kw)
+        if response.extensions.get(CRC_OK) is False:
+            raise ChecksumError(_ARRIVED_CORRUPT.format(what=f"POST {url}"))
+        return response
+
     def has_blocks(
         self,
         hashes: Iterable[HashLike] | None = None,
@@ -439,10 +465,13 @@ class Client:
         as needed, it is never overwritten; ``bytes(answer)`` for a bytes object. A buffer
         used again keeps its pages mapped: a fresh one per 128 MiB answer cost ~32,000
         page faults, as much time as the copy. ``bytes`` when the client was given
-        another ``transport``. ``prefix_into`` reads into the caller's own buffer.
+        another ``transport``. ``prefix_into`` reads into the caller's own buffer. The
+        envelope's CRC-32C is checked as it arrives (``_envelope_query``).
         """
         params = {"format": format} if format is not None else None
-        response = self._query("/v1/prefix", hashes, tokens, params=params, into=self._answers)
+        response = self._envelope_query(
+            "/v1/prefix", hashes, tokens, params=params, into=self._answers
+        )
         filled = response.extensions.pop(INTO, None)  # the response must not hold the buffer
         return response.content if filled is None else filled.toreadonly()
 
@@ -460,7 +489,7 @@ class Client:
         ~3,000 page faults, as many as the kernel's copy.
         """
         params = {"format": format} if format is not None else None
-        response = self._query("/v1/prefix", hashes, tokens, params=params, into=out)
+        response = self._envelope_query("/v1/prefix", hashes, tokens, params=params, into=out)
         filled = response.extensions.get(INTO)
         return response.content if filled is None else filled
 

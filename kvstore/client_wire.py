@@ -12,10 +12,12 @@ response objects: ``kvstore.client`` sends its block reads through it directly (
 an httpx request and response costs about as much client CPU as the rest of a 2 MiB
 read); :meth:`BodyTransport.handle_request` wraps the same call for httpx.
 
-A block read's answer can be read as an envelope (``into=CHECKED_ENVELOPE``): into one new
-``bytes`` in parts of ``_CHECK_PART``, each part's CRC-32C taken as soon as it has arrived,
-while it is still in the CPU's cache, and the result compared with the envelope's trailer
-(:attr:`Answer.crc_ok`). That check reads no byte from memory a second time, where the
+An answer can be read as an envelope (``check=True``; through httpx the ``CHECK``
+extension): in parts of ``_CHECK_PART``, each part's CRC-32C taken as soon as it has
+arrived, while it is still in the CPU's cache, and the result compared with the
+envelope's trailer (:attr:`Answer.crc_ok`; through httpx the ``CRC_OK`` extension), into
+the caller's buffer or the receive pool's when it fits, else into one new ``bytes``
+(``BytesBuilder.view``). That check reads no byte from memory a second time, where the
 server's check before sending reads each block once more from DRAM; a client that does it
 asks the server to skip its own (``protocol.READER_CHECKS_HEADER``).
 """
@@ -41,18 +43,21 @@ from .codec.checksum import crc32c
 from .codec.layout import MIN_ENVELOPE_SIZE, TRAILER_SIZE
 
 __all__ = [
-    "CHECKED_ENVELOPE",
+    "CHECK",
+    "CRC_OK",
     "INTO",
     "Answer",
     "BodyTransport",
-    "CheckedEnvelope",
     "ReceivePool",
     "env_proxy",
     "origin_of",
+    "read_checked_envelope",
 ]
 
 Origin = tuple[str, str, int]  # scheme, host, port
 INTO = "tlkv_into"  # request extension: a writable buffer a 200's body is read into
+CHECK = "tlkv_check_envelope"  # request extension: a 200's body is an envelope, check it
+CRC_OK = "tlkv_crc_ok"  # response extension: whether that envelope's CRC-32C matched
 _KEEPALIVE_EXPIRY = 5.0  # seconds an idle connection is kept (httpx's default)
 _MAX_IDLE = 20  # idle connections kept per transport (httpx's default)
 # A checked envelope arrives in parts of this size: each is still in the CPU's cache (L2)
@@ -60,30 +65,35 @@ _MAX_IDLE = 20  # idle connections kept per transport (httpx's default)
 _CHECK_PART = 128 << 10
 
 
-class CheckedEnvelope:
-    """The ``into`` of an exchange whose 200 answer is one envelope, read into new bytes
-    with its CRC-32C checked as it arrives (see the module docstring)."""
-
-
-CHECKED_ENVELOPE = CheckedEnvelope()
-
-
-def read_checked_envelope(conn: Connection, n: int) -> tuple[bytes, bool]:
-    """The next ``n`` bytes of ``conn`` as one new ``bytes`` object, and whether they are an
-    envelope whose trailing CRC-32C matches them (taken part by part as they arrive)."""
+def read_checked_envelope(
+    conn: Connection, n: int, room: memoryview | None = None
+) -> tuple[bytes, memoryview | None, bool]:
+    """The next ``n`` bytes of ``conn``, an envelope, read into ``room`` (``n`` writable
+    bytes) or else into one new ``bytes`` object, part by part, each part's CRC-32C taken
+    as soon as it has arrived: ``(content, filled, crc_ok)`` as in :class:`Answer`."""
+    if room is not None:
+        crc = _fill_checked(conn, room)
+        return b"", room, n >= MIN_ENVELOPE_SIZE and crc == stored_crc(room)
     builder = BytesBuilder(n)
-    end = n - TRAILER_SIZE  # the CRC covers every byte before the trailer
-    crc = 0
-    with builder.view(n) as room:
-        for pos in range(0, n, _CHECK_PART):
-            with room[pos : pos + _CHECK_PART] as part:
-                conn.read_exactly(part)
-                if pos < end:
-                    with part[: end - pos] as covered:
-                        crc = crc32c(covered, crc)
+    with builder.view(n) as view:
+        crc = _fill_checked(conn, view)
     builder.advance(n)
     data = builder.finish()
-    return data, n >= MIN_ENVELOPE_SIZE and crc == stored_crc(data)
+    return data, None, n >= MIN_ENVELOPE_SIZE and crc == stored_crc(data)
+
+
+def _fill_checked(conn: Connection, room: memoryview) -> int:
+    """Fill ``room`` from ``conn`` in parts; the CRC-32C of all but its last 4 bytes."""
+    n = len(room)
+    end = n - TRAILER_SIZE  # the CRC covers every byte before the trailer
+    crc = 0
+    for pos in range(0, n, _CHECK_PART):
+        with room[pos : pos + _CHECK_PART] as part:
+            conn.read_exactly(part)
+            if pos < end:
+                with part[: end - pos] as covered:
+                    crc = crc32c(covered, crc)
+    return crc
 
 
 class ReceivePool:
@@ -200,6 +210,7 @@ class BodyTransport(httpx.BaseTransport):
                 request.read() or None,
                 request.extensions.get("timeout", {}),
                 request.extensions.get(INTO),
+                bool(request.extensions.get(CHECK)),
             )
         except httpx.TransportError as exc:
             exc.request = request
@@ -215,15 +226,16 @@ class BodyTransport(httpx.BaseTransport):
         body: bytes | None,
         timeouts: dict[str, Any],
         into: Any = None,
+        check: bool = False,
     ) -> Answer:
         """One request and its whole answer on a kept-alive connection of ``origin``.
 
         ``target`` is the request's path and query, ``headers`` its ``(name, value)``
         pairs (Host included), ``timeouts`` httpx's ``connect``/``read``/``write``
         seconds. ``into``: a writable buffer (or a :class:`ReceivePool`) that a 200's body
-        is read into when it fits, or ``CHECKED_ENVELOPE`` (a 200's body of known length
-        read as an envelope, its CRC-32C checked: :attr:`Answer.crc_ok`). Raises httpx's
-        transport errors (without a request: the caller sets it).
+        is read into when it fits. ``check``: a 200's body is an envelope, its CRC-32C
+        checked as it arrives (:attr:`Answer.crc_ok`). Raises httpx's transport errors
+        (without a request: the caller sets it).
         """
         conn = self._checkout(origin)
         reused = conn is not None
@@ -236,7 +248,9 @@ class BodyTransport(httpx.BaseTransport):
                 except OSError as exc:
                     raise httpx.ConnectError(str(exc)) from exc
             try:
-                return self._exchange(conn, origin, method, target, headers, body, timeouts, into)
+                return self._exchange(
+                    conn, origin, method, target, headers, body, timeouts, into, check
+                )
             except _StaleConnection as exc:
                 conn.close()
                 conn = None
@@ -257,6 +271,7 @@ class BodyTransport(httpx.BaseTransport):
         body: bytes | None,
         timeouts: dict[str, Any],
         into: Any,
+        check: bool,
     ) -> Answer:
         sock = conn.sock
         try:
@@ -275,22 +290,22 @@ class BodyTransport(httpx.BaseTransport):
             except (Disconnected, ConnectionResetError) as exc:
                 raise _StaleConnection(str(exc)) from exc
             length = head.length
+            if isinstance(into, ReceivePool):
+                into = into.take(length) if head.status == 200 and length else None
+            elif head.status != 200:
+                into = None
             crc_ok = None
-            if isinstance(into, CheckedEnvelope):
-                if head.status == 200 and length is not None:
-                    content, crc_ok = read_checked_envelope(conn, length)
-                    filled = None
-                else:  # an error's body, or a 200 framed by chunks or the close
-                    content, filled = conn.read_body(head)
-                    crc_ok = crc_matches(content) if head.status == 200 else None
+            if check and head.status == 200 and length is not None:
+                room = None
+                if into is not None and length <= len(into):
+                    room = memoryview(into)[:length]
+                content, filled, crc_ok = read_checked_envelope(conn, length, room)
             else:
-                if isinstance(into, ReceivePool):
-                    into = into.take(length) if head.status == 200 and length else None
-                elif head.status != 200:
-                    into = None
                 # A body of known length: one bytes object filled in place, or the
                 # caller's buffer (pages it has used before: no fault a page) when it fits.
                 content, filled = conn.read_body(head, into)
+                if check and head.status == 200:  # framed by chunks or by the close
+                    crc_ok = crc_matches(content)
         except TimeoutError as exc:
             raise httpx.ReadTimeout(str(exc)) from exc
         except ProtocolError as exc:
@@ -349,6 +364,7 @@ class Answer:
                 "http_version": b"HTTP/1.1",
                 "reason_phrase": self.reason.encode(),
                 **({INTO: self.filled} if self.filled is not None else {}),
+                **({CRC_OK: self.crc_ok} if self.crc_ok is not None else {}),
             },
         )
         if request is not None:

@@ -41,7 +41,7 @@ class FakeServer:
 
 
 def read_request(sock: socket.socket) -> bytes:
-    """The request head (the fake servers are only sent bodiless GETs)."""
+    """The request head (for bodiless requests: a GET)."""
     data = b""
     while b"\r\n\r\n" not in data:
         chunk = sock.recv(65536)
@@ -49,6 +49,28 @@ def read_request(sock: socket.socket) -> bytes:
             raise ConnectionError("client closed")
         data += chunk
     return data
+
+
+def read_request_with_body(sock: socket.socket) -> tuple[bytes, bytes]:
+    """A request's head and its body of Content-Length bytes (what the client sends)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError("client closed")
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError("client closed")
+        body += chunk
+    return head + b"\r\n\r\n", body
 
 
 def reply(body: bytes, extra: bytes = b"") -> bytes:

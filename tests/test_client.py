@@ -21,7 +21,7 @@ import httpx
 import numpy as np
 import pytest
 from conftest import SMALL, make_blocks, make_envelope
-from fake_http import read_request, reply
+from fake_http import read_request, read_request_with_body, reply
 from http_server import ServerProcess, assert_error
 from store_helpers import flip_on_disk, marked_block, marker_bytes
 
@@ -664,27 +664,86 @@ def test_a_block_read_checks_the_envelope_as_it_arrives(fake: Any, geometry: Geo
 def test_a_stored_block_found_corrupt_by_the_client_is_quarantined(tmp_path: Path) -> None:
     """Against a real server (its background scrub off, so the read is what finds it): a
     block whose stored bytes rot is sent unchecked only to a reader that says it checks
-    the CRC itself. ``Client.get`` finds the damage, asks again without the header, and
-    the server's check then quarantines the block and answers 404: ``get`` answers None,
-    as for any other reader."""
-    good, bad = marked_block(1.0, 11), marked_block(-3.5, 12)
+    the CRC itself. ``Client.get`` and ``Client.prefix`` find the damage and ask again
+    without the header; the server's check then quarantines the block: ``get`` answers
+    None and the prefix ends before it, as for any other reader."""
+    blocks = [marked_block(1.0, 11), marked_block(-3.5, 12), marked_block(6.5, 13)]
     args = ("--geometry", GEOMETRY_ARG, "--scrub-rate", "0")
-    with ServerProcess(tmp_path / "d", *args) as srv:
-        with Client(srv.url) as c:
-            c.put(encode(SMALL, [good, bad]))
-        srv.stop()
-        flip_on_disk(tmp_path / "d", marker_bytes(-3.5), 7)
-        srv.start()
-        url = f"{srv.url}/v1/blocks/{hash_hex(12)}"
-        unchecked = httpx.get(url, headers={READER_CHECKS_HEADER: READER_CHECKS_CRC})
-        assert unchecked.status_code == 200  # sent as stored: this reader checks it
-        assert len(unchecked.content) == SMALL.envelope_bytes(1, 1)
-        assert not crc_matches(unchecked.content)
-        with Client(srv.url) as c:
-            assert c.get(11) == encode(SMALL, [good])
-            assert c.get(12) is None
-            assert httpx.get(url).status_code == 404  # quarantined by the second ask
-            assert c.has_blocks([11, 12]).present == [True, False]
+    checks = {READER_CHECKS_HEADER: READER_CHECKS_CRC}
+    for read in ("get", "prefix"):
+        data = tmp_path / read
+        with ServerProcess(data, *args) as srv:
+            with Client(srv.url) as c:
+                c.put(encode(SMALL, blocks))
+            srv.stop()
+            flip_on_disk(data, marker_bytes(-3.5), 7)
+            srv.start()
+            url = f"{srv.url}/v1/blocks/{hash_hex(12)}"
+            hashes = np.array([11, 12, 13], dtype="<u8").tobytes()
+            query = f"{srv.url}/v1/prefix"
+            unchecked = httpx.get(url, headers=checks)
+            assert unchecked.status_code == 200  # sent as stored: this reader checks it
+            assert len(unchecked.content) == SMALL.envelope_bytes(1, 1)
+            assert not crc_matches(unchecked.content)
+            binary = {"content-type": "application/octet-stream"}
+            whole = httpx.post(query, content=hashes, headers={**checks, **binary})
+            assert len(whole.content) == SMALL.envelope_bytes(3, 1)  # all three, unchecked
+            assert not crc_matches(whole.content)
+            with Client(srv.url) as c:
+                if read == "get":
+                    assert c.get(11) == encode(SMALL, [blocks[0]])
+                    assert c.get(12) is None
+                else:
+                    assert bytes(c.prefix(hashes=[11, 12, 13])) == encode(SMALL, [blocks[0]])
+                assert httpx.get(url).status_code == 404  # quarantined by the second ask
+                assert c.has_blocks([11, 12, 13]).present == [True, False, True]
+
+
+@pytest.mark.parametrize("call", ["prefix", "prefix_into", "prefix_into_small"])
+def test_a_prefix_is_checked_as_it_arrives(fake: Any, call: str) -> None:
+    """``prefix`` and ``prefix_into`` (into a buffer that fits, or new bytes when it does
+    not) check the answer's CRC-32C as it arrives, as ``get`` does: a corrupt answer is
+    asked for again without the reader-checks header, a second one raises ChecksumError.
+    Another transport sends no such header (nobody would check the answer)."""
+    geometry = Geometry(16, 32, 8, 128)
+    good = make_envelope(geometry, geometry.block_tokens * 3)  # three blocks, 6 MiB
+    queue: list[bytes] = []
+    heads: list[bytes] = []
+
+    def serve(sock: socket.socket, index: int) -> None:
+        while True:
+            head, _body = read_request_with_body(sock)
+            heads.append(head)
+            sock.sendall(reply(queue.pop(0), b"x-tlkv-prefix-blocks: 3\r\n"))
+
+    size = len(good)
+    out = bytearray(size // 2 if call == "prefix_into_small" else size + 100)
+
+    def ask(c: Client) -> Any:
+        if call == "prefix":
+            return c.prefix(hashes=[1, 2, 3])
+        return c.prefix_into(out, hashes=[1, 2, 3])
+
+    srv = fake(serve)
+    with Client(srv.url) as c:
+        for at in (0, client_wire._CHECK_PART, size // 2, size - 1):
+            queue[:] = [_corrupt(good, at), good]
+            assert bytes(ask(c)) == good
+            queue[:] = [_corrupt(good, at), _corrupt(good, at)]
+            with pytest.raises(ChecksumError, match=r"POST /v1/prefix"):
+                ask(c)
+        queue[:] = [good]
+        answer = ask(c)
+        assert bytes(answer) == good
+        if call == "prefix_into":
+            assert answer.obj is out  # type: ignore[union-attr]
+    header = f"\r\n{READER_CHECKS_HEADER}: {READER_CHECKS_CRC}\r\n".encode()
+    assert [header in h for h in heads] == [True, False] * 8 + [True]
+    heads.clear()
+    with Client(srv.url, transport=httpx.HTTPTransport()) as other:
+        queue[:] = [good]
+        assert bytes(other.prefix(hashes=[1, 2, 3])) == good
+    assert [header in h for h in heads] == [False]
 
 
 def test_a_block_reads_errors_are_the_same_as_any_calls(fake: Any) -> None:

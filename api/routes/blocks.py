@@ -38,7 +38,13 @@ from kvstore.codec.geometry import Geometry
 from kvstore.codec.layout import VERSION_V1
 from kvstore.codec.tokens import BlockTokens, pack_records, split_records
 from kvstore.errors import NotFoundError, StoreBusyError, StoreError, TlkvError
-from kvstore.protocol import PREFIX_HEADER, TOKEN_RECORDS_HEADER, parse_hash_hex
+from kvstore.protocol import (
+    PREFIX_HEADER,
+    READER_CHECKS_CRC,
+    READER_CHECKS_HEADER,
+    TOKEN_RECORDS_HEADER,
+    parse_hash_hex,
+)
 from kvstore.store import Store, transcode_stored
 
 from ..blockread import (
@@ -285,12 +291,15 @@ def _empty(geometry: Geometry | None, version: int) -> bytes:
     return encode(geometry, [], version)
 
 
-def _window(store: Store, hashes: np.ndarray, version: int, out: EnvelopeStream) -> list[Any]:
+def _window(
+    store: Store, hashes: np.ndarray, version: int, out: EnvelopeStream, check_crc: bool
+) -> list[Any]:
     """The records of the blocks of ``hashes``, in ``version``, accounted for in ``out``'s
     CRC: zero-copy views over one snapshot of LMDB's map (``Store.get_buffers``: each
-    block CRC-checked), unless transcoded. A block gone raises ``NotFoundError``: the
-    header has promised it already."""
-    blocks: list[Any] = store.get_buffers(hashes)
+    block CRC-checked unless the reader checks the answer: ``check_crc``), unless
+    transcoded. A block gone raises ``NotFoundError``: the header has promised it
+    already."""
+    blocks: list[Any] = store.get_buffers(hashes, check_crc=check_crc)
     if len(blocks) < len(hashes):
         # The client sees a short body: the answer is aborted, never completed wrongly.
         h = int(hashes[len(blocks)])
@@ -319,23 +328,29 @@ class _Begun:
     version: int
     out: EnvelopeStream
     records: list[Any]
+    check_crc: bool
 
 
 def _first_window(
-    store: Store, hashes: np.ndarray, per: int, version: int | None, geometry: Geometry
+    store: Store,
+    hashes: np.ndarray,
+    per: int,
+    version: int | None,
+    geometry: Geometry,
+    check_crc: bool,
 ) -> _Begun | None:
     """The answer for the prefix ``hashes`` begun with its first window (cut to the blocks
     that window still holds, if one is gone); None when the first block is gone.
-    ``version``: the answer's (None: the first block's)."""
+    ``version``: the answer's (None: the first block's). ``check_crc``: as ``_window``."""
     first = hashes[:per]
-    blocks: list[Any] = store.get_buffers(first)
+    blocks: list[Any] = store.get_buffers(first, check_crc=check_crc)
     if not blocks:
         return None
     version = version or envelope_version(blocks[0])
     kept = hashes if len(blocks) == len(first) else first[: len(blocks)]
     out = EnvelopeStream(version, geometry, len(kept))
     records = _records(blocks, kept, version, out)
-    return _Begun(kept, version, out, records)
+    return _Begun(kept, version, out, records, check_crc)
 
 
 class _Windows(Response):
@@ -370,15 +385,20 @@ class _Windows(Response):
             if at >= len(hashes):
                 break
             nxt = hashes[at : at + per]
-            records = await run_in_threadpool(_window, store, nxt, version, out)
+            records = await run_in_threadpool(_window, store, nxt, version, out, begun.check_crc)
             at += len(nxt)
         await send({"type": "http.response.body", "body": out.trailer(), "more_body": False})
 
 
 @router.post("/v1/prefix", openapi_extra=HASHES_BODY, responses=ENVELOPE_RESPONSE)
 async def prefix(request: Request, format: FormatQuery = None) -> Response:
-    """One envelope with the longest stored prefix's blocks, in order (possibly none)."""
+    """One envelope with the longest stored prefix's blocks, in order (possibly none).
+
+    A request with ``READER_CHECKS_HEADER: crc32c`` gets the stored blocks unchecked: its
+    reader checks the answer's CRC-32C as it arrives (the trailer is still that of the
+    stored bytes, combined from each block's own: a block that rotted fails it)."""
     format = read_version(format, request.app.state.settings.formats)
+    check_crc = request.headers.get(READER_CHECKS_HEADER) != READER_CHECKS_CRC
     store = store_of(request)
     hashes = await request_hashes(request, store)
     if store.tier is not None and len(hashes):  # local misses read through, in order
@@ -389,7 +409,9 @@ async def prefix(request: Request, format: FormatQuery = None) -> Response:
     if k and geometry is not None:
         # Off the event loop: a window's reads, CRC checks and transcodes.
         per = max(1, PREFIX_WINDOW_BYTES // geometry.envelope_bytes(1, VERSION_V1))
-        begun = await run_in_threadpool(_first_window, store, hashes[:k], per, format, geometry)
+        begun = await run_in_threadpool(
+            _first_window, store, hashes[:k], per, format, geometry, check_crc
+        )
         if begun is not None:
             return _Windows(store, begun, geometry, per)
     return Response(
