@@ -29,6 +29,7 @@ from .client_wire import (
     CHECK,
     CRC_OK,
     INTO,
+    Answer,
     BodyTransport,
     ReceivePool,
     env_proxy,
@@ -249,7 +250,7 @@ class Client:
         response = self._checked(answer.response(self._http.build_request("GET", path)), True)
         return None if response is None else response.content
 
-    def _exchange_get(self, path: str, headers: Any) -> Any:
+    def _exchange_get(self, path: str, headers: Any) -> Answer:
         """One ``GET path`` on the transport, its 200 body read as a checked envelope."""
         assert self._direct is not None
         if self._http.is_closed:
@@ -354,7 +355,10 @@ class Client:
         )
 
     def get(self, hash: HashLike, format: int | None = None) -> bytes | None:
-        """The block's single-block envelope (transcoded to ``format``), None when absent."""
+        """The block's single-block envelope (transcoded to ``format``), None when absent.
+
+        Its CRC-32C is checked as it arrives (``_get_direct``); ``ChecksumError`` when it
+        arrives damaged even after the server checked it."""
         url = f"/v1/blocks/{hash_hex(hash)}"
         if format is None and self._direct is not None:
             return self._get_direct(url)
