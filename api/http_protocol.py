@@ -13,11 +13,11 @@ this module only adds the transport's own declines and writes the answer:
 
 - the stored envelope from LMDB's map, its CRC-32C checked first (``Store.get_buffers``)
   unless the request says that its reader checks it as it arrives (``READER_CHECKS_HEADER:
-  crc32c``, which ``kvstore.Client.get`` sends): the check then runs once, end to end,
-  where the block is in the reader's cache, instead of the server reading each block once
-  more. The read snapshot ends when the transport releases the body, and a body whose
-  transport makes no progress for ``BODY_HOLD_SECONDS`` aborts its connection
-  (``api.bodywatch``);
+  crc32c``, which ``kvstore.Client.get`` sends; ``/v1/prefix`` honours it too): the check
+  then runs once, end to end, where the block is in the reader's cache, instead of the
+  server reading each block once more. The read snapshot ends when the transport
+  releases the body, and a body whose transport makes no progress for
+  ``BODY_HOLD_SECONDS`` aborts its connection (``api.bodywatch``);
 - the same headers (uvicorn's ``date`` and ``server`` included), the same 404 body
   and uvicorn's access-log line when that log is on;
 - the same metrics, written out within ``BATCH_SECONDS`` (``Metrics.observe_request_soon``),

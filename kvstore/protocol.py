@@ -31,9 +31,9 @@ PREFIX_HEADER = "x-tlkv-prefix-blocks"  # number of blocks in a /v1/prefix answe
 # of blocks or of a sequence may send one per full block, in order (the server checks each
 # block's hash against them); a block read with ``?tokens=1`` answers its one (or none).
 TOKEN_RECORDS_HEADER = "x-tlkv-token-records"
-# A block read whose client checks each envelope's CRC-32C itself as it arrives (end to
-# end: the server's memory, the wire and its own) sends this header with the value
-# READER_CHECKS_CRC; the server may then send the stored envelope without checking it first.
+# A block read or a prefix whose client checks the envelope's CRC-32C itself as it arrives
+# (end to end: the server's memory, the wire and its own) sends this header with the value
+# READER_CHECKS_CRC; the server may then send the stored blocks without checking them first.
 READER_CHECKS_HEADER = "x-tlkv-reader-checks"
 READER_CHECKS_CRC = "crc32c"
 
