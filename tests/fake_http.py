@@ -40,26 +40,26 @@ class FakeServer:
         self.listener.close()
 
 
-def read_request(sock: socket.socket) -> bytes:
-    """The request head (for bodiless requests: a GET)."""
+def _read_head(sock: socket.socket) -> tuple[bytes, bytes]:
+    """A request's head (through its blank line) and the bytes read after it."""
     data = b""
     while b"\r\n\r\n" not in data:
         chunk = sock.recv(65536)
         if not chunk:
             raise ConnectionError("client closed")
         data += chunk
-    return data
+    head, _, rest = data.partition(b"\r\n\r\n")
+    return head + b"\r\n\r\n", rest
+
+
+def read_request(sock: socket.socket) -> bytes:
+    """The request head (for bodiless requests: a GET)."""
+    return _read_head(sock)[0]
 
 
 def read_request_with_body(sock: socket.socket) -> tuple[bytes, bytes]:
     """A request's head and its body of Content-Length bytes (what the client sends)."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        if not chunk:
-            raise ConnectionError("client closed")
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
+    head, body = _read_head(sock)
     length = 0
     for line in head.split(b"\r\n")[1:]:
         name, _, value = line.partition(b":")
@@ -70,7 +70,7 @@ def read_request_with_body(sock: socket.socket) -> tuple[bytes, bytes]:
         if not chunk:
             raise ConnectionError("client closed")
         body += chunk
-    return head + b"\r\n\r\n", body
+    return head, body
 
 
 def reply(body: bytes, extra: bytes = b"") -> bytes:
