@@ -142,23 +142,40 @@ typedef struct {
     size_t heads, run, key_tokens;
 } layer_slots;
 
+/* Where run r of a block (r = (layer * 2 + K/V) * heads + head) goes in its slot. */
+static inline uint8_t *run_slot(const layer_slots *c, Py_ssize_t block, size_t r) {
+    size_t slot = c->heads * 2 * c->run, h = r % c->heads, k = r / c->heads % 2;
+    return c->layers[r / c->heads / 2] + (size_t)c->ids[block] * slot + (h * 2 + k) * c->run;
+}
+
+/* Each run lands in a page of its own in a layer array the forward has just swept out of
+ * the caches, so the hardware's prefetchers, which stop at page ends, miss the first lines
+ * of every run on both sides. The next run's source and destination are asked for while
+ * this one is copied: a load into cold caches (the engine's case) runs ~15% faster
+ * (BENCHMARKS.md, vllm). Prefetches never fault; both addresses lie inside the block. */
+#define PREFETCH_MAX ((size_t)16 * 1024) /* a long run's later pages are streamed anyway */
+static inline void prefetch_run(uint8_t *dst, const uint8_t *src, size_t n) {
+    for (size_t o = 0; o < n && o < PREFETCH_MAX; o += 64) {
+        __builtin_prefetch(dst + o, 1, 3);
+        __builtin_prefetch(src + o, 0, 3);
+    }
+}
+
 static uint32_t scatter_block(const void *ctx, uint32_t crc, const uint8_t *src,
                               Py_ssize_t block) {
     const layer_slots *c = (const layer_slots *)ctx;
-    size_t slot = c->heads * 2 * c->run;
-    for (Py_ssize_t l = 0; l < c->n_layers; l++) {
-        uint8_t *dst = c->layers[l] + (size_t)c->ids[block] * slot;
-        for (size_t k = 0; k < 2; k++)
-            for (size_t h = 0; h < c->heads; h++) {
-                uint8_t *to = dst + (h * 2 + k) * c->run;
-                if (k == 0 && c->key_tokens) {
-                    crc = c->fn(crc, src, c->run);
-                    transpose_u16(to, src, c->key_tokens, c->run / 2 / c->key_tokens);
-                } else {
-                    crc = copy_crc(c->fn, c->copy, crc, to, src, c->run);
-                }
-                src += c->run;
-            }
+    size_t runs = (size_t)c->n_layers * 2 * c->heads;
+    for (size_t r = 0; r < runs; r++) {
+        uint8_t *to = run_slot(c, block, r);
+        if (r + 1 < runs)
+            prefetch_run(run_slot(c, block, r + 1), src + c->run, c->run);
+        if (r / c->heads % 2 == 0 && c->key_tokens) {
+            crc = c->fn(crc, src, c->run);
+            transpose_u16(to, src, c->key_tokens, c->run / 2 / c->key_tokens);
+        } else {
+            crc = copy_crc(c->fn, c->copy, crc, to, src, c->run);
+        }
+        src += c->run;
     }
     return crc;
 }
