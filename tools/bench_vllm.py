@@ -3,9 +3,11 @@ against no connector, measured in the same run, and the load copy against memcpy
 
 A random-weight Llama of 12 layers (hidden 768, 12 heads, 4 KV heads, head_dim 64) in f16,
 1,024-token prompts, ``max_tokens=1``; every engine in its own process
-(``tools/vllm_demo.py engine``, vLLM's prefix cache off) serves four distinct prompts, one
-at a time: the first is the engine's first request, the TTFT of the other three (their
-median) is the engine's TTFT. Per run (new prompts and fresh directories each):
+(``tools/vllm_demo.py engine``, vLLM's prefix cache off) serves ``PROMPTS + 1`` (8)
+distinct prompts, one at a time: the first is the engine's first request, the TTFT of the
+other seven (their median) is the engine's TTFT (with three, one engine's median moved by
+up to 10 ms, a fifth of a warm TTFT on a fast CPU). Per run (new prompts and fresh
+directories each):
 
 - cold without a connector; cold with tlkv saving (store directory); warm with tlkv (a
   fresh engine on that directory); ExampleConnector cold (saving) and warm; warm with
@@ -52,7 +54,7 @@ MODEL = {"layers": 12, "hidden": 768, "heads": 12, "kv_heads": 4, "head_dim": 64
 TOKENS = 1024
 LOADED = (TOKENS - 1) // 32 * 32  # a warm prompt's tokens found (the last block is computed)
 SWEEP_BYTES = 96 << 20  # written between cold loads: more than this VM's caches hold
-PROMPTS = 3  # measured prompts per engine (distinct, each cold or each stored): the median
+PROMPTS = 7  # measured prompts per engine (distinct, each cold or each stored): the median
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 

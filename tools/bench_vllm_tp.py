@@ -1,7 +1,7 @@
 """The ``tools/bench.py vllm`` rows of tensor-parallel and fp8 engines.
 
 The model and prompts of ``bench_vllm`` (12 layers, 4 KV heads, 1,024-token prompts,
-``max_tokens=1``, the median TTFT of three prompts after a first request), per run with
+``max_tokens=1``, the median TTFT of ``PROMPTS`` prompts after a first request), per run with
 new prompts and fresh directories:
 
 - TP=2 (``tensor_parallel_size=2``, ``mp`` executor, one core a rank: this machine's two):
