@@ -32,7 +32,9 @@ Load bandwidth: the connector's load of 32 stored blocks from a store directory 
 into a paged cache laid out as vLLM's CPU backend's and checks its CRC) against one memcpy
 of the same bytes (``numpy.copyto`` of contiguous arrays: one thread, as the load is;
 target >= 0.5x). ``torch.Tensor.copy_`` of the same bytes splits the copy over torch's
-intra-op threads (2 here); that ratio is shown beside it.
+intra-op threads (2 here); that ratio is shown beside it. Those are best times, with the
+blocks and the slots in the caches; below them, the same load and memcpy into cold caches
+(``SWEEP_BYTES`` written before each call, median), as an engine's forward leaves them.
 
 Then the rows of tensor-parallel (TP=2) and fp8 engines: ``bench_vllm_tp``.
 """
