@@ -88,3 +88,36 @@ def test_tp2_and_tp1_engines_share_blocks_both_ways(
         assert warm["logprobs"] == cold["logprobs"]
     assert _loaded(warm2["log"]) == 9, warm2["log"][-3000:]  # counted once, not per rank
     assert _loaded(warm1["log"]) == 9
+
+
+def test_tp2_engine_saving_large_prefills_does_not_stall(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Eight 1,024-token prompts, each saved whole by a TP=2 engine: 6 MiB of each rank's
+    heads joined every step while rank 0's saver thread encodes and writes the step
+    before. With a ``gather`` to rank 0 (vLLM's shared-memory one returns on rank 1
+    before rank 0 has read it), rank 1 ran on into the logits' ``all_gather`` and both
+    ranks waited for ever, in 2 of 3 such engines here; vLLM's step timeout is cut to
+    60 s so that a stall fails the test instead of hanging it."""
+    root = tmp_path_factory.mktemp("tp-large")
+    model = make_model(
+        root / "model", layers=12, hidden=768, heads=12, kv_heads=4, head_dim=64, seed=5
+    )
+    prompts = [prompt(1024, seed=40 + i) for i in range(8)]
+    llm, env = tensor_parallel(2)
+    data = str(root / "saved")
+    spec = {
+        "model": model,
+        "connector": tlkv_config(data),
+        "prompts": [{"tokens": p} for p in prompts],
+        "max_tokens": 1,
+        "llm": llm,
+    }
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "60", **env}
+    out = run_engine(spec, env, timeout=600)
+    assert [r["finish_reason"] for r in out["results"]] == ["length"] * 8
+    with Store(data) as store:
+        handle = store.model(namespace(model, None, "float16"))
+        for p in prompts:  # every full block of every prompt, whole (all 4 KV heads)
+            assert all(handle.get(h) is not None for h in chain_hashes(p, 32))
+        assert handle.geometry is not None and handle.geometry.n_kv_heads == 4

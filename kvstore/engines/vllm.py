@@ -52,8 +52,9 @@ Choices:
   (``UnsupportedLayoutError``, logged); the connector then does nothing, on the workers
   and (told through vLLM's handshake metadata) the scheduler. Each layer's layout is
   proven at registration through the backend's own cache-write op (``_vllm_proof``).
-- Tensor parallelism: rank 0 gathers the ranks' heads and saves whole blocks, so
-  engines of any TP size share them; each rank loads its heads (``wait_for_save``).
+- Tensor parallelism: the ranks' heads are joined (``all_gather``) and rank 0 saves
+  whole blocks, so engines of any TP size share them; each rank loads its heads
+  (``wait_for_save``).
 - fp8 E4M3 caches are stored as v2 envelopes byte for byte, and loaded only under the
   same layer scales (``_vllm_fp8``). A target whose
   namespace holds another geometry stops the engine at start-up (``ShapeError`` naming
@@ -509,11 +510,16 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         and hand them to the saver thread, which asks the target which it lacks, encodes
         only those and puts them: the engine never waits on a store or a server.
 
-        Under tensor parallelism every rank copies out its heads and rank 0 gathers the
-        ranks' parts (vLLM's TP group, in the same step on every rank: each rank runs the
-        same saves) into whole blocks, which rank 0 alone saves: a stored block always
-        holds every head, so engines of any TP size share it and a lookup finds a block
-        only when every rank's part is in it."""
+        Under tensor parallelism every rank copies out its heads and the ranks'
+        parts are joined into whole blocks (vLLM's TP group, in the same step on every
+        rank: each rank runs the same saves), which rank 0 alone saves: a stored block
+        always holds every head, so engines of any TP size share it and a lookup finds a
+        block only when every rank's part is in it. The join is an ``all_gather``, the
+        collective vLLM's own forward runs every step, not a ``gather`` to rank 0: on the
+        CPU build's shared-memory communicator a ``gather`` returns on the other ranks
+        before rank 0 has read their parts, and a rank that runs two collectives ahead
+        of a slow rank 0 (its core busy with the saver) leaves both waiting for ever
+        (vLLM's ``RPC call to execute_model timed out``; BENCHMARKS.md, vllm)."""
         if self._paged is None or not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
@@ -524,7 +530,7 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 if self._tp_size > 1:
                     from vllm.distributed.parallel_state import get_tp_group
 
-                    whole = get_tp_group().gather(part.to(self._paged.device), dst=0, dim=3)
+                    whole = get_tp_group().all_gather(part.to(self._paged.device), dim=3)
                     if self._tp_rank != 0:
                         continue
                     part = whole.cpu()  # [n][L][2][Hkv][B][D], the ranks' heads in order
