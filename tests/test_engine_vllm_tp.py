@@ -96,8 +96,8 @@ def test_tp2_engine_saving_large_prefills_does_not_stall(
     """Eight 1,024-token prompts, each saved whole by a TP=2 engine: 6 MiB of each rank's
     heads joined every step while rank 0's saver thread encodes and writes the step
     before. With a ``gather`` to rank 0 (vLLM's shared-memory one returns on rank 1
-    before rank 0 has read it), rank 1 ran on into the logits' ``all_gather`` and both
-    ranks waited for ever, in 2 of 3 such engines here; vLLM's step timeout is cut to
+    before rank 0 has read it), rank 1 can run on into the logits' ``all_gather`` while
+    rank 0 still reads, and both ranks then wait for ever; vLLM's step timeout is cut to
     60 s so that a stall fails the test instead of hanging it."""
     root = tmp_path_factory.mktemp("tp-large")
     model = make_model(

@@ -51,16 +51,23 @@ def median_seconds(fn: Callable[[], object], repeat: int = 50) -> float:
     return statistics.median(times)
 
 
-def interleaved_medians(fns: dict[str, Callable[[], object]], repeat: int) -> dict[str, float]:
+def interleaved_medians(
+    fns: dict[str, Callable[[], object]],
+    repeat: int,
+    before: Callable[[], object] | None = None,
+) -> dict[str, float]:
     """Median wall time of one call of each of ``fns`` over ``repeat`` rounds, after one
     warm-up call each. Every round calls each once, in an order rotated round by round,
-    so a slow spell of the machine falls on every side of a comparison alike."""
+    so a slow spell of the machine falls on every side of a comparison alike. ``before``
+    runs, untimed, before each timed call (e.g. a sweep that leaves the caches cold)."""
     names = list(fns)
     for name in names:
         fns[name]()
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(repeat):
         for name in names[r % len(names) :] + names[: r % len(names)]:
+            if before is not None:
+                before()
             t0 = time.perf_counter()
             fns[name]()
             times[name].append(time.perf_counter() - t0)

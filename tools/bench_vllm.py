@@ -5,9 +5,8 @@ A random-weight Llama of 12 layers (hidden 768, 12 heads, 4 KV heads, head_dim 6
 1,024-token prompts, ``max_tokens=1``; every engine in its own process
 (``tools/vllm_demo.py engine``, vLLM's prefix cache off) serves ``PROMPTS + 1`` (8)
 distinct prompts, one at a time: the first is the engine's first request, the TTFT of the
-other seven (their median) is the engine's TTFT (with three, one engine's median moved by
-up to 10 ms, a fifth of a warm TTFT on a fast CPU). Per run (new prompts and fresh
-directories each):
+other seven (their median) is the engine's TTFT: enough prompts that one slow request
+does not move an engine's figure. Per run (new prompts and fresh directories each):
 
 - cold without a connector; cold with tlkv saving (store directory); warm with tlkv (a
   fresh engine on that directory); ExampleConnector cold (saving) and warm; warm with
@@ -45,12 +44,11 @@ import argparse
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import bench_vllm_mooncake
-from bench_common import Row, best_seconds
+from bench_common import Row, best_seconds, interleaved_medians
 
 MODEL = {"layers": 12, "hidden": 768, "heads": 12, "kv_heads": 4, "head_dim": 64}
 TOKENS = 1024
@@ -191,8 +189,13 @@ def _load_rows(repeat: int) -> list[Row]:
         load_s = best_seconds(load, repeat)
         copy_s = best_seconds(lambda: np.copyto(dst, src), repeat)  # memcpy, one thread
         torch_s = best_seconds(lambda: dst_t.copy_(src_t), repeat)  # torch's intra-op threads
-        sweep = np.ones(SWEEP_BYTES, np.uint8)
-        cold_s, cold_copy_s = _cold_medians(load, lambda: np.copyto(dst, src), sweep, repeat)
+        sweep = np.ones(SWEEP_BYTES, np.uint8)  # written before each cold call
+        cold = interleaved_medians(
+            {"load": load, "copy": lambda: np.copyto(dst, src)},
+            max(repeat, 5),
+            before=lambda: np.add(sweep, 1, out=sweep),
+        )
+        cold_s, cold_copy_s = cold["load"], cold["copy"]
         target.close()
     ratio = copy_s / load_s
     return [
@@ -217,20 +220,6 @@ def _load_rows(repeat: int) -> list[Row]:
             cold_copy_s / cold_s,
         ),
     ]
-
-
-def _cold_medians(load: Any, copy: Any, sweep: Any, repeat: int) -> tuple[float, float]:
-    """Median seconds of ``load`` and of ``copy``, each call after a write over all of
-    ``sweep`` (larger than the caches): what a load meets in an engine, whose forward has
-    just swept the caches; the two take turns."""
-    times: tuple[list[float], list[float]] = ([], [])
-    for _ in range(max(repeat, 5)):
-        for fn, out in ((load, times[0]), (copy, times[1])):
-            sweep += 1
-            t0 = time.perf_counter()
-            fn()
-            out.append(time.perf_counter() - t0)
-    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def _ratio_row(

@@ -151,8 +151,9 @@ static inline uint8_t *run_slot(const layer_slots *c, Py_ssize_t block, size_t r
 /* Each run lands in a page of its own in a layer array the forward has just swept out of
  * the caches, so the hardware's prefetchers, which stop at page ends, miss the first lines
  * of every run on both sides. The next run's source and destination are asked for while
- * this one is copied: a load into cold caches (the engine's case) runs 13-16% faster
- * (BENCHMARKS.md, vllm). Prefetches never fault; both addresses lie inside the block. */
+ * this one is copied, so a load into cold caches (the engine's case) does not wait on
+ * each run's first lines (BENCHMARKS.md, vllm). Prefetches never fault; both addresses
+ * lie inside the block. */
 #define PREFETCH_MAX ((size_t)16 * 1024) /* a long run's later pages are streamed anyway */
 static inline void prefetch_run(uint8_t *dst, const uint8_t *src, size_t n) {
     for (size_t o = 0; o < n && o < PREFETCH_MAX; o += 64) {
