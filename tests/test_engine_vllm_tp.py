@@ -12,6 +12,7 @@ identical tokens and logprobs are what sharing must give.
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from typing import Any
 
@@ -58,12 +59,12 @@ def _blocks(data: str, ns: str) -> list[bytes]:
         return [bytes(g) for g in got if g is not None]
 
 
-def _loaded(log: str) -> int:
-    """``tlkv_blocks_loaded`` summed over vLLM's "KV Transfer metrics" lines."""
+def _metric(log: str, name: str = "tlkv_blocks_loaded") -> int:
+    """Counter ``name`` summed over vLLM's "KV Transfer metrics" lines."""
     total = 0
     for line in log.splitlines():
         for item in line.partition("KV Transfer metrics: ")[2].split(", "):
-            if item.startswith("tlkv_blocks_loaded="):
+            if item.startswith(f"{name}="):
                 total += int(float(item.split("=")[1]))
     return total
 
@@ -86,8 +87,8 @@ def test_tp2_and_tp1_engines_share_blocks_both_ways(
     for warm, cold in ((warm1, cold1), (warm2, cold2)):
         assert warm["tokens"] == cold["tokens"]
         assert warm["logprobs"] == cold["logprobs"]
-    assert _loaded(warm2["log"]) == 9, warm2["log"][-3000:]  # counted once, not per rank
-    assert _loaded(warm1["log"]) == 9
+    assert _metric(warm2["log"]) == 9, warm2["log"][-3000:]  # counted once, not per rank
+    assert _metric(warm1["log"]) == 9
 
 
 def test_tp2_engine_saving_large_prefills_does_not_stall(
@@ -120,4 +121,42 @@ def test_tp2_engine_saving_large_prefills_does_not_stall(
         handle = store.model(namespace(model, None, "float16"))
         for p in prompts:  # every full block of every prompt, whole (all 4 KV heads)
             assert all(handle.get(h) is not None for h in chain_hashes(p, 32))
+        assert handle.geometry is not None and handle.geometry.n_kv_heads == 4
+
+
+def test_tp2_engine_drops_a_save_whose_copy_failed_on_one_rank(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Rank 1's first copy of blocks out of its paged cache raises (a fault the test
+    injects in every process of the engine: ``tests/faults``): rank 0 still waits in that save's join of the ranks' heads, so rank 1 must
+    take part in it too, and both drop the save. The engine goes on (vLLM's step timeout
+    is cut to 60 s, so that a stall fails the test), the next prompt is saved whole, and
+    the failure is counted once."""
+    root = tmp_path_factory.mktemp("tp-fail")
+    model = make_model(root / "model", layers=1, heads=4, kv_heads=4, seed=3)
+    first, second = PROMPT, prompt(300, seed=7)
+    llm, env = tensor_parallel(2)
+    data = str(root / "saved")
+    spec = {
+        "model": model,
+        "connector": tlkv_config(data),
+        "prompts": [{"tokens": first}, {"tokens": second}],
+        "llm": {**llm, **STATS},
+    }
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "faults"), str(REPO)]),
+        "TLKV_FAULT_COPY_ON_RANK": "1",  # tests/faults/sitecustomize.py
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": "60",
+        "VLLM_LOG_STATS_INTERVAL": "0.001",
+        **env,
+    }
+    out = run_engine(spec, env, timeout=600)
+    assert [r["finish_reason"] for r in out["results"]] == ["length"] * 2
+    assert "injected: rank 1's copy out of the paged cache failed" in out["log"]
+    assert _metric(out["log"], "tlkv_save_errors") == 1, out["log"][-3000:]
+    with Store(data) as store:
+        handle = store.model(namespace(model, None, "float16"))
+        assert not any(handle.has(chain_hashes(first, 32)))  # dropped whole
+        assert all(handle.get(h) is not None for h in chain_hashes(second, 32))
         assert handle.geometry is not None and handle.geometry.n_kv_heads == 4

