@@ -438,6 +438,24 @@ def test_another_connector_api_fails_at_load_naming_the_version() -> None:
     assert "0.99.0 differs: get_block_ids_with_load_errors missing" in proc.stdout
 
 
+def test_another_version_with_the_same_api_loads_with_a_warning() -> None:
+    import subprocess
+
+    script = "\n".join(
+        [
+            "import vllm",
+            'vllm.__version__ = "0.99.0"',
+            "import kvstore.engines.vllm",
+            'print("LOADED")',
+        ]
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
+    assert "LOADED" in proc.stdout, proc.stderr[-3000:]
+    assert "tlkv's connector is tested with vLLM 0.32.0, found 0.99.0" in proc.stdout + proc.stderr
+
+
 def _with_tokenizer(model_dir: str) -> str:
     """A word-level tokenizer of the model's 512 ids saved beside its weights: the README's
     examples load the model as a user's, tokenizer included (nothing is downloaded)."""

@@ -128,10 +128,11 @@ def test_tp2_engine_drops_a_save_whose_copy_failed_on_one_rank(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     """Rank 1's first copy of blocks out of its paged cache raises (a fault the test
-    injects in every process of the engine: ``tests/faults``): rank 0 still waits in that save's join of the ranks' heads, so rank 1 must
-    take part in it too, and both drop the save. The engine goes on (vLLM's step timeout
-    is cut to 60 s, so that a stall fails the test), the next prompt is saved whole, and
-    the failure is counted once."""
+    injects in every process of the engine: ``tests/faults``): rank 0 still waits in
+    that save's join of the ranks' heads, so rank 1 must take part in it too, and both
+    drop the save. The engine goes on (vLLM's step timeout is cut to 60 s, so that a
+    stall fails the test), the next prompt is saved whole, and the failure is counted
+    once."""
     root = tmp_path_factory.mktemp("tp-fail")
     model = make_model(root / "model", layers=1, heads=4, kv_heads=4, seed=3)
     first, second = PROMPT, prompt(300, seed=7)

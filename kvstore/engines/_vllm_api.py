@@ -1,18 +1,16 @@
 """The vLLM version and KV connector API ``kvstore.engines.vllm`` implements, checked when
-vLLM loads the connector: another API fails at import naming the version, another
-version with the same API is only warned about."""
+vLLM loads the connector: another API fails at import naming the version; another
+version with the same API is named in a warning the connector logs."""
 
 from __future__ import annotations
 
 import inspect
-import logging
 
 import vllm
 
 __all__ = ["TESTED_VLLM", "check_api"]
 
 TESTED_VLLM = "0.32.0"
-log = logging.getLogger("vllm.tlkv")  # under vLLM's logger: its handlers and level
 
 # The parts of KVConnectorBase_V1 the connector implements, with their parameters.
 _API = {
@@ -33,9 +31,10 @@ _API = {
 }
 
 
-def check_api(base: type) -> None:
+def check_api(base: type) -> str | None:
     """Raise ImportError naming the vLLM version when the connector API of ``base``
-    (vLLM's ``KVConnectorBase_V1``) is not the one ``kvstore.engines.vllm`` implements."""
+    (vLLM's ``KVConnectorBase_V1``) is not the one ``kvstore.engines.vllm`` implements;
+    returns a warning when the API is but the version is not the one tested (else None)."""
     found = []
     for name, params in _API.items():
         fn = getattr(base, name, None)
@@ -50,6 +49,5 @@ def check_api(base: type) -> None:
             f"{vllm.__version__} differs: {', '.join(found)}"
         )
     if vllm.__version__ != TESTED_VLLM:
-        log.warning(
-            "tlkv's connector is tested with vLLM %s, found %s", TESTED_VLLM, vllm.__version__
-        )
+        return f"tlkv's connector is tested with vLLM {TESTED_VLLM}, found {vllm.__version__}"
+    return None

@@ -105,7 +105,8 @@ __all__ = ["TESTED_VLLM", "TlkvConnector", "TlkvConnectorStats", "UnsupportedLay
 # first loads map the rest as they arrive.
 _PREPARED_BYTES_MAX = 64 << 20
 log = logging.getLogger("vllm.tlkv")  # under vLLM's logger: its handlers and level
-check_api(KVConnectorBase_V1)
+if _untested := check_api(KVConnectorBase_V1):
+    log.warning("%s", _untested)
 
 
 @dataclass
