@@ -214,6 +214,29 @@ def test_vllms_default_policy_fails_a_request_whose_blocks_cannot_be_loaded(
     assert counted["tlkv_blocks_loaded"] == 4 and counted["tlkv_load_errors"] == 5
 
 
+def test_a_prompt_stored_whole_loads_all_but_its_last_token(models: Any, tmp_path: Path) -> None:
+    """A prompt of exactly 9 blocks, every one stored: all 9 are loaded and the forward
+    computes only the last token, writing its keys and values over the loaded last slot;
+    tokens and logprobs are the cold run's. With vLLM's own prefix cache on too, the
+    second serving finds 8 blocks in vLLM's memory and loads the last one from tlkv."""
+    whole = PROMPT[:HIT]
+    config = tlkv_config(str(tmp_path / "tlkv-data"))
+    cold = _run(models["f16"], config, whole)["results"][0]
+    warm = _run(models["f16"], config, whole, **STATS)
+    got = warm["results"][0]
+    assert (cold["cached"], got["cached"]) == (0, HIT - 1)
+    _same(got, cold)
+    counted = _transfer_metrics(warm["log"])
+    assert counted["tlkv_blocks_loaded"] == 9, warm["log"][-3000:]
+    assert counted["tlkv_blocks_saved"] == 0  # held already: nothing saved again
+    both = _run(models["f16"], config, whole, whole, enable_prefix_caching=True, **STATS)
+    first, second = both["results"]
+    assert (first["cached"], second["cached"]) == (HIT - 1, HIT - 1)
+    _same(first, cold)
+    _same(second, cold)
+    assert _transfer_metrics(both["log"])["tlkv_blocks_loaded"] == 9 + 1
+
+
 def test_bf16_tokens_identical_logprobs_close(models: Any, tmp_path: Path) -> None:
     config = tlkv_config(str(tmp_path / "tlkv-data"))
     ref = _run(models["bf16"], config, PROMPT, dtype="bfloat16")["results"][0]

@@ -19,7 +19,8 @@ Choices:
   vLLM's ``block_size``: a prefix saved by ``kvstore.engines.transformers.save_prefix``
   (same weights, ``block_tokens`` = block_size, this namespace) is loaded here.
 - Scheduler: one longest-prefix round trip per lookup; the full blocks beyond what vLLM
-  holds are loaded, always leaving one prompt token to compute. Saved: the prompt's full
+  holds are loaded, all but the prompt's last token (a prompt stored whole loads
+  ``len - 1`` tokens: the forward computes one). Saved: the prompt's full
   blocks, once computed, that were not loaded. The worker copies them out of the paged
   cache at the end of the step and a saver thread asks the target which it lacks, encodes
   only those and puts them with their token ids (checked against each block's name and
@@ -241,8 +242,14 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        """Tokens loadable from the target beyond ``num_computed_tokens`` (whole blocks,
-        leaving at least one prompt token to compute); one round trip."""
+        """Tokens loadable from the target beyond ``num_computed_tokens``: the held
+        blocks' tokens, but never the prompt's last token (vLLM computes at least one, for
+        the next token's logits); one round trip.
+
+        A prompt whose every full block is held loads them all, its last block included:
+        the forward then computes only the last token, writing its keys and values over
+        the loaded ones in that block's last slot (vLLM's own prefix cache, block by
+        block, computes that whole last block)."""
         if self._off or not self._cacheable(request):
             return 0, False
         b = self._geometry.block_tokens
@@ -250,20 +257,21 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         model = salted(self._model, getattr(request, "cache_salt", None))
         req = self._plan.request(request.request_id, model, prompt, b)
         start = num_computed_tokens // b
-        usable = (len(prompt) - 1) // b  # at least one prompt token left to compute
+        full = len(prompt) // b
         req.load = 0
-        if not self._load_on or usable <= start:
+        if not self._load_on or full <= start:
             return 0, False
         try:
-            held = self._target(model).longest_prefix(req.hashes[:usable])
+            held = self._target(model).longest_prefix(req.hashes[:full])
         except Exception as exc:
             self._failed("lookup", exc)
             return 0, False
         req.saved = max(req.saved, held)  # the target holds blocks [0, held) already
-        if held <= start:
+        tokens = min(held * b, len(prompt) - 1) - num_computed_tokens
+        if held <= start or tokens <= 0:
             return 0, False
         req.load_start, req.load = start, held - start
-        return held * b - num_computed_tokens, False
+        return tokens, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         """Keep the load planned by the lookup only when vLLM allocated for it."""
