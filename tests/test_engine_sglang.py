@@ -411,6 +411,54 @@ def test_sync_0_stores_pages_without_an_fsync_and_other_values_are_refused(
         make_backend(make_pool(), str(tmp_path / "kv2"), sync="no")
 
 
+_FREED_HEAP = """
+import ctypes, sys, tempfile
+sys.path.insert(0, "tools")
+from sglang_demo import controller, controller_call, fill_pages, make_backend, make_pool, page_keys
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in (
+        "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+    ).split()]
+
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = MallInfo2
+pool = make_pool(layers=32, heads=8, head_dim=128, tokens=16 * 48)  # 2 MiB pages
+with tempfile.TemporaryDirectory() as tmp:
+    backend = make_backend(pool, tmp + "/kv", interface_v1=1, **OPTIONS)
+    saved = controller_call(
+        "_page_set_zero_copy", controller(backend, pool), page_keys(16), fill_pages(pool, 16, 1)
+    )
+    print(saved, libc.mallinfo2().fordblks)
+    backend.close()
+"""
+
+
+@pytest.mark.parametrize("keep", [None, 1, 0])
+def test_a_store_directory_backend_keeps_a_saves_freed_memory_unless_told_not_to(
+    keep: int | None,
+) -> None:
+    """A save of 16 pages of 2 MiB ``malloc``s 32 MiB of LMDB dirty pages in this process;
+    with ``keep_freed_memory`` (the default) they stay in the heap, free, for the next
+    save; with 0 glibc hands them back to the kernel. Each case in a process of its own
+    (the setting is process-wide)."""
+    options = {} if keep is None else {"keep_freed_memory": keep}
+    script = f"OPTIONS = {options!r}\n{_FREED_HEAP}"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    saved, free = out.stdout.split()
+    assert saved == "True"
+    if keep == 0:
+        assert int(free) < 32 << 20, free
+    else:
+        assert int(free) >= 32 << 20, free
+
+
+def test_keep_freed_memory_takes_1_or_0(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="'keep_freed_memory' must be 1 or 0"):
+        make_backend(make_pool(), str(tmp_path / "kv"), keep_freed_memory="yes")
+
+
 def test_no_model_name_is_refused_unless_the_config_names_one(tmp_path: Path) -> None:
     with pytest.raises(CacheLayoutError, match="no model name"):
         make_backend(make_pool(), str(tmp_path / "kv"), model_name=None)

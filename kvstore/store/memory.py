@@ -10,8 +10,10 @@ put, its new page-cache pages cost the same and keeping heap does not help
 (BENCHMARKS.md, "Peers", eighth session).
 
 The setting is process-wide, so the store never makes it on its own: ``tlkv serve``'s
-gRPC workers call it (a PushKv stream buffers whole), and a writer process that puts
-large batches may call it once at start. The cost: the process's heap stays at its peak,
+gRPC workers call it (a PushKv stream buffers whole), SGLang's backend on a store
+directory calls it unless its config says ``"keep_freed_memory": 0`` (its saves are
+batches of pages), and any other writer process that puts large batches may call it once
+at start. The cost: the process's heap stays at its peak,
 plus up to ``kept_bytes`` of free heap, instead of shrinking after a large put.
 """
 
