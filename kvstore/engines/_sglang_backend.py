@@ -22,7 +22,7 @@ from typing import Any
 
 from ..codec.layout import SUPPORTED_VERSIONS
 from ..errors import CacheLayoutError, ShapeError
-from ..store.memory import keep_freed_memory
+from ..store.memory import KEPT_BYTES, keep_freed_memory
 from ._sglang_pages import HostPages, PageSlots
 from ._sglang_target import PageTarget, open_page_target
 from .sglang import TESTED_SGLANG, block_name, block_names, namespace_for, salt_of
@@ -187,7 +187,10 @@ class TlkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         them to the kernel after every save, which then faults them in again. Config key
         ``keep_freed_memory`` (1, the default; 0 leaves the allocator alone)."""
         if keep_freed_memory():
-            log.info("tlkv HiCache storage: this process keeps up to 512 MiB of freed heap")
+            log.info(
+                "tlkv HiCache storage: this process keeps up to %d MiB of freed heap",
+                KEPT_BYTES >> 20,
+            )
 
     def _where(self, extra_info: Any) -> tuple[HostPages, PageTarget]:
         """The pool's pages and the target of a call (its salt's namespace)."""
