@@ -47,6 +47,7 @@ from kvstore import (
 from kvstore.codec.crcmath import crc_combine, crc_shift
 from kvstore.codec.layout import HEADER_SIZE, RECORD_SIZE, TRAILER_SIZE
 from kvstore.errors import BadMagicError, TruncatedError
+from kvstore.store.reads import PROBE_MAX
 
 # --- helpers of the module -------------------------------------------------------------
 
@@ -274,7 +275,14 @@ def test_has_and_longest_prefix(store: Store, monkeypatch: pytest.MonkeyPatch, s
     assert store.longest_prefix(chain[:3]) == 3
     assert store.longest_prefix([7, *chain]) == 0
     assert store.longest_prefix([]) == 0
-    for bad in ([-1], [1 << 64], np.array([-1]), np.array([1.5]), np.zeros((2, 2), np.uint64)):
+    for n in range(1, 2 * PROBE_MAX):  # key by key up to PROBE_MAX, by the arrays above
+        assert store.longest_prefix((chain * 3)[:n]) == min(n, 4)
+        assert store.longest_prefix([chain[0], chain[4], *chain][:n]) == min(n, 1)
+    for bad in ([chain[0], -1], [chain[0], 1 << 64], [chain[0], 1.5]):
+        with pytest.raises(ValueError):
+            store.longest_prefix(bad)
+    arrays = (np.array([-1]), np.array([1.5]), np.zeros((2, 2), np.uint64))
+    for bad in ([-1], [1 << 64], [1.5], *arrays):
         with pytest.raises(ValueError):
             store.has(bad)
     store.delete(chain[0])

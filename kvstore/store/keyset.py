@@ -14,10 +14,12 @@ the per-key lookups this process has made since it had none.
 
 from __future__ import annotations
 
+import operator
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from ..codec.hashing import exact_u64_array
 from .diskformat import BLOCK_KEY, INDEX_DTYPE, INDEX_KEY, INDEX_VALUE, Dbs
 from .keylog import changes_since
 
@@ -45,8 +47,12 @@ def hash_array(hashes: Any) -> np.ndarray:
         if hashes.dtype.kind == "i" and hashes.size and int(hashes.min()) < 0:
             raise ValueError(f"a block hash must fit u64, found {int(hashes.min())}")
         return hashes.astype(np.uint64, copy=False)
-    try:
-        return np.asarray(hashes if isinstance(hashes, list) else list(hashes), dtype=np.uint64)
+    items = hashes if isinstance(hashes, (list, tuple)) else list(hashes)
+    exact = exact_u64_array(items)  # exact ints, the usual case: one compiled pass
+    if exact is not None:
+        return exact
+    try:  # numpy integers, bools; a float or a string is refused, never truncated
+        return np.asarray([operator.index(x) for x in items], dtype=np.uint64)
     except (OverflowError, TypeError) as exc:
         raise ValueError(f"block hashes must be integers in 0..2^64-1: {exc}") from None
 
