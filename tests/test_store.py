@@ -10,6 +10,7 @@ Every test runs a real LMDB environment under ``tmp_path``.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import lmdb
 import numpy as np
@@ -278,11 +279,12 @@ def test_has_and_longest_prefix(store: Store, monkeypatch: pytest.MonkeyPatch, s
     for n in range(1, 2 * PROBE_MAX):  # key by key up to PROBE_MAX, by the arrays above
         assert store.longest_prefix((chain * 3)[:n]) == min(n, 4)
         assert store.longest_prefix([chain[0], chain[4], *chain][:n]) == min(n, 1)
-    for bad in ([chain[0], -1], [chain[0], 1 << 64], [chain[0], 1.5]):
+    bad_chains: list[Any] = [[chain[0], -1], [chain[0], 1 << 64], [chain[0], 1.5]]
+    for bad in bad_chains:
         with pytest.raises(ValueError):
             store.longest_prefix(bad)
-    arrays = (np.array([-1]), np.array([1.5]), np.zeros((2, 2), np.uint64))
-    for bad in ([-1], [1 << 64], [1.5], *arrays):
+    bad_hashes: list[Any] = [[-1], [1 << 64], [1.5], np.array([-1]), np.array([1.5])]
+    for bad in [*bad_hashes, np.zeros((2, 2), np.uint64)]:
         with pytest.raises(ValueError):
             store.has(bad)
     store.delete(chain[0])
