@@ -212,11 +212,7 @@ def has(h: Handle, hashes: Iterable[int], tier: bool) -> np.ndarray:
 
 def longest_prefix(h: Handle, hashes: Iterable[int], tier: bool) -> int:
     """``Store.longest_prefix``: how many leading hashes are stored."""
-    if (  # an engine's check of a first page, or of a short chain
-        isinstance(hashes, list)
-        and 0 < len(hashes) <= PROBE_MAX
-        and all(type(x) is int and 0 <= x <= U64_MAX for x in hashes)
-    ):
+    if isinstance(hashes, list) and _short_chain(hashes):
         return _leading(h, hashes, tier)
     queries = hash_array(hashes)
     if not queries.size:
@@ -229,6 +225,17 @@ def longest_prefix(h: Handle, hashes: Iterable[int], tier: bool) -> int:
     if tier and h.tier is not None and k < queries.size:
         k += h.tier.prefix(queries[k:].tolist())
     return k
+
+
+def _short_chain(hashes: list[Any]) -> bool:
+    """Whether ``hashes`` are 1 to ``PROBE_MAX`` ints in 0..2^64-1 (one alone, an
+    engine's check of a first page, is tested without a generator)."""
+    if len(hashes) == 1:
+        first = hashes[0]
+        return type(first) is int and 0 <= first <= U64_MAX
+    if not 0 < len(hashes) <= PROBE_MAX:
+        return False
+    return all(type(x) is int and 0 <= x <= U64_MAX for x in hashes)
 
 
 def _leading(h: Handle, hashes: list[int], tier: bool) -> int:
