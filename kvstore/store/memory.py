@@ -13,8 +13,8 @@ The setting is process-wide, so the store never makes it on its own: ``tlkv serv
 gRPC workers call it (a PushKv stream buffers whole), SGLang's backend on a store
 directory calls it unless its config says ``"keep_freed_memory": 0`` (its saves are
 batches of pages), and any other writer process that puts large batches may call it once
-at start. The cost: the process's heap stays at its peak,
-plus up to ``kept_bytes`` of free heap, instead of shrinking after a large put.
+at start. The cost: the process's heap stays at its peak, plus up to ``kept_bytes`` of
+free heap, instead of shrinking after a large put.
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ from .seqtxn import drop_corrupt_sequence, rebuild_refs
 from .state import Handle, log
 from .writetxn import WriteTxn
 
-PROBE_MAX = 8  # a chain this short is looked up key by key (about 0.3 us a key, against
-# about 5 us of numpy calls for the array path: measured in BENCHMARKS.md, "sglang")
+PROBE_MAX = 8  # a chain this short is looked up key by key: one LMDB lookup a key costs
+# less than the array path's numpy calls (BENCHMARKS.md, sglang, seventeenth session)
 _READ_THROUGH_FIRST = 16  # blocks fetched from the tier in a read-through's first round
 _READ_THROUGH_BATCH = 128  # ... and at most per later round (each round doubles)
 
