@@ -14,6 +14,7 @@ import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import SMALL, make_blocks, make_envelope
@@ -401,6 +402,65 @@ def test_a_reserved_number_taken_by_another_model_is_never_read(store: Store) ->
     y.put(make_envelope(SMALL, 8, seed=2))
     assert y.has(hashes) == [False, False] and x.has(hashes) == [True, True]
     assert store.models() == ["default", "x", "y"]
+    check_models(store)
+
+
+def test_a_read_between_a_new_models_number_and_its_first_write_keeps_the_number(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A put resolves a new model's number, then opens its write transaction; a read of
+    the same handle in between (another thread's: a reader, the tier's uploader or
+    filler) used to forget the number, and the put then wrote into no model and failed
+    (``struct.error``). The read is made to land in that window here: a real read, run
+    just before the real write."""
+    m = store.model("fresh")
+    lmdb_env = m._h.env.lmdb
+    real_write = lmdb_env.write
+    seen: list[list[bool]] = []
+
+    def a_read_then_the_write(body: Any, need: int = 0) -> Any:
+        if m._h.pending is not None and m._h.dbs.number == m._h.pending:  # the put's write
+            seen.append(m.has([1]))  # its number reserved and resolved, not registered
+        return real_write(body, need)
+
+    monkeypatch.setattr(lmdb_env, "write", a_read_then_the_write)
+    envelope = make_envelope(SMALL, 8, seed=3)
+    m.put(envelope)
+    monkeypatch.undo()
+    assert seen and seen[0] == [False]
+    assert m.has(hashes_of(envelope)) == [True, True] and m.geometry == SMALL
+    assert store.models() == ["default", "fresh"]
+    x = store.model("x")  # the next model takes the next number
+    x.put(make_envelope(SMALL, 8, seed=4))
+    assert x.has(hashes_of(envelope)) == [False, False]
+    check_models(store)
+
+
+def test_a_number_forgotten_between_resolve_and_the_write_is_resolved_again(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The write checks the number it writes under: one forgotten by another thread after
+    the put resolved it (what a model's deletion does to a handle) is resolved again
+    inside the write's retry, never written as no model."""
+    m = store.model("fresh")
+    lmdb_env = m._h.env.lmdb
+    real_write = lmdb_env.write
+    forgotten: list[int] = []
+
+    def forget_once_then_write(body: Any, need: int = 0) -> Any:
+        h = m._h
+        if h.pending is not None and h.dbs.number == h.pending and not forgotten:  # the put's
+            forgotten.append(h.pending)  # write: its number reserved and resolved
+            m._h.forget_number()
+        return real_write(body, need)
+
+    monkeypatch.setattr(lmdb_env, "write", forget_once_then_write)
+    envelope = make_envelope(SMALL, 8, seed=5)
+    m.put(envelope)
+    monkeypatch.undo()
+    assert forgotten and m._h.dbs.number == forgotten[0]  # resolved again: still free
+    assert m.has(hashes_of(envelope)) == [True, True]
+    assert store.models() == ["default", "fresh"]
     check_models(store)
 
 

@@ -275,13 +275,19 @@ class Handle:
             tid = txn.id()
             confirmed = self.confirmed
             if confirmed[0] is not dbs or confirmed[1] != tid:
-                if self.env.registry.holds(txn, self.model, dbs.number):
+                registry = self.env.registry
+                if registry.holds(txn, self.model, dbs.number):
                     self.confirmed = (dbs, tid)
-                else:
+                elif self.pending != dbs.number or registry.lookup(txn, self.model) != (
+                    None,
+                    dbs.number,
+                ):
                     lmdb.end_read(txn)
                     self.forget_number()
                     self.resolve(create=False)
                     txn = lmdb.begin_read(buffers)
+                # else: the number this handle reserved for its first write, still free in
+                # this snapshot (so its sub-databases hold nothing): kept for that write
         return txn
 
     def end_read(self, txn: Any) -> None:
@@ -299,9 +305,12 @@ class Handle:
         taken = self.recency.take()
 
         def run(txn: Any) -> tuple[T, WriteTxn]:
+            dbs, pending = self.dbs, self.pending
+            if create and (dbs.number < 0 or (pending is not None and pending != dbs.number)):
+                raise Reclaim()  # forgotten by another thread since resolve: resolve again
             w = WriteTxn(
                 txn,
-                self.dbs,
+                dbs,
                 env.capacity,
                 env.helper_pool,
                 env.path,
@@ -311,9 +320,9 @@ class Handle:
                     self.model if n == w.dbs.number else env.registry.name_of(txn, n)
                 ),
             )
-            if self.pending is not None:
-                env.registry.claim(txn, self.model, self.pending)
-            elif self.dbs.number > 0 and not env.registry.holds(txn, self.model, self.dbs.number):
+            if pending is not None:
+                env.registry.claim(txn, self.model, pending)
+            elif dbs.number > 0 and not env.registry.holds(txn, self.model, dbs.number):
                 raise Stale()
             if self.tier is not None:
                 w.pending = w.keep_pending = True
