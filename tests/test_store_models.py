@@ -410,9 +410,9 @@ def test_a_read_between_a_new_models_number_and_its_first_write_keeps_the_number
 ) -> None:
     """A put resolves a new model's number, then opens its write transaction; a read of
     the same handle in between (another thread's: a reader, the tier's uploader or
-    filler) used to forget the number, and the put then wrote into no model and failed
-    (``struct.error``). The read is made to land in that window here: a real read, run
-    just before the real write."""
+    filler) keeps that number, so the put writes under it (a forgotten number would
+    leave the put writing into no model: ``struct.error``). The read is made to land in
+    that window here: a real read, run just before the real write."""
     m = store.model("fresh")
     lmdb_env = m._h.env.lmdb
     real_write = lmdb_env.write
