@@ -13,7 +13,13 @@ from types import SimpleNamespace
 import pytest
 from http_server import REPO
 
-from kvstore.engines.sglang import block_name, block_names, namespace_for, salt_of
+from kvstore.engines.sglang import (
+    SMALL_BATCH,
+    block_name,
+    block_names,
+    namespace_for,
+    salt_of,
+)
 from kvstore.errors import PageKeyError
 
 KEY = hashlib.sha256(b"page").hexdigest()
@@ -44,7 +50,9 @@ INVALID = [
 @pytest.mark.parametrize(("key", "name"), VALID)
 def test_a_page_key_names_the_u64_of_its_first_16_digits(key: str, name: int) -> None:
     assert block_name(key) == name
-    assert block_names([key, key]) == [name, name]
+    assert block_names([key, key]) == [name, name]  # parsed one by one
+    long = SMALL_BATCH + 1  # parsed as one joined batch
+    assert block_names([key] * long) == [name] * long
 
 
 @pytest.mark.parametrize("key", INVALID)
@@ -53,6 +61,8 @@ def test_a_key_that_is_not_a_page_hash_is_refused(key: object) -> None:
         block_name(key)  # type: ignore[arg-type]
     with pytest.raises(PageKeyError, match="not an SGLang page hash"):
         block_names([KEY, key, KEY])  # type: ignore[list-item]
+    with pytest.raises(PageKeyError, match="not an SGLang page hash"):
+        block_names([KEY] * SMALL_BATCH + [key])  # type: ignore[list-item]
 
 
 def test_block_names_of_many_keys_match_one_by_one() -> None:

@@ -247,12 +247,13 @@ class TlkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         A store directory is asked for the first page alone first: a new prompt's chain
         (its first page not held, the common miss) is answered by one lookup, without
         parsing the other keys; a held first page costs that one lookup more (a server is
-        asked once: a round trip costs more than the keys)."""
+        asked once: a round trip costs more than the keys). One key is looked up once."""
         if not keys:
             return 0
         try:
             _, target = self._where(extra_info)
-            if target.local and not target.holds(self._names(keys, first=True)[0]):
+            first_alone = target.local and len(keys) > 1
+            if first_alone and not target.holds(self._names(keys, first=True)[0]):
                 return 0
             return target.longest_prefix(self._names(keys))
         except Exception as exc:

@@ -241,13 +241,9 @@ def _short_chain(hashes: list[Any]) -> bool:
 def _leading(h: Handle, hashes: list[int], tier: bool) -> int:
     """``longest_prefix`` of a few hashes (ints in 0..2^64-1): one lookup each until the
     first miss, no hash array (fewer calls than the array path's, up to ``PROBE_MAX``)."""
-    k = 0
     txn = h.begin_read(True)
     try:
-        for block_hash in hashes:
-            if not h.keys.holds(txn, block_hash):
-                break
-            k += 1
+        k = h.keys.leading(txn, hashes)
     finally:
         h.end_read(txn)
     if tier and h.tier is not None and k < len(hashes):
