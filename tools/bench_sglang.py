@@ -43,6 +43,8 @@ from typing import Any
 
 from bench_common import Row
 
+from kvstore.fileio import fsync_dir
+
 PAGE = 16
 LAYERS, HEADS, HEAD_DIM = 32, 8, 128
 N_PAGES = 64
@@ -128,11 +130,7 @@ def run(args: argparse.Namespace) -> list[Row]:
                         os.fdatasync(fd)
                     finally:
                         os.close(fd)
-                fd = os.open(peer.file_path, os.O_RDONLY)
-                try:
-                    os.fsync(fd)  # the renames that made the files
-                finally:
-                    os.close(fd)
+                fsync_dir(peer.file_path)  # the renames that made the files
 
             return go
 

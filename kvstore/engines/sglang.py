@@ -84,8 +84,8 @@ _KEY_DIGITS = 64
 _KEY = re.compile(f"[0-9a-f]{{{_KEY_DIGITS}}}")
 _HEX_DIGITS = b"0123456789abcdef"
 _NAME_DIGITS = 16  # the u64's hex digits; a 0 becomes 1 (FORMAT.md section 1: 0 names no block)
-SMALL_BATCH = 4  # up to this many keys are parsed one by one: 0.45 us a key, against 2.07 us
-# for the joined parse of two (BENCHMARKS.md, sglang, eighteenth session)
+SMALL_BATCH = 4  # up to this many keys are parsed one by one, which costs less than the
+# joined parse's fixed cost (BENCHMARKS.md, sglang)
 
 
 def block_name(key: str) -> int:

@@ -203,22 +203,16 @@ class KeySet:
             present.sort()  # INTEGERDUP keeps them sorted; checking is cheap
         return present
 
-    def _probe(self, txn: Any, queries: np.ndarray, stop_at_miss: bool) -> list[bool]:
+    def _probe(self, txn: Any, queries: np.ndarray) -> list[bool]:
         set_key = txn.cursor(db=self._dbs.blocks).set_key
         pack = BLOCK_KEY.pack
-        out: list[bool] = []
-        for h in queries.tolist():
-            found = bool(h) and set_key(pack(h))
-            out.append(found)
-            if stop_at_miss and not found:
-                break
-        return out
+        return [bool(h) and set_key(pack(h)) for h in queries.tolist()]
 
     def has(self, txn: Any, queries: np.ndarray) -> np.ndarray:
         """Whether each hash is stored in ``txn``'s snapshot (a bool array)."""
         present = self._present(txn, queries.size)
         if present is None:
-            return np.array(self._probe(txn, queries, stop_at_miss=False), dtype=bool)
+            return np.array(self._probe(txn, queries), dtype=bool)
         return present.contains(queries)
 
     def holds(self, txn: Any, block_hash: int) -> bool:
@@ -229,9 +223,9 @@ class KeySet:
     def leading(self, txn: Any, hashes: list[int]) -> int:
         """How many leading ``hashes`` (ints in 0..2^64-1) are stored in ``txn``'s
         snapshot: one cursor, one positioning a hash until the first miss, without the
-        copy of the key set. A cursor's ``set_key`` does not hand the value over, which
-        ``txn.get`` does: py-lmdb's ``get`` of a 2 MiB value takes 1.6-3.8 us where
-        ``set_key`` takes 0.1 (BENCHMARKS.md, sglang, eighteenth session)."""
+        copy of the key set. A cursor's ``set_key`` does not hand the value over, so its
+        cost does not grow with the block's size as ``txn.get``'s does (BENCHMARKS.md,
+        sglang)."""
         set_key = txn.cursor(db=self._dbs.blocks).set_key
         pack = BLOCK_KEY.pack
         k = 0
@@ -253,8 +247,7 @@ class KeySet:
             return 1
         present = self._present(txn, queries.size)
         if present is None:
-            found = self._probe(txn, queries, stop_at_miss=True)
-            return len(found) - (not found[-1])
+            return self.leading(txn, queries.tolist())
         start = 0
         for end in (_PREFIX_CHUNK, queries.size):  # a chain's prefix often ends early
             chunk = present.contains(queries[start:end])
