@@ -267,7 +267,9 @@ def test_a_remap_waits_for_held_bodies(server: _Server) -> None:
 
         t = threading.Thread(target=grow)
         t.start()
-        held_cond = store._h.env.lmdb._held_cond  # what a remap waits on for held bodies to end
+        held_cond = (
+            store._h.env.lmdb.snapshots._held_cond
+        )  # what a remap waits on for held bodies to end
         _wait(lambda: parked_on(held_cond) or grown.is_set(), "the remap neither waits nor ends")
         assert not grown.is_set()  # waiting for the transport to let go
         status, body = _read_response(f)

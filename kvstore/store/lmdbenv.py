@@ -6,17 +6,14 @@ writes), adopting another process's map size on ``MapResizedError``, and telling
 disk (``StoreFullError``) from other LMDB failures (``StoreError``). A user of the store
 never sees an ``lmdb`` exception.
 
-Zero-copy bodies (``hold``): a read transaction whose memory a consumer outside the
-store (an HTTP transport) keeps referencing after the call that read it has returned.
-The transaction stays open until the last buffer exported from it is released, then
-ends at once, in whichever thread releases it (a weak reference on the exporting array).
-Such a transaction does not hold the map guard, so a remap first waits (bounded) for the
-held ones to end, refusing new holds meanwhile; it never remaps under them.
+Read transactions that outlive their call (a closed reader's escaped arrays, zero-copy
+bodies held by a transport) are kept by ``snapshots.Snapshots``; they do not hold the map
+guard, so a remap first waits (bounded) for the held ones to end, refusing new holds
+meanwhile, and never remaps under them.
 """
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import shutil
@@ -27,7 +24,6 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import lmdb
-import numpy as np
 
 from ..errors import StoreBusyError, StoreError, StoreFullError
 from ..protocol import MAX_MODELS_LIMIT
@@ -53,6 +49,7 @@ from .diskformat import (
     model_db_name,
 )
 from .mapguard import MapGuard
+from .snapshots import Snapshots
 from .writebehind import WriteBehind
 
 try:
@@ -78,18 +75,6 @@ _RESIZE_RETRY_SECONDS = 10.0
 # than the service's watch (which aborts a body whose client read nothing for 30 s), so a
 # put needing a remap outlasts a client that stopped reading.
 HOLD_DRAIN_SECONDS = 35.0
-
-
-class _Held:
-    """A read transaction kept open for the buffers exported from it (``LmdbEnv.hold``)."""
-
-    __slots__ = ("live", "refs", "since", "txn")
-
-    def __init__(self, txn: Any, live: int) -> None:
-        self.txn = txn
-        self.live = live
-        self.since = time.monotonic()
-        self.refs: list[weakref.ref[Any]] = []
 
 
 class _HoldRefused(Exception):
@@ -162,15 +147,7 @@ class LmdbEnv:
         self.nothing: Dbs | None = None  # set by open()
         self.guard = MapGuard()
         self._grow_floor = grow_floor
-        # Read transactions kept open for zero-copy arrays that outlived their reader.
-        self._lingering: list[tuple[Any, list[weakref.ref[Any]]]] = []
-        self._linger_lock = threading.Lock()
-        # Read transactions held for zero-copy bodies (``hold``), and pending remaps.
-        self._held: set[_Held] = set()
-        # Reentrant: an array's last reference may die in a garbage collection that runs
-        # while this thread holds the lock, and its callback takes the lock too.
-        self._held_cond = threading.Condition(threading.RLock())
-        self._refusing_holds = 0
+        self.snapshots = Snapshots()
         # The thread that must never wait for held transactions (the one whose event loop
         # releases them): a remap it needs while some are held fails instead.
         self.loop_thread: int | None = None
@@ -303,7 +280,7 @@ class LmdbEnv:
             self._write_behind.close()
             if sync:
                 self.env.sync(True)
-            if self._pinned_arrays():
+            if self.snapshots.pinned():
                 log.warning(
                     "%s: zero-copy arrays from a closed reader are still referenced; the "
                     "LMDB environment stays mapped until the process exits",
@@ -337,93 +314,23 @@ class LmdbEnv:
 
         Zero-copy arrays that escaped a reader point into LMDB's map: the open snapshot
         keeps their pages from being reused, and the map is not moved while they live
-        (``resize`` refuses). The transaction ends at the first ``reap`` after they die.
+        (``resize`` refuses). The transaction ends at the first reap after they die.
         """
-        with self._linger_lock:
-            self._lingering.append((txn, refs))
+        self.snapshots.linger(txn, refs)
         self.guard.release()
 
     def hold(self, txn: Any, values: list[Any]) -> list[memoryview]:
-        """End a read like ``end_read``, but keep ``txn`` open while its data is referenced.
-
-        Returns one read-only memoryview per buffer of ``values`` (the same memory, no
-        copy), each exported through an array of its own; once every one of them, and
-        everything made from them, is released, the transaction ends at once (in the
-        thread that released the last). Call it in the thread that began ``txn``. While
-        a remap is pending the values are copied instead and ``txn`` ends now.
-        """
-        if self._refusing_holds or not values:
+        """End a read like ``end_read``, but keep ``txn`` open while its data is referenced
+        (``Snapshots.hold``: one read-only memoryview per value, no copy, unless a remap
+        is pending). Call it in the thread that began ``txn``."""
+        views = self.snapshots.hold(txn, values) if values else None
+        if views is None:
             try:
                 return [memoryview(bytes(value)) for value in values]
             finally:
                 self.end_read(txn)
-        held = _Held(txn, len(values))
-        cond = self._held_cond
-
-        def released(_ref: Any) -> None:
-            with cond:
-                held.live -= 1
-                if held.live:
-                    return
-                self._held.discard(held)
-                try:
-                    held.txn.abort()
-                except lmdb.Error:  # the environment was closed under it: ended already
-                    pass
-                finally:
-                    cond.notify_all()
-
-        out = []
-        for value in values:
-            owner = np.frombuffer(value, np.uint8)
-            held.refs.append(weakref.ref(owner, released))
-            out.append(owner.data)
-        with cond:
-            self._held.add(held)
         self.guard.release()
-        return out
-
-    def lingering_snapshots(self) -> int:
-        """Read transactions of closed readers kept open for arrays that outlived them."""
-        with self._linger_lock:
-            return len(self._lingering)
-
-    def held_snapshots(self) -> tuple[int, float]:
-        """How many read transactions are held for zero-copy bodies, and the age in
-        seconds of the oldest (0 when none)."""
-        with self._held_cond:
-            if not self._held:
-                return 0, 0.0
-            held = list(self._held)
-            return len(held), time.monotonic() - min(h.since for h in held)
-
-    def _drain_holds(self, deadline: float) -> None:
-        """Wait (until ``deadline``) for the held transactions to end."""
-        with self._held_cond:
-            while self._held:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return
-                self._held_cond.wait(left)
-
-    def reap(self) -> int:
-        """End the lingering transactions whose arrays are gone; how many remain."""
-        with self._linger_lock:
-            keep = []
-            for txn, refs in self._lingering:
-                if any(r() is not None for r in refs):
-                    keep.append((txn, refs))
-                else:
-                    txn.abort()
-            self._lingering = keep
-            return len(keep)
-
-    def _pinned_arrays(self) -> int:
-        """Lingering and held transactions left after reaping (and collecting cycles)."""
-        if (not self._lingering or not self.reap()) and not self._held:
-            return 0
-        gc.collect()
-        return self.reap() + len(self._held)
+        return views
 
     def write(self, body: Callable[[Any], T], need: int = 0) -> T:
         """Run ``body(txn)`` in one write transaction (``buffers=True``) and commit it.
@@ -437,8 +344,8 @@ class LmdbEnv:
             StoreFullError: the disk is full (nothing was written).
             StoreError: any other LMDB failure.
         """
-        if self._lingering:
-            self.reap()
+        if self.snapshots.any_lingering:
+            self.snapshots.reap()
         if need and self.map_room() < need + need // 4:
             self.resize(grow=True, need=need)
         while True:
@@ -480,11 +387,9 @@ class LmdbEnv:
         deadline = time.monotonic() + HOLD_DRAIN_SECONDS
         if threading.get_ident() == self.loop_thread:
             deadline = 0.0  # waiting here would keep the holds from ever ending
-        with self._held_cond:
-            self._refusing_holds += 1
-        try:
+        with self.snapshots.refusing():
             while True:
-                self._drain_holds(deadline)
+                self.snapshots.drain(deadline)
                 try:
                     self._resize(grow, need)
                     return
@@ -494,15 +399,12 @@ class LmdbEnv:
                             f"{self.path}: cannot remap LMDB's map now: zero-copy response "
                             "bodies are still held by their transports; retry"
                         ) from None
-        finally:
-            with self._held_cond:
-                self._refusing_holds -= 1
 
     def _resize(self, grow: bool, need: int) -> None:
         with self.guard.exclusive():
-            if self._held:  # still held (or held again before the exclusive lock)
+            if self.snapshots.any_held:  # still held (or held again before the exclusive lock)
                 raise _HoldRefused(self.path)
-            pinned = self._pinned_arrays()
+            pinned = self.snapshots.pinned()
             if pinned:
                 raise StoreError(
                     f"{self.path}: cannot remap LMDB's map while zero-copy arrays from "

@@ -340,12 +340,12 @@ class Store:
     def lingering_snapshots(self) -> int:
         """Snapshots of closed readers this process keeps open because zero-copy arrays
         taken from them are still referenced (their pages are not reused meanwhile)."""
-        return self._h.env.lmdb.lingering_snapshots()
+        return self._h.env.lmdb.snapshots.lingering()
 
     def held_snapshots(self) -> tuple[int, float]:
         """Read snapshots held open for buffers of ``get_buffers`` in this process, and
         the age in seconds of the oldest (0 when none)."""
-        return self._h.env.lmdb.held_snapshots()
+        return self._h.env.lmdb.snapshots.held()
 
     def set_loop_thread(self, ident: int | None) -> None:
         """Name the thread whose event loop releases ``get_buffers``' buffers: a remap it
