@@ -27,7 +27,8 @@ from .diskformat import (
     model_counter_key,
     quarantine_key,
 )
-from .state import Environment, Handle, log
+from .environment import Environment
+from .state import Handle, log
 from .writetxn import WriteTxn
 
 

@@ -2,7 +2,7 @@
 
 ``Store`` is the index of the API: each public method is a short delegate, with its
 docstring, to the code that does it over a model handle (``state.Handle``, the model's
-state on the one ``state.Environment``): ``reads`` (get, has, longest_prefix, views,
+state on the one ``environment.Environment``): ``reads`` (get, has, longest_prefix, views,
 sequences), ``writes`` (put, import, delete), ``restores`` (restore journals), ``models``
 and ``stats``. The on-disk layout is declared in ``diskformat``, the write transaction in
 ``writetxn`` and ``seqtxn``, zero-copy readers in ``reader``; the codec (``envelope``)
