@@ -1,6 +1,6 @@
 """The HTTP bench's baseline server: a bare ASGI app that answers every request with the
 same bytes from memory (optionally checking their CRC-32C first, or storing a PUT's body
-with ``Store.put``), run by ``bench_http._start_bare`` under uvicorn with the same workers,
+with ``Store.put``), run by ``bench_servers.start_bare`` under uvicorn with the same workers,
 loop and HTTP parser as ``tlkv serve``; its workers import this module."""
 
 from __future__ import annotations
@@ -9,7 +9,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from bench_http import BARE_CRC_ENV, BARE_STORE_ENV, BLOB_ENV, ENVELOPE, GEOMETRY
+from bench_servers import BARE_CRC_ENV, BARE_STORE_ENV, BLOB_ENV, GEOMETRY
+
+from kvstore.protocol import ENVELOPE_MEDIA_TYPE
 
 _BLOB: list[bytes] = []
 _STORE: list[Any] = []
@@ -51,7 +53,7 @@ async def bare_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
             "type": "http.response.start",
             "status": 200 if ok else 500,
             "headers": [
-                (b"content-type", ENVELOPE.encode()),
+                (b"content-type", ENVELOPE_MEDIA_TYPE.encode()),
                 (b"content-length", str(len(body)).encode()),
             ],
         }

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_common import Row
-from bench_http import GEOMETRY, _start_tlkv
+from bench_servers import GEOMETRY, start_tlkv
 
 PROMPT_TOKENS = 2048
 
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> list[Row]:
     root = Path(tempfile.mkdtemp(prefix="tlkv-bench-client-", dir=base))
     server = None
     try:
-        server = _start_tlkv(root / "store", root / "tlkv.log")
+        server = start_tlkv(root / "store", root / "tlkv.log")
         url = f"http://127.0.0.1:{server.port}"
         fast = Client(url)
         old = Client(url, transport=httpx.HTTPTransport())

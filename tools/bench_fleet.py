@@ -36,9 +36,9 @@ from typing import Any
 
 import numpy as np
 from bench_common import Row
-from bench_http import _start_tlkv
 from bench_peers import _ok, _start_master
 from bench_procs import BenchProcess
+from bench_servers import start_tlkv
 from ports import free_port
 
 GEOMETRY = (16, 4, 8, 128)
@@ -225,7 +225,7 @@ def run(args: argparse.Namespace) -> list[Row]:
     results: dict[tuple[int, str], list[dict[str, Any]]] = {}
     try:
         grpc_port = free_port()
-        server = _start_tlkv(
+        server = start_tlkv(
             root / "store", root / "tlkv.log", geometry=GEOMETRY, grpc_port=grpc_port
         )
         master, mport, meta, log = _start_master(root)

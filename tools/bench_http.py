@@ -35,114 +35,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench_common import REPO, Row, server_env, stop_process
-from ports import free_port
+from bench_common import Row
+from bench_servers import GEOMETRY, Server, start_bare, start_tlkv
 
-GEOMETRY = (16, 32, 8, 128)  # Llama-3-8B: a 2 MiB v1 payload per block
-WORKERS = 2
-ENVELOPE = "application/vnd.tlkv"
-OCTET = "application/octet-stream"
-BLOB_ENV = "TLKV_BENCH_BLOB"
+from kvstore.protocol import ENVELOPE_MEDIA_TYPE, HASHES_MEDIA_TYPE
+
 GET_ROUNDS = 9  # interleaved wrk rounds per server (5 with --quick): the VM's CPU time
 # per request drifts by up to 2x between rounds, so the median of many short ones
 PUT_ROUNDS = 5  # the disk writes fresh pages at 0.2-0.5 GB/s: the median of five rounds
-
-
-BARE_CRC_ENV = "TLKV_BENCH_BARE_CRC"  # "1": the bare app checks the body's CRC per request
-BARE_STORE_ENV = "TLKV_BENCH_BARE_STORE"  # a store directory: the bare app puts into it
-
-
-# --- processes ---------------------------------------------------------------------------
-
-
-class _Server:
-    """A server subprocess on a free loopback port; ``pids`` are its worker processes."""
-
-    def __init__(self, cmd: list[str], port: int, env: dict[str, str], log: Path) -> None:
-        self.port = port
-        self._log = open(log, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log, stderr=self._log)
-        try:
-            self._wait_ready(port, log)
-        except BaseException:
-            self.stop()  # not left running (its supervisor would restart its workers)
-            raise
-
-    def _wait_ready(self, port: int, log: Path) -> None:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {log.read_text(errors='replace')[-2000:]}")
-            with contextlib.suppress(OSError):
-                c = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-                c.request("GET", "/healthz")
-                if c.getresponse().status == 200 and len(self.worker_pids()) >= WORKERS:
-                    c.close()
-                    return
-                c.close()
-            time.sleep(0.1)
-        raise RuntimeError("server did not start")
-
-    def worker_pids(self) -> list[int]:
-        """Child processes of the supervisor (the uvicorn workers)."""
-        pids = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            if ppid == self.proc.pid:
-                pids.append(int(entry.name))
-        return pids
-
-    def rss_anon_mib(self) -> float:
-        """Anonymous RSS of every worker (LMDB's file-backed map pages excluded), MiB."""
-        total = 0
-        for pid in self.worker_pids():
-            with contextlib.suppress(OSError):
-                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                    if line.startswith("RssAnon:"):
-                        total += int(line.split()[1])
-        return total / 1024
-
-    def stop(self) -> None:
-        stop_process(self.proc, self._log)
-
-
-def _start_tlkv(
-    data: Path,
-    log: Path,
-    max_body: str = "64MiB",
-    geometry: tuple[int, ...] = GEOMETRY,
-    grpc_port: int | None = None,
-) -> _Server:
-    """``tlkv serve`` with WORKERS workers on a free port (and gRPC on ``grpc_port``)."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "kvstore", "serve", "--data", str(data), "--port", str(port)]
-    cmd += ["--workers", str(WORKERS), "--geometry", ",".join(map(str, geometry))]
-    cmd += ["--log-level", "warning", "--max-body", max_body]
-    if grpc_port is not None:
-        cmd += ["--grpc-port", str(grpc_port)]
-    return _Server(cmd, port, server_env(), log)
-
-
-def _start_bare(
-    blob: Path | None, log: Path, check_crc: bool = False, store: Path | None = None
-) -> _Server:
-    port = free_port()
-    code = (
-        "import uvicorn; uvicorn.run('bench_bare_app:bare_app', host='127.0.0.1', "
-        f"port={port}, workers={WORKERS}, loop='uvloop', http='httptools', "
-        "log_level='warning', access_log=False)"
-    )
-    env = server_env()
-    env[BLOB_ENV] = "" if blob is None else str(blob)
-    env[BARE_CRC_ENV] = "1" if check_crc else "0"
-    env[BARE_STORE_ENV] = "" if store is None else str(store)
-    return _Server([sys.executable, "-c", code], port, env, log)
 
 
 # --- envelopes ---------------------------------------------------------------------------
@@ -230,7 +130,7 @@ def _wrk_get(
     return float(m.group(1)) * scale / 1e9, int(n.group(1))
 
 
-def _cpu_seconds(server: _Server) -> float:
+def _cpu_seconds(server: Server) -> float:
     """User + system CPU time of the server's processes (supervisor and workers) so far."""
     total = 0
     for pid in [server.proc.pid, *server.worker_pids()]:
@@ -241,7 +141,7 @@ def _cpu_seconds(server: _Server) -> float:
 
 
 def _get_cpu(
-    server: _Server, paths: list[str], seconds: float, clients: int
+    server: Server, paths: list[str], seconds: float, clients: int
 ) -> tuple[float, float] | None:
     """GB/s and server CPU seconds per request of a wrk GET run (None without wrk)."""
     cpu0 = _cpu_seconds(server)
@@ -277,7 +177,7 @@ def _put_loop(port: int, bodies: list[bytes], out: Any) -> None:
     n = 0
     t0 = time.perf_counter()
     for body in bodies:
-        conn.request("PUT", "/v1/blocks", body=body, headers={"content-type": ENVELOPE})
+        conn.request("PUT", "/v1/blocks", body=body, headers={"content-type": ENVELOPE_MEDIA_TYPE})
         r = conn.getresponse()
         reply = r.read()
         if r.status != 200:
@@ -412,9 +312,9 @@ def run(args: argparse.Namespace) -> list[Row]:
     get_rounds = 5 if quick else GET_ROUNDS
     load_seconds = 10.0 if quick else 60.0
     clients = 4
-    servers: list[_Server] = []
+    servers: list[Server] = []
     try:
-        tlkv = _start_tlkv(root / "store", root / "tlkv.log")
+        tlkv = start_tlkv(root / "store", root / "tlkv.log")
         servers.append(tlkv)
 
         # Durable PUT: two clients, each sending 8-block envelopes of new blocks.
@@ -428,7 +328,7 @@ def run(args: argparse.Namespace) -> list[Row]:
                 bodies.append(_join([e for _, e in _block_envelopes(hs)]))
             batches.append(bodies)
         # Interleaved with the baselines over fresh hashes each round; ratios per round.
-        bare_put = _start_bare(None, root / "bare-put.log", store=root / "bare-put-store")
+        bare_put = start_bare(None, root / "bare-put.log", store=root / "bare-put-store")
         servers.append(bare_put)
         put_runs: list[tuple[float, float, float]] = []
         bare_puts: list[float] = []
@@ -477,9 +377,9 @@ def run(args: argparse.Namespace) -> list[Row]:
         _h, blob = next(_block_envelopes([hashes[0]]))
         blob_path = root / "blob.tlkv"
         blob_path.write_bytes(blob)
-        bare = _start_bare(blob_path, root / "bare.log")
+        bare = start_bare(blob_path, root / "bare.log")
         servers.append(bare)
-        bare_crc = _start_bare(blob_path, root / "bare-crc.log", check_crc=True)
+        bare_crc = start_bare(blob_path, root / "bare-crc.log", check_crc=True)
         servers.append(bare_crc)
         paths = [f"/v1/blocks/{h:016x}" for h in hashes]
         gen = "wrk" if shutil.which("wrk") else "http.client"
@@ -547,7 +447,7 @@ def run(args: argparse.Namespace) -> list[Row]:
         # has-blocks, 8,192 hashes (the stored ones first, then absent ones).
         probe = np.array(hashes + [(7 << 56) + i for i in range(8192 - len(hashes))], "<u8")
         repeat = 100 if quick else 400
-        p50_bin = _has_p50(tlkv.port, probe.tobytes(), OCTET, repeat)
+        p50_bin = _has_p50(tlkv.port, probe.tobytes(), HASHES_MEDIA_TYPE, repeat)
         body = json.dumps({"hashes": [f"{int(h):016x}" for h in probe]}).encode()
         p50_json = _has_p50(tlkv.port, body, "application/json", repeat)
         rows.append(

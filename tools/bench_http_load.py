@@ -13,7 +13,10 @@ import time
 from collections import Counter
 from typing import Any
 
-from bench_http import ENVELOPE, OCTET, _block_envelopes, _collect, _Server
+from bench_http import _block_envelopes, _collect
+from bench_servers import Server
+
+from kvstore.protocol import ENVELOPE_MEDIA_TYPE, HASHES_MEDIA_TYPE
 
 
 def _load_client(
@@ -37,7 +40,9 @@ def _load_client(
         try:
             if roll < 0.1:
                 h, body = next(fresh)
-                conn.request("PUT", "/v1/blocks", body=body, headers={"content-type": ENVELOPE})
+                conn.request(
+                    "PUT", "/v1/blocks", body=body, headers={"content-type": ENVELOPE_MEDIA_TYPE}
+                )
                 r = conn.getresponse()
                 r.read()
                 if r.status == 200:
@@ -58,7 +63,7 @@ def _load_client(
                     "POST",
                     "/v1/has-blocks",
                     body=probe,
-                    headers={"content-type": OCTET},
+                    headers={"content-type": HASHES_MEDIA_TYPE},
                 )
                 r = conn.getresponse()
                 r.read()
@@ -104,7 +109,7 @@ def _verify_acked(port: int, acked: list[int]) -> tuple[int, int]:
     return missing, corrupt
 
 
-def load_run(server: _Server, known: list[int], seconds: float, clients: int) -> dict[str, Any]:
+def load_run(server: Server, known: list[int], seconds: float, clients: int) -> dict[str, Any]:
     """``clients`` processes (forked) on ``server`` for ``seconds``: statuses, every
     acknowledged put read back and checked, the workers' anonymous RSS over the run."""
     ctx = multiprocessing.get_context("fork")

@@ -60,8 +60,8 @@ from typing import Any
 import numpy as np
 from bench_common import Row, interleaved_medians
 from bench_floors import file_write, loopback_rate
-from bench_http import GEOMETRY, _start_tlkv
 from bench_procs import BenchProcess
+from bench_servers import GEOMETRY, start_tlkv
 from ports import free_port
 
 RUNS = 5  # the rule: each target holds in the median of 5 runs and in each
@@ -331,7 +331,7 @@ def run(args: argparse.Namespace) -> list[Row]:
     workers: list[BenchProcess] = []
     logs: list[Any] = []
     try:
-        server = _start_tlkv(root / "store", root / "tlkv.log", max_body="256MiB")
+        server = start_tlkv(root / "store", root / "tlkv.log", max_body="256MiB")
         master, mport, meta, log = _start_master(root)
         logs.append(log)
         cfg = {
@@ -365,7 +365,7 @@ def run(args: argparse.Namespace) -> list[Row]:
         server.stop()
         master.terminate()
         master.wait(30)
-        server = _start_tlkv(root / "store", root / "tlkv.log", max_body="256MiB")
+        server = start_tlkv(root / "store", root / "tlkv.log", max_body="256MiB")
         master, _, _, log = _start_master(root, mport, meta)
         logs.append(log)
         url = f"http://127.0.0.1:{server.port}"
