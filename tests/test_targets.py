@@ -19,7 +19,8 @@ from http_server import ServerProcess, free_port
 from kvstore import Geometry, Store, decode, encode
 from kvstore.client import Client
 from kvstore.engines import Target, as_target, open_target
-from kvstore.engines.targets import GrpcTarget, HttpTarget, StoreTarget
+from kvstore.engines.server_targets import GrpcTarget, HttpTarget
+from kvstore.engines.targets import StoreTarget
 from kvstore.errors import InvalidRequestError
 from kvstore.testing import ArraySlots, TargetTests
 from kvstore.testing._blocks import random_blocks

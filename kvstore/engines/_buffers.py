@@ -1,4 +1,4 @@
-"""Receive buffers of the HTTP target (``targets.HttpTarget``).
+"""Receive buffers of the HTTP target (``server_targets.HttpTarget``).
 
 A server's answer is read into a buffer used again, whose pages stay mapped: an answer
 read into new memory takes a page fault per 4 KiB page (~3,000 for the 12 MiB of a
