@@ -223,3 +223,11 @@ def test_a_store_target_without_sync_is_one_setting_per_directory(tmp_path: Path
         open_target(tmp_path / "d", model="c")  # a durable target cannot share it
     assert store_of(open_target(tmp_path / "e")).sync is True
     assert fast.has(hashes) == [True, True]
+
+
+def test_the_server_targets_are_still_importable_from_targets() -> None:
+    import kvstore.engines.targets as targets
+
+    assert targets.HttpTarget is HttpTarget and targets.GrpcTarget is GrpcTarget
+    with pytest.raises(AttributeError, match="no attribute 'SocketTarget'"):
+        _ = targets.SocketTarget

@@ -348,3 +348,13 @@ def as_target(obj: Any) -> Target:
     raise TypeError(
         f"expected a kvstore Store, Client, TransferClient or a Target, found {type(obj).__name__}"
     )
+
+
+def __getattr__(name: str) -> Any:
+    """``HttpTarget`` and ``GrpcTarget``, still importable from here (they live in
+    ``server_targets``, which imports this module)."""
+    if name in ("GrpcTarget", "HttpTarget"):
+        from . import server_targets
+
+        return getattr(server_targets, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
