@@ -62,6 +62,8 @@ def test_while_refusing_nothing_is_held(tmp_path: Path) -> None:
         txn.abort()
     assert snaps.held() == (0, 0.0)
     txn = env.begin(buffers=True)
+    assert snaps.hold(txn, []) is None  # nothing to hold: nothing would ever end it
+    assert snaps.held() == (0, 0.0)
     views = snaps.hold(txn, [txn.get(b"a")])
     assert views is not None and snaps.held()[0] == 1
     del views

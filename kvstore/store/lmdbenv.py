@@ -323,7 +323,7 @@ class LmdbEnv:
         """End a read like ``end_read``, but keep ``txn`` open while its data is referenced
         (``Snapshots.hold``: one read-only memoryview per value, no copy, unless a remap
         is pending). Call it in the thread that began ``txn``."""
-        views = self.snapshots.hold(txn, values) if values else None
+        views = self.snapshots.hold(txn, values)
         if views is None:
             try:
                 return [memoryview(bytes(value)) for value in values]

@@ -71,9 +71,10 @@ class Snapshots:
     def hold(self, txn: Any, values: list[Any]) -> list[memoryview] | None:
         """One read-only memoryview per buffer of ``values`` (the same memory, each
         exported through an array of its own); ``txn`` ends when every one of them, and
-        everything made from them, is released. None while a remap is pending: the
-        caller copies the values and ends ``txn`` itself."""
-        if self._refusing:
+        everything made from them, is released. None while a remap is pending, or for
+        no values (a hold nothing releases would never end): the caller copies the values
+        and ends ``txn`` itself."""
+        if self._refusing or not values:
             return None
         held = _Held(txn, len(values))
         cond = self._held_cond
