@@ -16,7 +16,7 @@ The kernel is chosen once, at import, from the CPU's features; ``KERNEL`` names 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -105,6 +105,37 @@ def _envelope_blocks(
     return counts
 
 
+def _checked_payloads(
+    name: str,
+    envelopes: Sequence[Any],
+    offset: int,
+    payload: int,
+    record_bytes: int | None,
+    blocks: int,
+    what: str,
+) -> Iterator[tuple[memoryview, int]]:
+    """Each block's envelope and payload offset, in order, envelope by envelope while each
+    envelope's CRC-32C matches (the fallbacks' check-then-copy); stops before the first
+    that does not.
+
+    Raises:
+        ValueError: an envelope shorter than one payload or not a whole number of blocks,
+            or the envelopes holding other than ``blocks`` blocks (``what``: what the
+            caller gave, for the message).
+    """
+    mvs = [memoryview(env).cast("B") for env in envelopes]
+    counts = _envelope_blocks(name, mvs, offset, payload, record_bytes)
+    if sum(counts) != blocks:
+        raise ValueError(f"{name}: the envelopes hold {sum(counts)} blocks, {blocks} {what}")
+    stride = payload + (record_bytes or 0)
+    for mv, k in zip(mvs, counts, strict=True):
+        (stored,) = TRAILER.unpack_from(mv, len(mv) - TRAILER.size)
+        if crc32c(mv[: len(mv) - TRAILER.size]) != stored:
+            return
+        for j in range(k):
+            yield mv, offset + j * stride
+
+
 def scatter_crc(
     envelopes: Sequence[Any],
     payload_offset: int,
@@ -175,31 +206,21 @@ def scatter_crc(
     for block in block_ids:
         if not 0 <= block < n_blocks:
             raise ValueError(f"scatter_crc: block id {block} is not in 0..{n_blocks - 1}")
-    mvs = [memoryview(env).cast("B") for env in envelopes]
-    counts = _envelope_blocks("scatter_crc", mvs, payload_offset, payload, record_bytes)
-    if sum(counts) != len(block_ids):
-        raise ValueError(
-            f"scatter_crc: the envelopes hold {sum(counts)} blocks, "
-            f"{len(block_ids)} block ids given"
-        )
     done = 0
-    stride = payload + (record_bytes or 0)
-    for mv, k in zip(mvs, counts, strict=True):
-        (stored,) = TRAILER.unpack_from(mv, len(mv) - TRAILER.size)
-        if crc32c(mv[: len(mv) - TRAILER.size]) != stored:
-            return done
-        for j in range(k):
-            src = np.frombuffer(mv, np.uint8, payload, payload_offset + j * stride)
-            src = src.reshape(n_layers, 2, n_heads, run_bytes)
-            for layer, part in zip(shaped, src, strict=True):
-                slot = layer[block_ids[done + j]]  # [n_heads][2][run_bytes]
-                slot[:, 1] = part[1]
-                if key_tokens:
-                    keys = part[0].view(np.uint16).reshape(n_heads, key_tokens, -1)
-                    slot[:, 0].view(np.uint16)[:] = keys.transpose(0, 2, 1).reshape(n_heads, -1)
-                else:
-                    slot[:, 0] = part[0]
-        done += k
+    for mv, at in _checked_payloads(
+        "scatter_crc", envelopes, payload_offset, payload, record_bytes,
+        len(block_ids), "block ids given",
+    ):  # fmt: skip
+        src = np.frombuffer(mv, np.uint8, payload, at).reshape(n_layers, 2, n_heads, run_bytes)
+        for layer, part in zip(shaped, src, strict=True):
+            slot = layer[block_ids[done]]  # [n_heads][2][run_bytes]
+            slot[:, 1] = part[1]
+            if key_tokens:
+                keys = part[0].view(np.uint16).reshape(n_heads, key_tokens, -1)
+                slot[:, 0].view(np.uint16)[:] = keys.transpose(0, 2, 1).reshape(n_heads, -1)
+            else:
+                slot[:, 0] = part[0]
+        done += 1
     return done
 
 
@@ -249,22 +270,12 @@ def scatter_crc_views(
     payload = arrays[0].size * 2 if arrays else 0
     if arrays and payload == 0:
         raise ValueError("scatter_crc_views: blocks of no elements")
-    mvs = [memoryview(env).cast("B") for env in envelopes]
-    counts = _envelope_blocks("scatter_crc_views", mvs, payload_offset, payload, record_bytes)
-    if sum(counts) != len(arrays):
-        raise ValueError(
-            f"scatter_crc_views: the envelopes hold {sum(counts)} blocks, "
-            f"{len(arrays)} blocks given"
-        )
     done = 0
-    stride = payload + (record_bytes or 0)
-    for mv, k in zip(mvs, counts, strict=True):
-        (stored,) = TRAILER.unpack_from(mv, len(mv) - TRAILER.size)
-        if crc32c(mv[: len(mv) - TRAILER.size]) != stored:
-            return done
-        for j in range(k):
-            dst = arrays[done + j]
-            src = np.frombuffer(mv, dst.dtype, dst.size, payload_offset + j * stride)
-            np.copyto(dst, src.reshape(dst.shape))
-        done += k
+    for mv, at in _checked_payloads(
+        "scatter_crc_views", envelopes, payload_offset, payload, record_bytes,
+        len(arrays), "blocks given",
+    ):  # fmt: skip
+        dst = arrays[done]
+        np.copyto(dst, np.frombuffer(mv, dst.dtype, dst.size, at).reshape(dst.shape))
+        done += 1
     return done
