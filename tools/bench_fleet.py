@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 from bench_common import Row
-from bench_peers import _ok, _start_master
+from bench_mooncake import check_rc, mooncake_client, start_master, stop_master
 from bench_procs import BenchProcess
 from bench_servers import start_tlkv
 from ports import free_port
@@ -82,32 +82,13 @@ def _distinct_ports(n: int) -> list[int]:
             s.close()
 
 
-def _mooncake(cfg: dict[str, Any], segment: int, local: int, port: int) -> Any:
-    """A Mooncake client on ``port`` (another free one if that fails, twice at most)."""
-    from mooncake.store import MooncakeDistributedStore
-
-    rc = None
-    for attempt in range(3):
-        store = MooncakeDistributedStore()
-        rc = store.setup(
-            f"127.0.0.1:{port if attempt == 0 else free_port()}",
-            f"http://127.0.0.1:{cfg['meta_port']}/metadata",
-            segment,
-            local,
-            "tcp",
-            "",
-            f"127.0.0.1:{cfg['master_port']}",
-        )
-        if rc == 0:
-            return store
-    raise RuntimeError(f"Mooncake setup failed: {rc}")
-
-
 class _Holder:
     """The process whose Mooncake segment holds the values; it also puts tlkv's blocks."""
 
     def __init__(self, cfg: dict[str, Any]) -> None:
-        self.mc = _mooncake(cfg, HOLDER_SEGMENT, 512 << 20, cfg["ports"][0])
+        self.mc = mooncake_client(
+            cfg["master_port"], cfg["meta_port"], HOLDER_SEGMENT, 512 << 20, cfg["ports"][0]
+        )
         self.cfg = cfg
 
     def fill(self, clients: int) -> int:
@@ -117,7 +98,7 @@ class _Holder:
 
         single = len(_prefix(0)[1][0])
         buf = np.zeros(BLOCKS * single, np.uint8)
-        _ok(self.mc.register_buffer(buf.ctypes.data, buf.nbytes))
+        check_rc(self.mc.register_buffer(buf.ctypes.data, buf.nbytes))
         ptrs = [buf.ctypes.data + i * single for i in range(BLOCKS)]
         with Client(self.cfg["url"]) as client:
             for i in range(clients):
@@ -125,7 +106,7 @@ class _Holder:
                 client.put(join(envs))
                 for j, env in enumerate(envs):
                     buf[j * single : (j + 1) * single] = np.frombuffer(env, np.uint8)
-                _ok(self.mc.batch_put_from(_keys(i, hashes), ptrs, [single] * BLOCKS))
+                check_rc(self.mc.batch_put_from(_keys(i, hashes), ptrs, [single] * BLOCKS))
         self.mc.unregister_buffer(buf.ctypes.data)
         return clients * BLOCKS * single
 
@@ -150,9 +131,11 @@ class _Engine:
         self.http = Client(cfg["url"])
         self.grpc = TransferClient(f"127.0.0.1:{cfg['grpc_port']}")
         self.grpc.connect()
-        self.mc = _mooncake(cfg, 0, CLIENT_LOCAL_BUFFER, cfg["ports"][index + 1])
+        self.mc = mooncake_client(
+            cfg["master_port"], cfg["meta_port"], 0, CLIENT_LOCAL_BUFFER, cfg["ports"][index + 1]
+        )
         self.buf = np.zeros(BLOCKS * self.single, np.uint8)
-        _ok(self.mc.register_buffer(self.buf.ctypes.data, self.buf.nbytes))
+        check_rc(self.mc.register_buffer(self.buf.ctypes.data, self.buf.nbytes))
         self.ptrs = [self.buf.ctypes.data + i * self.single for i in range(BLOCKS)]
         self.sizes = [self.single] * BLOCKS
 
@@ -161,7 +144,7 @@ class _Engine:
             return self.http.prefix(hashes=self.hashes)
         if system == "tlkv_grpc":
             return self.grpc.fetch(hashes=self.hashes)
-        _ok(self.mc.batch_get_into(self.keys, self.ptrs, self.sizes))
+        check_rc(self.mc.batch_get_into(self.keys, self.ptrs, self.sizes))
         return self.buf
 
     def check(self) -> None:
@@ -228,7 +211,7 @@ def run(args: argparse.Namespace) -> list[Row]:
         server = start_tlkv(
             root / "store", root / "tlkv.log", geometry=GEOMETRY, grpc_port=grpc_port
         )
-        master, mport, meta, log = _start_master(root)
+        master, mport, meta, log = start_master(root)
         logs.append(log)
         cfg = {
             "url": f"http://127.0.0.1:{server.port}",
@@ -270,10 +253,7 @@ def run(args: argparse.Namespace) -> list[Row]:
             p.stop()
         if server is not None:
             server.stop()
-        if master is not None:
-            master.terminate()
-            with contextlib.suppress(Exception):
-                master.wait(30)
+        stop_master(master)
         for log in logs:
             log.close()
         shutil.rmtree(root, ignore_errors=True)

@@ -47,10 +47,7 @@ import argparse
 import contextlib
 import os
 import shutil
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -60,35 +57,16 @@ from typing import Any
 import numpy as np
 from bench_common import Row, interleaved_medians
 from bench_floors import file_write, loopback_rate
+from bench_mooncake import OBJECT_NOT_FOUND, check_rc, mooncake_client, start_master, stop_master
 from bench_procs import BenchProcess
 from bench_servers import GEOMETRY, start_tlkv
-from ports import free_port
 
 RUNS = 5  # the issue's rule: each target holds in the median of 5 runs and in each
 READ_ROUNDS = 5  # timed passes of each read call per run, taking turns
 EXIST_KEYS = 8192
 EXIST_CALLS = 20
 SEGMENT = 1 << 30
-MC_OBJECT_NOT_FOUND = -704  # Mooncake's ErrorCode (OBJECT_HAS_LEASE is -706)
 LOCAL_BUFFER = 512 << 20
-
-
-def _mooncake(cfg: dict[str, Any], segment: int) -> Any:
-    from mooncake.store import MooncakeDistributedStore
-
-    store = MooncakeDistributedStore()
-    rc = store.setup(
-        f"127.0.0.1:{free_port()}",
-        f"http://127.0.0.1:{cfg['meta_port']}/metadata",
-        segment,
-        LOCAL_BUFFER,
-        "tcp",
-        "",
-        f"127.0.0.1:{cfg['master_port']}",
-    )
-    if rc != 0:
-        raise RuntimeError(f"Mooncake setup failed: {rc}")
-    return store
 
 
 def _envelopes(n: int, seed: int) -> tuple[list[int], list[bytes]]:
@@ -109,7 +87,9 @@ class _Side:
 
         self.cfg = cfg
         self.client = Client(cfg["url"])
-        self.mc = _mooncake(cfg, SEGMENT if writer else 0)
+        self.mc = mooncake_client(
+            cfg["master_port"], cfg["meta_port"], SEGMENT if writer else 0, LOCAL_BUFFER
+        )
         self.single = int(cfg["single"])
         self.buf = np.zeros(cfg["n"] * self.single, np.uint8)
         if self.mc.register_buffer(self.buf.ctypes.data, self.buf.nbytes) != 0:
@@ -141,15 +121,15 @@ class _Side:
         out["tlkv_fast_one"] = timed(lambda: [self.store.put(e) for e in sets[2][1]])
         out["tlkv_fast_batch"] = timed(lambda: self.store.put(batches[1]))
         mc = self.mc
-        one = timed(lambda: [_ok(mc.put(k, e)) for k, e in zip(keys[0], sets[0][1])])
+        one = timed(lambda: [check_rc(mc.put(k, e)) for k, e in zip(keys[0], sets[0][1])])
         for i, e in enumerate(sets[2][1]):
             self.buf[i * self.single : (i + 1) * self.single] = np.frombuffer(e, np.uint8)
         sizes = [self.single] * n
         one_reg = timed(
-            lambda: [_ok(mc.put_from(k, p, self.single)) for k, p in zip(keys[2], self.ptrs)]
+            lambda: [check_rc(mc.put_from(k, p, self.single)) for k, p in zip(keys[2], self.ptrs)]
         )
-        batch = timed(lambda: _ok(mc.put_batch(keys[1], sets[1][1])))
-        batch_reg = timed(lambda: _ok(mc.batch_put_from(keys[3], self.ptrs, sizes)))
+        batch = timed(lambda: check_rc(mc.put_batch(keys[1], sets[1][1])))
+        batch_reg = timed(lambda: check_rc(mc.batch_put_from(keys[3], self.ptrs, sizes)))
         out["mc_one"], out["mc_one_reg"] = one, one_reg
         out["mc_batch"], out["mc_batch_reg"] = batch, batch_reg
         files = os.path.join(self.cfg["files"], f"run-{seed}")  # removed by drop()
@@ -174,7 +154,7 @@ class _Side:
         left = list(keys)
         deadline = time.monotonic() + 30
         while left:  # a key read lately is under its lease (the master's default 10 s)
-            left = [k for k in left if self.mc.remove(k) not in (0, MC_OBJECT_NOT_FOUND)]
+            left = [k for k in left if self.mc.remove(k) not in (0, OBJECT_NOT_FOUND)]
             if left and time.monotonic() > deadline:
                 raise RuntimeError(f"Mooncake kept {len(left)} removed keys for 30 s")
             if left:
@@ -206,7 +186,7 @@ class _Side:
                     "tlkv_get_one": lambda: [checked(self.client.get(h)) for h in hashes],
                     "mc_get_one": lambda: [checked(mc.get(k)) for k in keys],
                     "mc_get_one_reg": lambda: [
-                        _ok(mc.get_into(k, p, size)) for k, p in zip(keys, self.ptrs)
+                        check_rc(mc.get_into(k, p, size)) for k, p in zip(keys, self.ptrs)
                     ],
                     "tlkv_local_one": lambda: [
                         self._local_into(h, i * size, size) for i, h in enumerate(hashes)
@@ -220,7 +200,9 @@ class _Side:
                 {
                     "tlkv_prefix": lambda: whole(self.client.prefix(hashes=hashes)),
                     "tlkv_prefix_into": lambda: whole(self.client.prefix_into(into, hashes=hashes)),
-                    "mc_batch_get_into": lambda: _ok(mc.batch_get_into(keys, self.ptrs, sizes)),
+                    "mc_batch_get_into": lambda: check_rc(
+                        mc.batch_get_into(keys, self.ptrs, sizes)
+                    ),
                 },
                 READ_ROUNDS,
             )
@@ -283,37 +265,6 @@ class _Side:
             self.mc.close()
 
 
-def _ok(rc: Any) -> None:
-    """Raise on a Mooncake return code (an int, or a list of them) below zero."""
-    for code in rc if isinstance(rc, list) else [rc]:
-        if isinstance(code, int) and code < 0:
-            raise RuntimeError(f"Mooncake call failed: {code}")
-
-
-def _start_master(
-    root: Path, port: int | None = None, meta: int | None = None
-) -> tuple[subprocess.Popen[bytes], int, int, Any]:
-    """``mooncake_master`` with its HTTP metadata server (on free ports unless given)."""
-    port, meta = port or free_port(), meta or free_port()
-    exe = Path(sys.executable).with_name("mooncake_master")
-    if not exe.exists():
-        found = shutil.which("mooncake_master")
-        if found is None:
-            raise RuntimeError("mooncake_master not found (pip install the Mooncake wheel)")
-        exe = Path(found)
-    log = open(root / "mooncake_master.log", "ab")  # noqa: SIM115 - closed by run()
-    cmd = [str(exe), f"--port={port}", "--enable_http_metadata_server=true"]
-    proc = subprocess.Popen([*cmd, f"--http_metadata_server_port={meta}"], stdout=log, stderr=log)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
-            return proc, port, meta, log
-        time.sleep(0.1)
-    proc.kill()
-    log.close()
-    raise RuntimeError("mooncake_master did not start")
-
-
 def run(args: argparse.Namespace) -> list[Row]:
     import multiprocessing
 
@@ -332,7 +283,7 @@ def run(args: argparse.Namespace) -> list[Row]:
     logs: list[Any] = []
     try:
         server = start_tlkv(root / "store", root / "tlkv.log", max_body="256MiB")
-        master, mport, meta, log = _start_master(root)
+        master, mport, meta, log = start_master(root)
         logs.append(log)
         cfg = {
             "url": f"http://127.0.0.1:{server.port}",
@@ -366,7 +317,7 @@ def run(args: argparse.Namespace) -> list[Row]:
         master.terminate()
         master.wait(30)
         server = start_tlkv(root / "store", root / "tlkv.log", max_body="256MiB")
-        master, _, _, log = _start_master(root, mport, meta)
+        master, _, _, log = start_master(root, mport, meta)
         logs.append(log)
         url = f"http://127.0.0.1:{server.port}"
         restart = reader.call("after_restart", url, last["hashes"], last["keys"])
@@ -375,10 +326,7 @@ def run(args: argparse.Namespace) -> list[Row]:
             w.stop()
         if server is not None:
             server.stop()
-        if master is not None:
-            master.terminate()
-            with contextlib.suppress(Exception):
-                master.wait(30)
+        stop_master(master)
         for log in logs:
             log.close()
         shutil.rmtree(root, ignore_errors=True)

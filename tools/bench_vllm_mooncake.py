@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench_peers import _start_master
+from bench_mooncake import start_master
 from ports import free_port
 
 CONNECTOR: dict[str, Any] = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both"}
@@ -52,7 +52,7 @@ def _exe(name: str) -> str:
 @contextlib.contextmanager
 def store(root: Path) -> Iterator[dict[str, str]]:
     """A running Mooncake store; yields the environment an engine needs to use it."""
-    master, mport, meta, master_log = _start_master(root)
+    master, mport, meta, master_log = start_master(root)
     port = free_port()
     log = open(root / "mooncake_client.log", "ab")  # noqa: SIM115 - closed below
     cmd = [
