@@ -14,6 +14,7 @@ error leaves in the one JSON shape of ``api.errors``.
 from __future__ import annotations
 
 import inspect
+import logging
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -23,6 +24,7 @@ from fastapi import FastAPI
 
 import kvstore
 from kvstore.protocol import DEFAULT_MODEL
+from kvstore.store.memory import keep_freed_memory
 from kvstore.store.scrub import Scrubber
 from kvstore.store.store import Store
 
@@ -40,6 +42,8 @@ DESCRIPTION = (
     'hashes are 16 lowercase hex digits; errors are {"error": {"kind", "message"}}.'
 )
 
+
+log = logging.getLogger("tlkv.api")
 
 # FastAPI >= 0.165 looks for OpenTelemetry providers on every request (about 10 us of a
 # 2 MiB GET's CPU here); the service's telemetry is its Prometheus /metrics, so the bridge
@@ -72,6 +76,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # A worker keeps the memory a large put frees (LMDB's dirty pages, bodies up to
+        # 32 MiB) for the next one instead of faulting it in again (docs/service.md).
+        if not keep_freed_memory():
+            log.info("mallopt unavailable: freed memory goes back to the system after each put")
         store = Store(
             settings.data,
             geometry=settings.geometry,
