@@ -4,9 +4,8 @@ LMDB ``malloc``s the dirty pages of a write transaction and frees them at commit
 default glibc serves blocks of a few MiB (one 2 MiB block's overflow pages) from fresh
 ``mmap``s, or from heap it returns to the kernel once more than a few MiB lie free, so each
 large put faults its whole size in again as new memory. Where a new page is expensive
-(a VM whose guest hands freed memory back to the host) that halves a large put's speed or
-worse: durable 64 x 2 MiB puts to ``tlkv serve`` ran at 1.24 GB/s with the memory kept and
-0.61 GB/s without (BENCHMARKS.md, "Peers", twentieth session).
+(a VM whose guest hands freed memory back to the host) that costs a large put much of its
+speed (BENCHMARKS.md, "Peers", twentieth session).
 
 The setting is process-wide, so the store never makes it on its own: ``tlkv serve``'s
 workers call it (large HTTP puts; a PushKv stream buffers whole), SGLang's backend on a store
