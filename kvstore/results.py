@@ -37,8 +37,10 @@ class PutReport(NamedTuple):
     """Outcome of a put, by hash: which blocks this put stored and which were present.
 
     ``stored`` and ``duplicate`` are in envelope order; a hash repeated within one
-    envelope is stored once and then counted as a duplicate. Both lists come from the
-    write transaction itself, so they are exact even under concurrent writers.
+    envelope is stored once and then counted as a duplicate. Both lists come from one
+    snapshot of the store (the write transaction, or for a put of blocks all held
+    already, the read transaction that found them), so they are exact even under
+    concurrent writers.
     """
 
     stored: list[int]

@@ -130,8 +130,8 @@ async def put_blocks(request: Request) -> Response:
 
 def _put(store: Store, body: Any, tokens: BlockTokens | None) -> tuple[list[int], list[int], int]:
     """``store.put`` of the body (or of the envelope ``require_formats`` decoded) with the
-    hashes it stored and those already present (from its own write transaction, exact
-    under concurrent puts)."""
+    hashes it stored and those already present (from one snapshot, exact under
+    concurrent puts: its write transaction, or a read one when it holds them all)."""
     report = store.put_report(body, tokens=tokens)
     return report.stored, report.duplicate, report.partial
 
