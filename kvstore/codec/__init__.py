@@ -5,7 +5,17 @@ HTTP library, or touches a file. Every wire fact of FORMAT.md lives in ``layout`
 """
 
 from .checksum import crc32c
-from .envelope import Block, BlockView, Envelope, decode, encode, join, split, transcode
+from .envelope import (
+    Block,
+    BlockView,
+    Envelope,
+    decode,
+    encode,
+    encode_into,
+    join,
+    split,
+    transcode,
+)
 from .geometry import Geometry
 from .hashing import block_hash, chain_hashes, fnv1a64
 
@@ -19,6 +29,7 @@ __all__ = [
     "crc32c",
     "decode",
     "encode",
+    "encode_into",
     "fnv1a64",
     "join",
     "split",

@@ -14,6 +14,7 @@ import numpy as np
 
 from ..errors import ShapeError, UnsupportedVersionError
 from .assembly import assemble, from_records, pack_header
+from .checksum import crc32c
 from .decoding import check_fill, decode
 from .geometry import Geometry
 from .layout import (
@@ -23,13 +24,15 @@ from .layout import (
     RECORD_SIZE,
     SCALE_DTYPE,
     SUPPORTED_VERSIONS,
+    TRAILER,
+    TRAILER_SIZE,
     U64_MAX,
     VERSION_V1,
 )
 from .numerics import all_finite_f16, as_array, quantize_e4m3, to_f16
 from .views import Block
 
-__all__ = ["encode", "join", "split", "transcode"]
+__all__ = ["encode", "encode_into", "join", "split", "transcode"]
 
 
 def _encode_payload(geometry: Geometry, block: Block, version: int) -> list[Any]:
@@ -53,20 +56,17 @@ def _encode_payload(geometry: Geometry, block: Block, version: int) -> list[Any]
     return [codes, scales.astype(SCALE_DTYPE, copy=False)]
 
 
-def encode(geometry: Geometry, blocks: Iterable[Block], version: int = VERSION_V1) -> bytes:
-    """Encode blocks into one envelope of format ``version`` (1: f16, 2: E4M3 + scales).
-
-    Raises:
-        UnsupportedVersionError: ``version`` is not 1 or 2.
-        FormatError: a block breaks the fill or hash rule.
-        ShapeError: a block's kv does not have shape ``[L][2][Hkv][B][D]``.
-        ValueError: a value is not finite or overflows f16 (v1).
-    """
+def _parts(
+    geometry: Geometry, blocks: Iterable[Block], version: int
+) -> tuple[list[Any], int, list[int]]:
+    """The envelope's parts before its CRC (header, then each block's record and payload
+    parts), its block count, and the blocks whose payload parts came as they are from
+    their kv object (their finite rule is checked on the bytes written)."""
     if version not in SUPPORTED_VERSIONS:
         raise UnsupportedVersionError(f"format version must be 1 or 2, found {version}")
     blocks = list(blocks)
     parts: list[Any] = [pack_header(version, geometry, len(blocks))]
-    unchecked: list[int] = []  # blocks whose payload parts came from their kv object
+    unchecked: list[int] = []
     for i, block in enumerate(blocks):
         if not 0 <= block.hash <= U64_MAX:
             raise ValueError(f"block {i}: hash must fit u64, found {block.hash}")
@@ -79,21 +79,79 @@ def encode(geometry: Geometry, blocks: Iterable[Block], version: int = VERSION_V
         else:
             unchecked.append(i)
             parts.extend(direct)
-    data = assemble(parts)
-    if len(data) != geometry.envelope_bytes(len(blocks), version):
+    return parts, len(blocks), unchecked
+
+
+def _check_written(
+    geometry: Geometry, version: int, data: Any, n_blocks: int, unchecked: list[int]
+) -> None:
+    """The written envelope's size, and the finite rule of the blocks in ``unchecked`` (the
+    same rule as ``to_f16``, on the bytes just written)."""
+    expected = geometry.envelope_bytes(n_blocks, version)
+    if len(data) != expected:
         raise ShapeError(
             f"encode: the blocks' payloads total {len(data)} envelope bytes, expected "
-            f"{geometry.envelope_bytes(len(blocks), version)} for geometry {geometry.as_tuple()}"
+            f"{expected} for geometry {geometry.as_tuple()}"
         )
     record_bytes = geometry.record_bytes(version)
     mv = memoryview(data)
-    for i in unchecked:  # the same rule as to_f16, on the bytes just written
+    for i in unchecked:
         start = HEADER_SIZE + i * record_bytes + RECORD_SIZE
         if not all_finite_f16(mv[start : start - RECORD_SIZE + record_bytes]):
             raise ValueError(
                 f"block {i}: kv values must be finite and within f16's range "
                 f"(found NaN or Inf, or |x| > 65504 after rounding)"
             )
+
+
+def encode(geometry: Geometry, blocks: Iterable[Block], version: int = VERSION_V1) -> bytes:
+    """Encode blocks into one envelope of format ``version`` (1: f16, 2: E4M3 + scales).
+
+    Raises:
+        UnsupportedVersionError: ``version`` is not 1 or 2.
+        FormatError: a block breaks the fill or hash rule.
+        ShapeError: a block's kv does not have shape ``[L][2][Hkv][B][D]``.
+        ValueError: a value is not finite or overflows f16 (v1).
+    """
+    parts, n_blocks, unchecked = _parts(geometry, blocks, version)
+    data = assemble(parts)
+    _check_written(geometry, version, data, n_blocks, unchecked)
+    return data
+
+
+def encode_into(
+    out: Any, geometry: Geometry, blocks: Iterable[Block], version: int = VERSION_V1
+) -> memoryview:
+    """``encode`` into the writable buffer ``out``: the envelope, byte for byte
+    ``encode``'s, as a view of ``out``'s first bytes (valid while ``out`` is not written).
+
+    A writer that encodes often (an engine's saver) keeps one buffer: its pages stay
+    mapped, where each new ``bytes`` of an envelope's size takes a page fault per 4 KiB
+    page. The parts are copied, then checksummed (two passes; ``encode``'s compiled join
+    copies and checksums in one).
+
+    Raises:
+        ValueError: ``out`` is read-only or smaller than the envelope (nothing written);
+            otherwise as ``encode`` (``out``'s first bytes are then undefined).
+    """
+    parts, n_blocks, unchecked = _parts(geometry, blocks, version)
+    arrays = [p if isinstance(p, np.ndarray) else np.asarray(memoryview(p)) for p in parts]
+    size = sum(a.nbytes for a in arrays)
+    room = memoryview(out).cast("B")
+    if room.readonly:
+        raise ValueError("encode_into: out is read-only")
+    if len(room) < size + TRAILER_SIZE:
+        raise ValueError(
+            f"encode_into: out holds {len(room)} bytes, the envelope {size + TRAILER_SIZE}"
+        )
+    dst = np.frombuffer(room, np.uint8, size + TRAILER_SIZE)
+    at = 0
+    for a in arrays:  # strided parts are read in C order, as the compiled join does
+        np.copyto(dst[at : at + a.nbytes].view(a.dtype).reshape(a.shape), a)
+        at += a.nbytes
+    TRAILER.pack_into(room, at, crc32c(room[:at]))
+    data = room[: at + TRAILER_SIZE]
+    _check_written(geometry, version, data, n_blocks, unchecked)
     return data
 
 

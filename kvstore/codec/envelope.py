@@ -2,14 +2,14 @@
 
 ``views`` (``Block``, ``BlockView``, ``Envelope``), ``decoding`` (``decode``,
 ``check_header``, ``check_finite``: FORMAT.md section 3) and ``encoding`` (``encode``,
-``split``, ``join``, ``transcode``) own the code; the library, the service and the tests
-import them from here.
+``encode_into``, ``split``, ``join``, ``transcode``) own the code; the library, the
+service and the tests import them from here.
 """
 
 from __future__ import annotations
 
 from .decoding import check_finite, check_header, decode
-from .encoding import encode, join, split, transcode
+from .encoding import encode, encode_into, join, split, transcode
 from .views import Block, BlockView, Envelope
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "check_header",
     "decode",
     "encode",
+    "encode_into",
     "join",
     "split",
     "transcode",
