@@ -3,11 +3,11 @@ time, used again once given back, and kept within its bounds."""
 
 from __future__ import annotations
 
-from kvstore.engines._buffers import ReceiveBuffers
+from kvstore.engines._buffers import KeptBuffers
 
 
 def test_a_reserved_buffer_is_mapped_and_lent_first() -> None:
-    bufs = ReceiveBuffers(keep=2, keep_bytes=1 << 20)
+    bufs = KeptBuffers(keep=2, keep_bytes=1 << 20)
     bufs.reserve(1 << 16)
     a = bufs.take(1 << 15)
     assert a.nbytes == 1 << 16 and not a.any()  # written once at reserve: its pages mapped
@@ -19,7 +19,7 @@ def test_a_reserved_buffer_is_mapped_and_lent_first() -> None:
 
 
 def test_receive_buffers_are_used_again_within_their_bounds() -> None:
-    bufs = ReceiveBuffers(keep=2, keep_bytes=1000)
+    bufs = KeptBuffers(keep=2, keep_bytes=1000)
     a = bufs.take(100)
     assert a.nbytes >= 100
     bufs.give(a)

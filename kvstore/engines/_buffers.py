@@ -1,9 +1,10 @@
-"""Receive buffers of the HTTP target (``server_targets.HttpTarget``).
+"""Byte buffers used again: the HTTP target's receive buffers (``server_targets``) and the
+vLLM connector's envelope buffer (its saver encodes into it).
 
-A server's answer is read into a buffer used again, whose pages stay mapped: an answer
-read into new memory takes a page fault per 4 KiB page (~3,000 for the 12 MiB of a
-1,024-token prompt of a 12-layer model), which costs more client CPU than the kernel's
-copy itself (BENCHMARKS.md, vllm).
+A buffer used again keeps its pages mapped: an answer read, or an envelope encoded, into
+new memory takes a page fault per 4 KiB page (~3,000 for the 12 MiB of a 1,024-token
+prompt of a 12-layer model), which costs more CPU than the copy itself (BENCHMARKS.md,
+vllm).
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ import threading
 
 import numpy as np
 
-__all__ = ["ReceiveBuffers"]
+__all__ = ["KeptBuffers"]
 
 
-class ReceiveBuffers:
+class KeptBuffers:
     """Byte buffers lent for one answer each and given back once it is used: at most
     ``keep`` are kept, none over ``keep_bytes`` (a larger one is allocated each time)."""
 

@@ -45,10 +45,13 @@ def slab_scales(geometry: Geometry, scales: Sequence[tuple[float, float]]) -> np
 
 
 def encode_fp8(
-    geometry: Geometry, codes: np.ndarray, scales: np.ndarray, hashes: Sequence[int]
+    geometry: Geometry,
+    codes: Sequence[np.ndarray] | np.ndarray,
+    scales: np.ndarray,
+    hashes: Sequence[int],
 ) -> bytes:
-    """One v2 envelope of full blocks whose E4M3 codes are ``codes`` (uint8
-    ``[n][L][2][Hkv][B][D]``), every slab's scale from ``scales`` (``slab_scales``); the
+    """One v2 envelope of full blocks whose E4M3 codes are ``codes`` (uint8, each block's
+    ``[L][2][Hkv][B][D]``), every slab's scale from ``scales`` (``slab_scales``); the
     reader rules are checked on the result (no NaN code, scales finite and > 0).
 
     Raises:

@@ -23,8 +23,9 @@ on is checked against what vLLM registered, or refused.
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,11 +33,12 @@ import ml_dtypes
 import numpy as np
 
 from ..codec.checksum import scatter_crc
-from ..codec.envelope import Block, BlockView, encode
+from ..codec.envelope import Block, BlockView, encode, encode_into
 from ..codec.geometry import Geometry
 from ..codec.layout import HEADER_SIZE, RECORD_SIZE
 from ..errors import CacheLayoutError
 from ..kvlayout import layers_from_views
+from ._buffers import KeptBuffers
 from ._vllm_fp8 import FP8_CACHE_DTYPES, encode_fp8, fp8_codes, slab_scales
 
 __all__ = [
@@ -226,6 +228,7 @@ class PagedCache:
                 f"layers {names} are not the model's {geometry.n_layers} layers in order"
             )
         self.heads = heads or (0, geometry.n_kv_heads)
+        self._save_buffers = KeptBuffers(keep=1)  # ``encoded``'s
         b, h, d = geometry.block_tokens, self.heads[1] - self.heads[0], geometry.head_dim
         keys, values, layouts = [], [], []
         for name in names:
@@ -313,15 +316,41 @@ class PagedCache:
         """A numpy view of gathered blocks (a CPU tensor of this cache's dtype)."""
         return self._numpy(blocks)
 
-    def encode(self, blocks: np.ndarray, hashes: Sequence[int], version: int) -> bytes:
-        """One envelope of gathered blocks (``gather``), hashed ``hashes``: one encode (an
-        fp8 cache's: always v2, its codes as they are, ``_vllm_fp8``)."""
+    def encode(
+        self,
+        blocks: Sequence[np.ndarray] | np.ndarray,
+        hashes: Sequence[int],
+        version: int,
+        out: Any = None,
+    ) -> Any:
+        """One envelope of gathered blocks (``gather``'s, each ``[L][2][Hkv][B][D]``), hashed
+        ``hashes``: one encode (an fp8 cache's: always v2, its codes as they are,
+        ``_vllm_fp8``): a new ``bytes``, or with ``out`` (a writable buffer of at least
+        the envelope's size; not for an fp8 cache) a view of ``out`` (``encode_into``)."""
         g = self.geometry
         if self.fp8 is not None:
             return encode_fp8(g, blocks, self.fp8, hashes)
-        return encode(
-            g, [Block(int(h), g.block_tokens, blocks[i]) for i, h in enumerate(hashes)], version
-        )
+        listed = [Block(int(h), g.block_tokens, blocks[i]) for i, h in enumerate(hashes)]
+        if out is not None:
+            return encode_into(out, g, listed, version)
+        return encode(g, listed, version)
+
+    @contextlib.contextmanager
+    def encoded(
+        self, blocks: Sequence[np.ndarray], hashes: Sequence[int], version: int
+    ) -> Iterator[Any]:
+        """``encode``, into a buffer this cache keeps for the next save (up to 256 MiB,
+        ``_buffers``: its pages stay mapped, where a new ``bytes`` of 128 MiB takes 32,768
+        page faults); the envelope is valid inside the block. One saver thread uses it;
+        an fp8 cache's envelope is a new ``bytes``."""
+        if self.fp8 is not None:
+            yield self.encode(blocks, hashes, version)
+            return
+        buf = self._save_buffers.take(self.geometry.envelope_bytes(len(hashes), version))
+        try:
+            yield self.encode(blocks, hashes, version, buf)
+        finally:
+            self._save_buffers.give(buf)
 
     def scatter(self, views: Sequence[BlockView], block_ids: Sequence[int]) -> int:
         """Copy checked block views into the paged blocks ``block_ids`` (in order); returns

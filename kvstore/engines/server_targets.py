@@ -19,7 +19,7 @@ from ..codec.layout import VERSION_V1
 from ..codec.tokens import BlockTokens
 from ..errors import NotFoundError
 from ..results import HasResult
-from ._buffers import ReceiveBuffers
+from ._buffers import KeptBuffers
 from .targets import BlockSlots, Target, same_hashes
 
 if TYPE_CHECKING:
@@ -59,7 +59,7 @@ class HttpTarget(Target):
     def __init__(self, client: Client, *, owned: bool = False) -> None:
         self.client = client
         self._owned = owned  # opened by open_target: closed by close()
-        self._buffers = ReceiveBuffers()
+        self._buffers = KeptBuffers()
 
     def geometry(self) -> Geometry | None:
         try:

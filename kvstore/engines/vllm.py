@@ -41,14 +41,10 @@ Choices:
 - Failures: a lookup that fails is no match (vLLM computes the prompt); a load that
   fails or comes back short (a block evicted, corrupt and quarantined, a server down)
   reports its blocks through ``get_block_ids_with_load_errors``, and vLLM does what its
-  ``kv_load_failure_policy`` says: ``recompute`` (the configuration above) recomputes
-  them, vLLM's default ``fail`` fails the request. The connector leaves the policy as
-  configured, so that what vLLM logs in its config line is what it does, and warns at
-  start-up when it is ``fail``. A save that fails is dropped (nothing is recomputed: the
-  blocks are computed already, they are only not stored). Each is counted in
-  ``TlkvConnectorStats`` (handed to vLLM's stats loggers through
-  ``get_kv_connector_stats``: the "KV Transfer metrics" line of a server with stats
-  logging; no Prometheus series of its own) and logged once per kind.
+  ``kv_load_failure_policy`` says (left as configured, so vLLM's config line tells what
+  it does; a warning at start-up when it is ``fail``). A save that fails is dropped.
+  Each is counted in ``TlkvConnectorStats`` (vLLM's "KV Transfer metrics" line,
+  ``get_kv_connector_stats``) and logged once per kind.
 - A layout the connector cannot show it reads exactly is refused at start-up by name
   (``UnsupportedLayoutError``, logged); the connector then does nothing, on the workers
   and (told through vLLM's handshake metadata) the scheduler. Each layer's layout is
@@ -58,9 +54,8 @@ Choices:
   (``wait_for_save``). A rank whose copy fails drops the save on every rank, none
   waiting on it (``_vllm_tp``).
 - fp8 E4M3 caches are stored as v2 envelopes byte for byte, and loaded only under the
-  same layer scales (``_vllm_fp8``). A target whose
-  namespace holds another geometry stops the engine at start-up (``ShapeError`` naming
-  both).
+  same layer scales (``_vllm_fp8``). A target whose namespace holds another geometry
+  stops the engine at start-up (``ShapeError`` naming both).
 - Tested with vLLM 0.32.0 (``TESTED_VLLM``); another version whose connector API differs
   fails at import (which is when vLLM loads the class) naming the version.
 """
@@ -443,14 +438,15 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
             missing = [i for i, here in enumerate(target.has(hashes)) if not here]
             self._count("blocks_present", len(hashes) - len(missing))
             if missing:
-                env = self._paged.encode(
-                    blocks[missing], [hashes[i] for i in missing], self._version
-                )
                 b = self._geometry.block_tokens
                 rows = chain_tokens(tokens, hashes, b, parent).take(missing)
-                target.put(env, tokens=rows)
+                picked = [blocks[i] for i in missing]  # views of the missing blocks: no copy
+                with self._paged.encoded(
+                    picked, [hashes[i] for i in missing], self._version
+                ) as env:
+                    target.put(env, tokens=rows)
+                    self._count("bytes_saved", len(env))
                 self._count("blocks_saved", len(missing))
-                self._count("bytes_saved", len(env))
         except Exception as exc:
             self._failed("save", exc)
             self._count("save_errors", 1)
