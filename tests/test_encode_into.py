@@ -1,13 +1,12 @@
 """``encode_into``: ``encode`` written into a caller's buffer, byte for byte the same
-envelope, or the same error with the buffer untouched."""
+envelope, or the same error as ``encode`` (a buffer too small or read-only: untouched).
+Random geometries, versions, fills and dtypes: test_envelope's round-trip property."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 from conftest import SMALL, make_blocks
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from kvstore import Block, Geometry, ShapeError, decode, encode
 from kvstore.codec import encode_into
@@ -15,45 +14,27 @@ from kvstore.kvlayout import blocks_from_layers
 
 SENTINEL = 0xAB
 
-geometries = st.builds(
-    Geometry, st.integers(1, 6), st.integers(1, 3), st.integers(1, 3), st.integers(1, 8)
-)
-
 
 def _room(n: int) -> bytearray:
     return bytearray([SENTINEL]) * n
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    geometry=geometries,
-    n_tokens=st.integers(0, 30),
-    version=st.sampled_from([1, 2]),
-    seed=st.integers(0, 2**32 - 1),
-    dtype=st.sampled_from([np.float16, np.float32]),
-    strided=st.booleans(),
-    spare=st.integers(0, 64),
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize(
+    ("geometry", "n_tokens"), [(SMALL, 10), (Geometry(3, 2, 1, 5), 7), (Geometry(1, 1, 1, 1), 2)]
 )
-def test_encode_into_writes_encodes_bytes_into_the_buffer(
-    geometry: Geometry,
-    n_tokens: int,
-    version: int,
-    seed: int,
-    dtype: type,
-    strided: bool,
-    spare: int,
+def test_a_strided_kv_is_written_into_the_buffer_and_nothing_past_it(
+    geometry: Geometry, n_tokens: int, version: int
 ) -> None:
-    blocks = make_blocks(geometry, n_tokens, seed, dtype)
-    if strided:  # kv as a non-contiguous view: every other element of a wider array
-        wide = [np.repeat(np.asarray(b.kv), 2, axis=-1)[..., ::2] for b in blocks]
-        blocks = [Block(b.hash, b.n_tokens, w) for b, w in zip(blocks, wide)]
+    blocks = make_blocks(geometry, n_tokens, seed=n_tokens)
+    wide = [np.repeat(np.asarray(b.kv), 2, axis=-1)[..., ::2] for b in blocks]  # strided
+    blocks = [Block(b.hash, b.n_tokens, w) for b, w in zip(blocks, wide)]
     expected = encode(geometry, blocks, version)
-    out = _room(len(expected) + spare)
+    out = _room(len(expected) + 9)
     got = encode_into(out, geometry, blocks, version)
-    assert bytes(got) == expected
-    assert len(got) == len(expected)
+    assert bytes(got) == expected and len(got) == len(expected)
     assert np.shares_memory(np.frombuffer(got, np.uint8), np.frombuffer(out, np.uint8))
-    assert out[len(expected) :] == bytes([SENTINEL]) * spare  # nothing past the envelope
+    assert out[len(expected) :] == bytes([SENTINEL]) * 9
     decode(got, geometry)
 
 

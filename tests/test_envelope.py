@@ -28,6 +28,7 @@ from kvstore import (
     split,
     transcode,
 )
+from kvstore.codec import encode_into
 from kvstore.codec.decoding import check_crc, check_finite, plain_v1_blocks
 from kvstore.codec.layout import NO_HASH
 from kvstore.errors import BadMagicError, TruncatedError
@@ -366,6 +367,7 @@ def test_round_trip(
     blocks = make_blocks(geometry, n_tokens, seed, dtype, scale)
     data = encode(geometry, blocks, version)
     assert len(data) == geometry.envelope_bytes(len(blocks), version)
+    assert bytes(encode_into(bytearray(len(data)), geometry, blocks, version)) == data
     env = decode(data, geometry)
     assert len(env) == len(blocks)
     for bv, block in zip(env, blocks):
