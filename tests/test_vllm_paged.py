@@ -137,3 +137,32 @@ def test_the_amx_offsets_are_where_vllms_own_op_writes() -> None:
     want = _bf16(_amx_plane(np.broadcast_to(kv, (AMX.n_layers, *kv.shape[1:])))[0])
     assert torch.equal(cache[1].reshape(h, -1).view(torch.int16), want.view(torch.int16))
     assert not cache[0].any() and not cache[2].any()
+
+
+def test_a_kept_gather_is_the_gather_and_its_buffer_is_used_again_only_once_given_back(
+    tmp_path: Path,
+) -> None:
+    """``gather_kept``: the same blocks as ``gather``; a buffer not given back is never
+    handed out again (a second save queued meanwhile gets its own), one given back is;
+    ``encoded`` writes the envelope ``encode`` writes, into its own kept buffer."""
+    caches = _caches()
+    blocks = make_blocks(G, 4 * G.block_tokens, seed=12)
+    paged = _paged(caches)
+    target = open_target(tmp_path / "data", model="m")
+    target.put(encode(G, blocks, 1))
+    assert target.load([b.hash for b in blocks], paged, [7, 1, 4, 0])[0] == 4
+    first, give_first = paged.gather_kept([4, 0])
+    second, give_second = paged.gather_kept([7, 1])
+    assert torch.equal(first, paged.gather([4, 0])) and torch.equal(second, paged.gather([7, 1]))
+    assert not np.shares_memory(paged.as_numpy(first), paged.as_numpy(second))
+    give_first()
+    third, give_third = paged.gather_kept([1, 7])
+    assert np.shares_memory(paged.as_numpy(third), paged.as_numpy(first))  # used again
+    assert torch.equal(third, paged.gather([1, 7]))
+    give_second()
+    give_third()
+    arrays = paged.as_numpy(third)
+    hashes = [blocks[1].hash, blocks[0].hash]
+    with paged.encoded([arrays[0], arrays[1]], hashes, 1) as env:
+        assert bytes(env) == paged.encode(arrays, hashes, 1)
+        assert bytes(env) == encode(G, [blocks[1], blocks[0]], 1)

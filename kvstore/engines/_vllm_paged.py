@@ -24,6 +24,7 @@ on is checked against what vLLM registered, or refused.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -229,6 +230,7 @@ class PagedCache:
             )
         self.heads = heads or (0, geometry.n_kv_heads)
         self._save_buffers = KeptBuffers(keep=1)  # ``encoded``'s
+        self._gathers = KeptBuffers(keep=1)  # ``gather_kept``'s
         b, h, d = geometry.block_tokens, self.heads[1] - self.heads[0], geometry.head_dim
         keys, values, layouts = [], [], []
         for name in names:
@@ -295,22 +297,43 @@ class PagedCache:
             return np.dtype(ml_dtypes.bfloat16)
         return np.dtype(np.float16 if self.dtype == torch.float16 else np.float32)
 
-    def gather(self, block_ids: Sequence[int]) -> Any:
+    def gather(self, block_ids: Sequence[int], out: Any = None) -> Any:
         """A copy of this cache's heads of the full blocks ``block_ids``, a CPU tensor
-        ``[n][L][2][h][B][D]`` (one gather per layer): the engine may reuse the blocks as
-        soon as this returns. ``as_numpy`` of it (whole heads) is what ``encode`` takes."""
+        ``[n][L][2][h][B][D]`` (one gather per layer; into ``out``, such a tensor, when
+        given): the engine may reuse the blocks as soon as this returns. ``as_numpy`` of
+        it (whole heads) is what ``encode`` takes."""
         import torch
 
         g = self.geometry
         h = self.heads[1] - self.heads[0]
         ids = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
-        out = torch.empty(
-            (len(block_ids), g.n_layers, 2, h, g.block_tokens, g.head_dim), dtype=self.dtype
-        )
+        if out is None:
+            out = torch.empty(
+                (len(block_ids), g.n_layers, 2, h, g.block_tokens, g.head_dim), dtype=self.dtype
+            )
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
             split_block(out[:, i, 0], k).copy_(k.index_select(0, ids).cpu())
             split_block(out[:, i, 1], v).copy_(v.index_select(0, ids).cpu())
         return out
+
+    def gather_kept(self, block_ids: Sequence[int]) -> tuple[Any, Callable[[], None]]:
+        """``gather`` into a buffer this cache keeps (one, of at most 256 MiB, ``_buffers``:
+        the page faults of a new 128 MiB tensor cost the engine's step more than the copy;
+        a second save queued meanwhile takes new memory), and the function that gives the
+        buffer back once nothing reads the blocks any more (called once)."""
+        import torch
+
+        g = self.geometry
+        h = self.heads[1] - self.heads[0]
+        shape = (len(block_ids), g.n_layers, 2, h, g.block_tokens, g.head_dim)
+        nbytes = int(np.prod(shape)) * self.dtype.itemsize
+        buf = self._gathers.take(nbytes)
+        try:
+            out = torch.from_numpy(buf[:nbytes]).view(self.dtype).view(shape)
+            return self.gather(block_ids, out), functools.partial(self._gathers.give, buf)
+        except BaseException:
+            self._gathers.give(buf)
+            raise
 
     def as_numpy(self, blocks: Any) -> np.ndarray:
         """A numpy view of gathered blocks (a CPU tensor of this cache's dtype)."""

@@ -1,5 +1,5 @@
-"""The vLLM connector under tensor parallelism: the ranks' heads of a save joined into
-whole blocks.
+"""The copy a save starts with (``copy_out``): with one rank, into a buffer the paged
+cache keeps; under tensor parallelism, the ranks' heads joined into whole blocks.
 
 Every rank runs the same saves in the same step, and every rank takes part in every
 collective of a save whatever its own copy out of the paged cache did: a rank that
@@ -16,9 +16,10 @@ for ever (BENCHMARKS.md, vllm).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["PeerCopyError", "join_heads"]
+__all__ = ["PeerCopyError", "copy_out", "join_heads"]
 
 
 class PeerCopyError(RuntimeError):
@@ -48,3 +49,25 @@ def join_heads(part: Any, dtype: Any, device: Any) -> Any:
             f"the save is dropped on every rank"
         )
     return group.all_gather(part.to(device), dim=3)
+
+
+def copy_out(
+    paged: Any, block_ids: list[int], tp_size: int, failed: Callable[[str, BaseException], None]
+) -> tuple[Any, Callable[[], None] | None]:
+    """The blocks ``block_ids`` of ``paged`` (a ``PagedCache``), every head, copied out of
+    the paged cache (under tensor parallelism: on every rank, after the same joins on
+    every rank; a rank's own failure goes to ``failed``), and the function that gives
+    their buffer back (None: nothing to give back).
+
+    Raises:
+        PeerCopyError: a rank's copy failed (that rank logs its own error).
+    """
+    if tp_size == 1:
+        return paged.gather_kept(block_ids)  # type: ignore[no-any-return]
+    part = None
+    try:
+        part = paged.gather(block_ids)
+    except Exception as exc:  # logged here; the join then fails on every rank
+        failed("save", exc)
+    whole = join_heads(part, paged.dtype, paged.device)
+    return whole.cpu(), None  # [n][L][2][Hkv][B][D], the ranks' heads in order

@@ -65,6 +65,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,7 +77,7 @@ from ._vllm_paged import PagedCache, UnsupportedLayoutError, check_config, head_
 from ._vllm_proof import prove_layout
 from ._vllm_saver import Saver
 from ._vllm_stats import TlkvConnectorStats
-from ._vllm_tp import join_heads
+from ._vllm_tp import copy_out
 from .targets import Target, open_target
 
 try:
@@ -398,41 +399,36 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         meta = self._get_connector_metadata()
         assert isinstance(meta, TlkvMetadata)
         for save in meta.saves:
+            release: Callable[[], None] | None = None
             try:
-                part = self._copy_out(save.block_ids)
+                part, release = copy_out(self._paged, save.block_ids, self._tp_size, self._failed)
                 if self._tp_rank != 0:
                     continue
                 blocks = self._paged.as_numpy(part)
-                args = (save.model, save.hashes, blocks, save.tokens, save.parent)
+                args = (save.model, save.hashes, blocks, save.tokens, save.parent, release)
                 if not self._saver.submit(*args):
                     raise BufferError("the save queue is full: blocks dropped")
+                release = None  # the saver gives the buffer back after the save
             except Exception as exc:
                 self._failed("save", exc)
                 if self._tp_rank == 0:  # the other ranks' failures reach it through the join
                     self._count("save_errors", 1)
-
-    def _copy_out(self, block_ids: list[int]) -> Any:
-        """The blocks ``block_ids``, every head, copied out of the paged cache (under
-        tensor parallelism: on every rank, after the same joins on every rank).
-
-        Raises:
-            PeerCopyError: a rank's copy failed (that rank logs its own error).
-        """
-        if self._tp_size == 1:
-            return self._paged.gather(block_ids)
-        part = None
-        try:
-            part = self._paged.gather(block_ids)
-        except Exception as exc:  # logged here; the join then fails on every rank
-            self._failed("save", exc)
-        whole = join_heads(part, self._paged.dtype, self._paged.device)
-        return whole.cpu()  # [n][L][2][Hkv][B][D], the ranks' heads in order
+            finally:
+                if release is not None:
+                    release()
 
     def _save(
-        self, model: str, hashes: list[int], blocks: Any, tokens: list[int], parent: int
+        self,
+        model: str,
+        hashes: list[int],
+        blocks: Any,
+        tokens: list[int],
+        parent: int,
+        release: Callable[[], None] | None = None,
     ) -> None:
         """On the saver thread: store the blocks the target lacks (ask first), with their
-        token ids (the target checks each block's name against them)."""
+        token ids (the target checks each block's name against them); then ``release``
+        gives the blocks' buffer back."""
         try:
             target = self._target(model)
             missing = [i for i, here in enumerate(target.has(hashes)) if not here]
@@ -450,6 +446,9 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         except Exception as exc:
             self._failed("save", exc)
             self._count("save_errors", 1)
+        finally:
+            if release is not None:
+                release()
 
     def _count(self, key: str, n: int) -> None:
         with self._stats_lock:

@@ -15,13 +15,13 @@ def _fail_first_copy(rank: int) -> None:
     gather = _vllm_paged.PagedCache.gather
     failed: list[bool] = []
 
-    def failing_gather(self: Any, block_ids: Any) -> Any:
+    def failing_gather(self: Any, block_ids: Any, out: Any = None) -> Any:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         if not failed and get_tensor_model_parallel_rank() == rank:
             failed.append(True)
             raise MemoryError(f"injected: rank {rank}'s copy out of the paged cache failed")
-        return gather(self, block_ids)
+        return gather(self, block_ids, out)
 
     _vllm_paged.PagedCache.gather = failing_gather  # type: ignore[method-assign]
 
