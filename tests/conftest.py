@@ -10,6 +10,7 @@ import pytest
 from fake_http import fake  # noqa: F401  (a fixture, for every test module)
 
 from kvstore import Block, Geometry, Store, chain_hashes, encode
+from kvstore.codec import checksum
 
 SMALL = Geometry(block_tokens=4, n_layers=2, n_kv_heads=2, head_dim=8)
 
@@ -46,6 +47,17 @@ def make_envelope(
 def buffer_type(request: pytest.FixtureRequest) -> type:
     """Parametrizes a test over the three buffer types inputs may come as."""
     return request.param
+
+
+@pytest.fixture(params=["compiled-join", "python-join"])
+def join(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test with the compiled ``join_crc``/``join_crc_into`` and with their
+    pure-Python fallbacks."""
+    if request.param == "python-join":
+        monkeypatch.setattr(checksum, "_native", None)
+    elif checksum._native is None:  # type: ignore[attr-defined]  # the module's private kernel
+        pytest.skip("compiled kernel not built")
+    return str(request.param)
 
 
 @pytest.fixture

@@ -87,6 +87,41 @@ def test_kernel_choice_without_a_hardware_kernel(monkeypatch: pytest.MonkeyPatch
 
 
 @pytest.mark.parametrize("sizes", [[], [0], [28, 12, 4096], [28, 12, 100_003, 5]])
+def test_join_crc_into_writes_join_crcs_bytes_and_nothing_past_them(
+    sizes: list[int], join: str
+) -> None:
+    rng = np.random.default_rng(sum(sizes) + 1)
+    arr = rng.integers(0, 256, (3, 40), dtype=np.uint8)
+    parts = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes] + [arr[:, ::3]]
+    want = checksum.join_crc(parts)
+    out = bytearray(b"\xab") * (len(want) + 5)
+    assert checksum.join_crc_into(parts, out) == len(want)
+    assert bytes(out[: len(want)]) == want and out[len(want) :] == b"\xab" * 5
+    into_array = np.zeros(len(want), np.uint8)  # exactly the size, a numpy buffer
+    assert checksum.join_crc_into(parts, into_array) == len(want)
+    assert into_array.tobytes() == want
+
+
+def test_join_crc_into_refuses_a_short_read_only_or_overlapping_out(join: str) -> None:
+    parts = [b"head", np.arange(100, dtype=np.uint8)[::2]]
+    short = bytearray(b"\xab") * 57  # 54 bytes and their CRC need 58
+    with pytest.raises(ValueError, match="out holds 57 bytes, the parts and their CRC 58"):
+        checksum.join_crc_into(parts, short)
+    assert short == b"\xab" * 57
+    with pytest.raises(BufferError):
+        checksum.join_crc_into(parts, bytes(100))
+    shared = np.arange(200, dtype=np.uint8)
+    before = shared.copy()
+    # 10 bytes after b"head": the result is out's first 18 bytes; a part reaching into them
+    for part in (shared[5:15], shared[::7], shared[17:7:-1]):  # inside, strided, reversed
+        with pytest.raises(ValueError, match="part 1 overlaps out"):
+            checksum.join_crc_into([b"head", part], shared)
+        assert np.array_equal(shared, before)
+    assert checksum.join_crc_into([b"head", shared[180:190]], shared) == 18  # past them: fine
+    assert shared[:18].tobytes() == checksum.join_crc([b"head", before[180:190]])
+
+
+@pytest.mark.parametrize("sizes", [[], [0], [28, 12, 4096], [28, 12, 100_003, 5]])
 def test_join_crc_native_and_fallback(sizes: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
     rng = np.random.default_rng(sum(sizes))
     parts = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]

@@ -24,7 +24,7 @@ def _room(n: int) -> bytearray:
     ("geometry", "n_tokens"), [(SMALL, 10), (Geometry(3, 2, 1, 5), 7), (Geometry(1, 1, 1, 1), 2)]
 )
 def test_a_strided_kv_is_written_into_the_buffer_and_nothing_past_it(
-    geometry: Geometry, n_tokens: int, version: int
+    geometry: Geometry, n_tokens: int, version: int, join: str
 ) -> None:
     blocks = make_blocks(geometry, n_tokens, seed=n_tokens)
     wide = [np.repeat(np.asarray(b.kv), 2, axis=-1)[..., ::2] for b in blocks]  # strided
@@ -62,7 +62,9 @@ def test_encode_into_takes_layer_windows_as_encode_does(dtype: type, n_tokens: i
     assert str(by_into.value) == str(by_encode.value)
 
 
-def test_a_buffer_too_small_or_read_only_is_refused_untouched() -> None:
+def test_a_buffer_too_small_read_only_or_overlapping_a_block_is_refused_untouched(
+    join: str,
+) -> None:
     blocks = make_blocks(SMALL, 8, seed=4)
     size = len(encode(SMALL, blocks))
     out = _room(size - 1)
@@ -71,6 +73,14 @@ def test_a_buffer_too_small_or_read_only_is_refused_untouched() -> None:
     assert out == bytes([SENTINEL]) * (size - 1)
     with pytest.raises(ValueError, match="read-only"):
         encode_into(bytes(size), SMALL, blocks)
+    # a buffer whose bytes are also a block's kv (the envelope would overwrite its source)
+    shared = np.zeros(size + 4096, np.uint8)
+    kv = np.ndarray(blocks[0].kv.shape, np.float16, shared, offset=64)
+    kv[...] = blocks[0].kv
+    before = shared.copy()
+    with pytest.raises(ValueError, match="overlaps out"):
+        encode_into(shared, SMALL, [Block(blocks[0].hash, blocks[0].n_tokens, kv)])
+    assert np.array_equal(shared, before)
 
 
 def test_encode_into_fails_as_encode_does() -> None:

@@ -12,7 +12,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstore import Block, Geometry, ShapeError, Store, chain_hashes, decode, encode
-from kvstore.codec import checksum
 from kvstore.kvlayout import LayerSlices, blocks_from_layers, fill_layers, layers_from_views
 
 G = Geometry(block_tokens=4, n_layers=3, n_kv_heads=2, head_dim=8)
@@ -57,16 +56,6 @@ LAYOUTS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "every-other-d": lambda a: np.repeat(a, 2, axis=2)[..., ::2],
     "reversed-heads": lambda a: np.ascontiguousarray(a[::-1])[::-1],
 }
-
-
-@pytest.fixture(params=["compiled-join", "python-join"])
-def join(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Runs a test with the compiled join_crc and with the pure-Python fallback."""
-    if request.param == "python-join":
-        monkeypatch.setattr(checksum, "_native", None)
-    elif checksum._native is None:  # type: ignore[attr-defined]  # the module's private kernel
-        pytest.skip("compiled kernel not built")
-    return str(request.param)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -165,6 +165,9 @@ def test_join_crc_every_kernel(kernel: str | None, rand_bytes: bytes) -> None:
         out = native.join_crc(parts, kernel)
         assert type(out) is bytes
         assert out == joined + struct.pack("<I", crc32c_pkg.crc32c(joined)), [len(p) for p in parts]  # type: ignore[arg-type]
+        room = bytearray(len(out) + 3)
+        assert native.join_crc_into(parts, room, kernel) == len(out)
+        assert room == out + bytes(3)
     small = [mv[3:50], mv[60:1500]]
     joined = bytes(mv[3:50]) + bytes(mv[60:1500])
     assert native.join_crc(small, kernel)[-4:] == struct.pack("<I", crc32c_oracle(joined))
@@ -182,6 +185,14 @@ def test_join_crc_bad_arguments() -> None:
         native.join_crc([b"x"], "no-such-kernel")
     with pytest.raises(TypeError):
         native.join_crc()  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        native.join_crc_into([b"ok"])  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        native.join_crc_into([b"ok", 5], bytearray(10))
+    with pytest.raises(ValueError, match="no usable"):
+        native.join_crc_into([b"x"], bytearray(5), "no-such-kernel")
+    with pytest.raises((BufferError, ValueError)):  # numpy's exporter raises ValueError
+        native.join_crc_into([b"x"], np.zeros((4, 4), np.uint8)[:, ::2])  # not contiguous
 
 
 def test_crc32c_with_bad_arguments() -> None:
@@ -573,6 +584,7 @@ def test_docstrings() -> None:
         "crc32c_kernels",
         "crc32c_with",
         "join_crc",
+        "join_crc_into",
         "fnv1a64",
         "fnv_chain",
         "fnv_chain_list",
@@ -601,6 +613,8 @@ def test_join_crc_of_strided_views_is_the_c_order_join_and_its_crc(
     views = [arr, arr.T, arr[::-1], arr[..., ::2], np.moveaxis(arr, 0, -1)]
     parts = [b"head", *views, bytearray(b"x" * (seed % 7)), memoryview(b"tail")]
     assert native.join_crc(parts) == _join_oracle(parts)
+    room = bytearray(len(_join_oracle(parts)))
+    assert native.join_crc_into(parts, room) == len(room) and room == _join_oracle(parts)
 
 
 def test_join_crc_of_large_parts_streams_the_same_bytes() -> None:
@@ -609,6 +623,9 @@ def test_join_crc_of_large_parts_streams_the_same_bytes() -> None:
     big = rng.integers(0, 255, size=(8, 4096, 300), dtype=np.uint8)
     parts = [b"\x01" * 13, big[:, 17:4001], big[3], b"\x02" * 3]
     assert native.join_crc(parts) == _join_oracle(parts)
+    room = np.empty(len(_join_oracle(parts)), np.uint8)
+    assert native.join_crc_into(parts, room) == room.nbytes
+    assert room.tobytes() == _join_oracle(parts)
     assert native.join_crc([]) == struct.pack("<I", 0)
 
 

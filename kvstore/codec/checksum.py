@@ -77,6 +77,44 @@ def join_crc(parts: Sequence[Any]) -> bytes:
     return b"".join([*parts, TRAILER.pack(crc)])
 
 
+def join_crc_into(parts: Sequence[Any], out: Any) -> int:
+    """``join_crc(parts)``'s bytes written into the writable C-contiguous buffer ``out``
+    from its start; the number of bytes written (the parts' total + 4).
+
+    The compiled kernel copies and checksums in one pass; elsewhere a copy of each part,
+    then a CRC pass over what was written.
+
+    Raises:
+        ValueError: ``out`` is smaller than the result, or a part's memory overlaps it
+            (nothing written).
+        BufferError: ``out`` is read-only or not C-contiguous (numpy's arrays raise
+            ValueError for the latter).
+    """
+    if _native is not None and _crc32c is _native.crc32c:
+        return int(_native.join_crc_into(parts, out))
+    arrays = [p if isinstance(p, np.ndarray) else np.asarray(memoryview(p)) for p in parts]
+    total = sum(a.nbytes for a in arrays)
+    room = memoryview(out)
+    if room.readonly or not room.c_contiguous:
+        raise BufferError("join_crc_into: out is not a writable C-contiguous buffer")
+    room = room.cast("B")
+    if len(room) < total + TRAILER.size:
+        raise ValueError(
+            f"join_crc_into: out holds {len(room)} bytes, the parts and their CRC "
+            f"{total + TRAILER.size}"
+        )
+    dst = np.frombuffer(room, np.uint8, total + TRAILER.size)
+    for i, a in enumerate(arrays):
+        if a.nbytes and np.may_share_memory(dst, a):
+            raise ValueError(f"join_crc_into: part {i} overlaps out")
+    at = 0
+    for a in arrays:  # strided parts are read in C order, as the compiled join does
+        np.copyto(dst[at : at + a.nbytes].view(a.dtype).reshape(a.shape), a)
+        at += a.nbytes
+    TRAILER.pack_into(room, at, crc32c(room[:at]))
+    return at + TRAILER.size
+
+
 def _envelope_blocks(
     name: str, mvs: Sequence[memoryview], offset: int, payload: int, record_bytes: int | None
 ) -> list[int]:

@@ -14,7 +14,7 @@ import numpy as np
 
 from ..errors import ShapeError, UnsupportedVersionError
 from .assembly import assemble, from_records, pack_header
-from .checksum import crc32c
+from .checksum import join_crc_into
 from .decoding import check_fill, decode
 from .geometry import Geometry
 from .layout import (
@@ -24,7 +24,6 @@ from .layout import (
     RECORD_SIZE,
     SCALE_DTYPE,
     SUPPORTED_VERSIONS,
-    TRAILER,
     TRAILER_SIZE,
     U64_MAX,
     VERSION_V1,
@@ -127,16 +126,15 @@ def encode_into(
 
     A writer that encodes often (an engine's saver) keeps one buffer: its pages stay
     mapped, where each new ``bytes`` of an envelope's size takes a page fault per 4 KiB
-    page. The parts are copied, then checksummed (two passes; ``encode``'s compiled join
-    copies and checksums in one).
+    page. The parts are copied and checksummed in one pass (``checksum.join_crc_into``).
 
     Raises:
-        ValueError: ``out`` is read-only or smaller than the envelope (nothing written);
-            otherwise as ``encode`` (``out``'s first bytes are then undefined).
+        ValueError: ``out`` is read-only or smaller than the envelope, or overlaps a
+            block's memory (nothing written); otherwise as ``encode`` (``out``'s first
+            bytes are then undefined).
     """
     parts, n_blocks, unchecked = _parts(geometry, blocks, version)
-    arrays = [p if isinstance(p, np.ndarray) else np.asarray(memoryview(p)) for p in parts]
-    size = sum(a.nbytes for a in arrays)
+    size = sum(memoryview(p).nbytes for p in parts)
     room = memoryview(out).cast("B")
     if room.readonly:
         raise ValueError("encode_into: out is read-only")
@@ -144,13 +142,7 @@ def encode_into(
         raise ValueError(
             f"encode_into: out holds {len(room)} bytes, the envelope {size + TRAILER_SIZE}"
         )
-    dst = np.frombuffer(room, np.uint8, size + TRAILER_SIZE)
-    at = 0
-    for a in arrays:  # strided parts are read in C order, as the compiled join does
-        np.copyto(dst[at : at + a.nbytes].view(a.dtype).reshape(a.shape), a)
-        at += a.nbytes
-    TRAILER.pack_into(room, at, crc32c(room[:at]))
-    data = room[: at + TRAILER_SIZE]
+    data = room[: join_crc_into(parts, room)]
     _check_written(geometry, version, data, n_blocks, unchecked)
     return data
 

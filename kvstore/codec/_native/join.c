@@ -1,6 +1,7 @@
 /* join_crc(parts, kernel=None) -> bytes: the parts (contiguous or strided buffers)
  * concatenated + their CRC-32C (LE u32), copied and checksummed in one pass (the envelope
- * writer's last step). A large output is advised onto transparent huge pages, as numpy
+ * writer's last step); join_crc_into(parts, out, kernel=None) writes the same bytes into a
+ * caller's buffer (an engine's kept one). A large output is advised onto transparent huge pages, as numpy
  * does for its arrays (TLKV_MADVISE_HUGEPAGE=0 in the environment turns that off), and
  * the pages a large copy lands on are populated with one call (populate_pages, which
  * BytesBuilder uses too).
@@ -85,62 +86,59 @@ void join_init(void) {
     advise_huge = !(huge != NULL && strcmp(huge, "0") == 0);
 }
 
-PyDoc_STRVAR(join_crc_doc,
-"join_crc(parts, kernel=None, /) -> bytes\n\n"
-"The concatenation of a sequence of buffers (C-contiguous, or strided: read in C order)\n"
-"followed by its CRC-32C as 4 little-endian bytes, copied and checksummed in one pass\n"
-"(by the named kernel, one of crc32c_kernels(), or the one crc32c() runs).");
+/* The kernel named by the optional argument (one of crc32c_kernels()), or the one
+ * crc32c() runs. 0, or -1 with an exception set. */
+static int join_kernel(PyObject *name, crc_kernel_fn *fn, crc_copy_fn *copy) {
+    *fn = crc_run;
+    *copy = crc_run_copy;
+    if (name == NULL || name == Py_None)
+        return 0;
+    int k = crc_kernel_index(name);
+    if (k < 0)
+        return -1;
+    *fn = crc_kernels[k].fn;
+    *copy = crc_kernels[k].copy;
+    return 0;
+}
 
-static PyObject *py_join_crc(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    if (check_nargs("join_crc", nargs, 1, 2) < 0)
-        return NULL;
-    crc_kernel_fn fn = crc_run;
-    crc_copy_fn copy = crc_run_copy;
-    if (nargs == 2 && args[1] != Py_None) {
-        int k = crc_kernel_index(args[1]);
-        if (k < 0)
-            return NULL;
-        fn = crc_kernels[k].fn;
-        copy = crc_kernels[k].copy;
-    }
-    PyObject *seq = PySequence_Fast(args[0], "join_crc: expected a sequence of buffers");
-    if (seq == NULL)
-        return NULL;
+/* The parts' buffers (strided, read-only), their count and their total size. The caller
+ * releases views[0 .. *got) and frees views, whether this fails or not. */
+static int join_views(const char *name, PyObject *seq, Py_buffer **views_out,
+                      Py_ssize_t *got, Py_ssize_t *total) {
     Py_ssize_t n_parts = PySequence_Fast_GET_SIZE(seq);
     Py_buffer *views = PyMem_Calloc(n_parts ? (size_t)n_parts : 1, sizeof(Py_buffer));
-    PyObject *result = NULL;
-    Py_ssize_t got = 0, total = 0;
+    *views_out = views;
+    *got = 0;
+    *total = 0;
     if (views == NULL) {
         PyErr_NoMemory();
-        goto done;
+        return -1;
     }
-    for (; got < n_parts; got++) {
+    for (; *got < n_parts; (*got)++) {
+        Py_buffer *v = &views[*got];
         /* Strided exporters (numpy views of an engine's layout) are read in C order. */
-        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, got), &views[got],
-                               PyBUF_STRIDED_RO) < 0)
-            goto done;
-        if (views[got].ndim > JOIN_MAX_DIMS) {
-            got++;
-            PyErr_SetString(PyExc_BufferError, "join_crc: more than 64 dimensions");
-            goto done;
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(seq, *got), v, PyBUF_STRIDED_RO) < 0)
+            return -1;
+        if (v->ndim > JOIN_MAX_DIMS) {
+            (*got)++;
+            PyErr_Format(PyExc_BufferError, "%s: more than 64 dimensions", name);
+            return -1;
         }
-        if (views[got].len > PY_SSIZE_T_MAX - 4 - total) {
-            got++;
+        if (v->len > PY_SSIZE_T_MAX - 4 - *total) {
+            (*got)++;
             PyErr_NoMemory();
-            goto done;
+            return -1;
         }
-        total += views[got].len;
+        *total += v->len;
     }
-    result = PyBytes_FromStringAndSize(NULL, total + 4);
-    if (result == NULL)
-        goto done;
-    uint8_t *out = (uint8_t *)PyBytes_AS_STRING(result);
-    advise_huge_pages(out, (size_t)total + 4);
+    return 0;
+}
+
+/* Copy the parts into dst and write their CRC-32C after them (total + 4 bytes). Runs
+ * without the GIL: touches no Python object. */
+static void join_fill(crc_kernel_fn fn, crc_copy_fn copy, const Py_buffer *views,
+                      Py_ssize_t n_parts, uint8_t *dst) {
     uint32_t crc = 0xFFFFFFFFu;
-    /* The fresh bytes object is private until returned: filling it without the GIL is safe. */
-    Py_BEGIN_ALLOW_THREADS
-    uint8_t *dst = out;
     for (Py_ssize_t i = 0; i < n_parts; i++) {
         if (views[i].len == 0)
             continue;
@@ -155,6 +153,58 @@ static PyObject *py_join_crc(PyObject *self, PyObject *const *args, Py_ssize_t n
     crc = ~crc;
     for (int k = 0; k < 4; k++)
         dst[k] = (uint8_t)(crc >> (8 * k));
+}
+
+/* The lowest and one past the highest address a (possibly strided) buffer reads. */
+static void view_extent(const Py_buffer *v, uintptr_t *lo, uintptr_t *hi) {
+    uintptr_t base = (uintptr_t)v->buf;
+    if (v->strides == NULL || v->ndim == 0) {
+        *lo = base;
+        *hi = base + (uintptr_t)v->len;
+        return;
+    }
+    Py_ssize_t low = 0, high = v->itemsize;
+    for (int k = 0; k < v->ndim; k++) {
+        Py_ssize_t reach = (v->shape[k] - 1) * v->strides[k];
+        if (reach < 0)
+            low += reach;
+        else
+            high += reach;
+    }
+    *lo = base + (uintptr_t)low;
+    *hi = base + (uintptr_t)high;
+}
+
+PyDoc_STRVAR(join_crc_doc,
+"join_crc(parts, kernel=None, /) -> bytes\n\n"
+"The concatenation of a sequence of buffers (C-contiguous, or strided: read in C order)\n"
+"followed by its CRC-32C as 4 little-endian bytes, copied and checksummed in one pass\n"
+"(by the named kernel, one of crc32c_kernels(), or the one crc32c() runs).");
+
+static PyObject *py_join_crc(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (check_nargs("join_crc", nargs, 1, 2) < 0)
+        return NULL;
+    crc_kernel_fn fn;
+    crc_copy_fn copy;
+    if (join_kernel(nargs == 2 ? args[1] : NULL, &fn, &copy) < 0)
+        return NULL;
+    PyObject *seq = PySequence_Fast(args[0], "join_crc: expected a sequence of buffers");
+    if (seq == NULL)
+        return NULL;
+    Py_buffer *views = NULL;
+    Py_ssize_t got = 0, total = 0;
+    PyObject *result = NULL;
+    if (join_views("join_crc", seq, &views, &got, &total) < 0)
+        goto done;
+    result = PyBytes_FromStringAndSize(NULL, total + 4);
+    if (result == NULL)
+        goto done;
+    uint8_t *out = (uint8_t *)PyBytes_AS_STRING(result);
+    advise_huge_pages(out, (size_t)total + 4);
+    /* The fresh bytes object is private until returned: filling it without the GIL is safe. */
+    Py_BEGIN_ALLOW_THREADS
+    join_fill(fn, copy, views, got, out);
     Py_END_ALLOW_THREADS
 done:
     for (Py_ssize_t i = 0; i < got; i++)
@@ -164,7 +214,66 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(join_crc_into_doc,
+"join_crc_into(parts, out, kernel=None, /) -> int\n\n"
+"join_crc's bytes written into the writable C-contiguous buffer out, from its start: the\n"
+"number of bytes written (the parts' total + 4). ValueError, nothing written, when out\n"
+"is too small or a part's memory overlaps out's. out is filled without the GIL, as\n"
+"numpy's copies are: another thread must not use it meanwhile.");
+
+static PyObject *py_join_crc_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (check_nargs("join_crc_into", nargs, 2, 3) < 0)
+        return NULL;
+    crc_kernel_fn fn;
+    crc_copy_fn copy;
+    if (join_kernel(nargs == 3 ? args[2] : NULL, &fn, &copy) < 0)
+        return NULL;
+    Py_buffer out;
+    if (PyObject_GetBuffer(args[1], &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    PyObject *seq = PySequence_Fast(args[0], "join_crc_into: expected a sequence of buffers");
+    if (seq == NULL) {
+        PyBuffer_Release(&out);
+        return NULL;
+    }
+    Py_buffer *views = NULL;
+    Py_ssize_t got = 0, total = 0;
+    PyObject *result = NULL;
+    if (join_views("join_crc_into", seq, &views, &got, &total) < 0)
+        goto done;
+    if (out.len < total + 4) {
+        PyErr_Format(PyExc_ValueError, "join_crc_into: out holds %zd bytes, the parts and "
+                     "their CRC %zd", out.len, total + 4);
+        goto done;
+    }
+    uintptr_t out_lo = (uintptr_t)out.buf, out_hi = out_lo + (uintptr_t)(total + 4);
+    for (Py_ssize_t i = 0; i < got; i++) {
+        uintptr_t lo, hi;
+        if (views[i].len == 0)
+            continue;
+        view_extent(&views[i], &lo, &hi);
+        if (lo < out_hi && out_lo < hi) {
+            PyErr_Format(PyExc_ValueError, "join_crc_into: part %zd overlaps out", i);
+            goto done;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    join_fill(fn, copy, views, got, (uint8_t *)out.buf);
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromSsize_t(total + 4);
+done:
+    for (Py_ssize_t i = 0; i < got; i++)
+        PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    Py_DECREF(seq);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 PyMethodDef join_methods[] = {
     {"join_crc", (PyCFunction)(void (*)(void))py_join_crc, METH_FASTCALL, join_crc_doc},
+    {"join_crc_into", (PyCFunction)(void (*)(void))py_join_crc_into, METH_FASTCALL,
+     join_crc_into_doc},
     {NULL, NULL, 0, NULL},
 };
