@@ -4,7 +4,8 @@
 docstring, to the code that does it over a model handle (``state.Handle``, the model's
 state on the one ``environment.Environment``): ``reads`` (get, has, longest_prefix, views,
 sequences), ``writes`` (put, import, delete), ``restores`` (restore journals), ``models``
-and ``stats``. The on-disk layout is declared in ``diskformat``, the write transaction in
+and ``stats``; the administrative half (models, the KV event log, restores, counters, the
+tier) is in its base, ``store_admin.StoreAdmin``. The on-disk layout is declared in ``diskformat``, the write transaction in
 ``writetxn`` and ``seqtxn``, zero-copy readers in ``reader``; the codec (``envelope``)
 validates every envelope, and a block is stored as its verbatim single-block envelope.
 
@@ -33,7 +34,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from types import TracebackType
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
@@ -43,22 +44,21 @@ from ..codec.tokens import BlockTokens
 from ..protocol import DEFAULT_MODEL
 from ..tier import Tier
 from . import kvevents as _kvevents
-from . import models as _models
 from . import reads as _reads
 from . import restores as _restores
-from . import stats as _stats
 from . import writes as _writes
 from .checks import check_open
 from .journal import RestoreJournal
 from .reader import Reader
 from .reads import transcode_stored
 from .results import PutReport, PutResult
-from .state import Handle, open_root
+from .state import open_root
+from .store_admin import StoreAdmin
 
 __all__ = ["PutReport", "PutResult", "Reader", "Store", "transcode_stored"]
 
 
-class Store:
+class Store(StoreAdmin):
     """A persistent, content-addressed store of KV blocks in one LMDB environment.
 
     Args:
@@ -144,15 +144,6 @@ class Store:
             for model in self.models():  # every model's uploads resume (their handles)
                 self.model(model)
 
-    @classmethod
-    def _of(cls, h: Handle) -> Store:
-        """The ``Store`` presenting the handle ``h`` (one per handle)."""
-        if h.facade is None:
-            store = cls.__new__(cls)
-            store._h = h
-            h.facade = store
-        return cast(Store, h.facade)
-
     # --- properties and life cycle -----------------------------------------------------
 
     @property
@@ -228,77 +219,6 @@ class Store:
         state = "closed" if h.closed or h.env.closed else "open"
         model = "" if h.model == DEFAULT_MODEL else f", model={h.model!r}"
         return f"Store({h.env.path!r}{model}, geometry={h.geometry}, {state})"
-
-    def open_handles(self) -> list[Store]:
-        """This store and the model handles this process has open (each model's read and
-        write counters live on its handles)."""
-        return [Store._of(h) for h in _models.open_handles(self._h)]
-
-    # --- models ------------------------------------------------------------------------
-
-    def model(
-        self,
-        model_id: str,
-        *,
-        geometry: Geometry | None = None,
-        quota_bytes: int | None = None,
-    ) -> Store:
-        """A handle on the model (namespace) ``model_id`` of this store, with this whole API.
-
-        Its blocks, sequences, geometry and stats are its own: the same hash in two models
-        is two blocks. The model is created by its first write; until then reads find
-        nothing. The handle lives as long as the store (``close`` of the store closes it).
-
-        Args:
-            model_id: 1-200 characters of ``[A-Za-z0-9._:@/+-]``, not ``.`` or ``..``
-                (``protocol.check_model_id``); ``"default"`` is the
-                store's own model (the only one of stores made before models).
-            geometry: the model's geometry (checked like ``Store``'s).
-            quota_bytes: bound on this model's stored bytes, enforced by this handle: a
-                put beyond it first evicts the model's own least-recently-used blocks.
-
-        Raises:
-            ValueError: a bad model id.  ShapeError: the model holds another geometry.
-        """
-        return Store._of(_models.model_handle(self._h, model_id, geometry, quota_bytes))
-
-    @property
-    def model_id(self) -> str:
-        """The model this handle reads and writes (``"default"`` for the store itself)."""
-        return self._h.model
-
-    @property
-    def quota_bytes(self) -> int | None:
-        """The bound this handle keeps its model's bytes under (None: only the capacity)."""
-        return self._h.quota
-
-    def models(self) -> list[str]:
-        """Every model of the store, sorted (``"default"`` always among them)."""
-        return _models.models(self._h)
-
-    @property
-    def max_models(self) -> int:
-        """The models besides ``default`` the store admits (its own limit)."""
-        return _models.max_models(self._h)
-
-    def delete_model(self, model_id: str) -> dict[str, int] | None:
-        """Delete a model with every block, sequence and counter of it, in one transaction;
-        what it held (``blocks``, ``bytes``, ``sequences``), or None when there is no such
-        model. Handles on it (here or in other processes) then find it not created yet; a
-        put through one creates it again. A model registered before today's model-id
-        rule (``.``, ``..``) is deleted by its id too. The tier's objects stay.
-
-        Raises:
-            InvalidRequestError: ``model_id`` is ``"default"`` (the store itself).
-            ValueError: a bad model id (not a model of the store).
-        """
-        return _models.delete_model(self._h, model_id)
-
-    def has_model(self, model_id: str) -> bool:
-        """Whether ``model_id`` exists (``"default"`` always does): here, or with a tier,
-        as a namespace of the tier (its geometry object is there: another node created
-        it, and this store reads its blocks through)."""
-        return _models.has_model(self._h, model_id)
 
     # --- reads -------------------------------------------------------------------------
 
@@ -500,77 +420,3 @@ class Store:
         """For each hash, ``(parent hash, token ids)`` of the stored block when it was
         written with its token ids (verified then); None otherwise."""
         return _kvevents.block_tokens(self._h, hashes)
-
-    # --- the KV event log ---------------------------------------------------------------
-
-    def set_events(self, limit: int) -> None:
-        """Keep the KV event log (``docs/events.md``), its oldest batches dropped beyond
-        ``limit``; 0 turns it off (emptied). A setting of the store, for every process."""
-        _kvevents.set_events(self._h, limit)
-
-    def read_events(self, start: int = 0, limit: int = 1024) -> list[tuple[int, str, bytes]]:
-        """Up to ``limit`` logged ``(seq, model id, payload)`` from ``start`` on, in order
-        (payload: ``msgpack(KVEventBatch)``, ``kvstore.events.wire``)."""
-        return _kvevents.read_events(self._h, start, limit)
-
-    def events_bounds(self) -> tuple[int, int, int]:
-        """``(first, next, limit)``: the log holds ``first .. next - 1``; bound 0 is off."""
-        return _kvevents.events_bounds(self._h)
-
-    # --- restores ----------------------------------------------------------------------
-
-    def begin_restore(self) -> RestoreJournal:
-        """A journal for one restore's ``import_batch`` calls, to pass to ``end_restore``:
-        until then, a process that opens the store after the restore's died undoes it."""
-        return _restores.begin_restore(self._h)
-
-    def end_restore(self, journal: RestoreJournal, *, keep: bool) -> None:
-        """Finish a restore: ``keep`` what it imported (one commit), or undo it.
-
-        Raises:
-            StoreError: the commit failed; the journal stays, and the next process to open
-                the store undoes the restore.
-        """
-        _restores.end_restore(self._h, journal, keep)
-
-    def keep_restores(self, journals: Iterable[RestoreJournal]) -> None:
-        """Keep several restores (one per model of an archive) in one commit: all of them
-        become whole, or none does (then ``end_restore(keep=False)`` each, or let the next
-        process to open the store undo them).
-
-        Raises:
-            StoreError: the commit failed; the journals stay (not released).
-        """
-        _restores.keep_restores(self._h, journals)
-
-    # --- counters ----------------------------------------------------------------------
-
-    def total_bytes(self) -> int:
-        """The bytes stored by every model together (what ``capacity_bytes`` bounds)."""
-        return _stats.total_bytes(self._h)
-
-    def stats(self) -> _stats.StoreStats:
-        """blocks, bytes, capacity_bytes, pinned_blocks, sequences, hits, misses, evictions,
-        corrupt (hits and misses: this process's reads since it opened the store;
-        pinned_blocks: the stored blocks sequences reference, plus the full blocks
-        sequences keep in their own records, once per sequence keeping one)."""
-        return _stats.stats(self._h)
-
-    # --- the tier ----------------------------------------------------------------------
-
-    @property
-    def tier(self) -> Tier | None:
-        """The object-store tier behind the store (None without one)."""
-        link = self._h.tier
-        return None if link is None else link.tier
-
-    def tier_info(self) -> dict[str, Any] | None:
-        """The tier's URL, state, counters and pending uploads (None without a tier)."""
-        link = self._h.tier
-        return None if link is None else link.info()
-
-    def wait_uploaded(self, timeout: float | None = None) -> bool:
-        """Wait until the blocks read through are committed here and no block is pending
-        upload to the tier; False on timeout."""
-        link = self._h.tier
-        return True if link is None else link.wait_uploaded(timeout)
