@@ -2,8 +2,10 @@
 
 It answers from a read snapshot and writes nothing (no write lock, no fsync): every rule
 is still checked (the CRC too), the answer is the one the write path gives, and the
-blocks' use is remembered as a read hit's is. Anything else (a block missing, token
-ids to keep, another geometry) goes through the write transaction as before.
+blocks' use is remembered as a read hit's is. A re-put carrying token ids is one too when
+every block has its ids kept and is announced already. Anything else (a block missing,
+token ids to keep or a block to announce, another geometry) goes through the write
+transaction as before.
 """
 
 from __future__ import annotations
@@ -13,10 +15,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import SMALL, make_envelope
-from prompts import prompt
+from prompts import log_events, prompt
 from store_helpers import SINGLE, check_consistency, flip_byte, full_blocks, hashes_of
 
-from kvstore import Block, ChecksumError, Geometry, PutReport, ShapeError, Store, encode
+from kvstore import (
+    Block,
+    ChecksumError,
+    Geometry,
+    PutReport,
+    ShapeError,
+    Store,
+    decode,
+    encode,
+)
+from kvstore.codec.tokens import BlockTokens
+from kvstore.errors import TokenMismatchError
 
 
 def _txnid(s: Store) -> int:
@@ -82,6 +95,43 @@ def test_a_reput_with_token_ids_keeps_them(tmp_path: Path) -> None:
         assert _txnid(s) == before + 1
         kept = s.block_tokens(hashes)
         assert np.concatenate([t for _, t in kept]).tolist() == ids[:20]  # type: ignore[misc]
+
+
+def test_a_reput_with_token_ids_kept_and_announced_writes_nothing(tmp_path: Path) -> None:
+    ids, hashes, env = prompt(22, seed=5)
+    with Store(tmp_path / "s", events=64) as s:
+        assert s.put(env, tokens=ids).stored == len(hashes)
+        bounds, kept = s.events_bounds(), s.block_tokens(hashes)
+        assert bounds[1] - bounds[0] == 1  # the put's BlockStored batch
+        before = _txnid(s)
+        assert s.put_report(env, tokens=ids) == PutReport([], hashes, 0)
+        assert _txnid(s) == before  # no write transaction
+        assert s.events_bounds() == bounds  # nothing announced again
+        again = s.block_tokens(hashes)
+        assert [(p, t.tolist()) for p, t in again] == [(p, t.tolist()) for p, t in kept]  # type: ignore[misc]
+        with pytest.raises(TokenMismatchError):  # ids are still checked first
+            s.put(env, tokens=ids[::-1])
+        check_consistency(s)
+
+
+def test_a_reput_with_token_ids_of_a_waiting_block_takes_the_write_path(tmp_path: Path) -> None:
+    """A block whose parent was never announced waits; its re-put is not answered from the
+    snapshot (the write transaction decides, and announces nothing either)."""
+    ids, hashes, env = prompt(8, seed=6)  # two blocks
+    first, second = (decode(env).single(i) for i in range(2))
+    row = BlockTokens(np.array([hashes[0]], "<u8"), np.array([ids[4:8]], "<u4"))
+    with Store(tmp_path / "s", events=64) as s:
+        s.put(second, tokens=row)  # kept, waiting for its parent
+        before = _txnid(s)
+        assert s.put_report(second, tokens=row) == PutReport([], [hashes[1]], 0)
+        assert _txnid(s) == before + 1  # the write path
+        assert s.events_bounds()[1] == 0  # and still nothing announced
+        s.put(first, tokens=ids[:4])  # announces the parent, then the waiting child
+        assert [e["block_hashes"] for _, _, b in log_events(s) for e in b] == [hashes]
+        before = _txnid(s)
+        assert s.put_report(second, tokens=row) == PutReport([], [hashes[1]], 0)
+        assert _txnid(s) == before  # announced now: from the snapshot
+        check_consistency(s)
 
 
 def test_a_reput_in_another_geometry_is_refused(tmp_path: Path) -> None:

@@ -21,11 +21,12 @@ from ..codec.layout import NO_HASH
 from ..codec.tokens import BlockTokens, tokens_for
 from ..errors import ChecksumError, PinnedError
 from .checks import check_hash, check_sequence_blocks, seq_key
-from .diskformat import BLOCK_KEY
+from .diskformat import ANNOUNCED_STORAGE, BLOCK_KEY
 from .journal import RestoreJournal
 from .results import PutReport, PutResult
 from .seqtxn import drop_sequence, put_sequence
 from .state import Handle
+from .tokentxn import announced
 from .writetxn import CrcMismatch, WriteTxn
 
 T = TypeVar("T")
@@ -83,7 +84,7 @@ def put_report(
     """``Store.put_report``: store every full block of ``envelope``, by hash."""
     env = validate(h, envelope)
     kept = check_tokens(env, tokens, parent)
-    if kept is None and (report := _held_already(h, env)) is not None:
+    if (report := _held_already(h, env, kept is not None)) is not None:
         return report
     h.resolve(create=True)
 
@@ -94,9 +95,12 @@ def put_report(
     return _run(h, body, len(env.data))
 
 
-def _held_already(h: Handle, env: Envelope) -> PutReport | None:
+def _held_already(h: Handle, env: Envelope, with_tokens: bool = False) -> PutReport | None:
     """The report of a re-put: every full block of ``env`` is stored already, in the
-    geometry ``env`` has (None otherwise: the write transaction decides).
+    geometry ``env`` has, and, for a put carrying token ids (``with_tokens``, verified
+    against the hashes by then), each has its ids kept and is announced already, so the
+    write path would keep the stored ids and announce nothing (None otherwise: the write
+    transaction decides).
 
     Nothing is written: the CRC is checked (a mismatch raises as the write path does),
     and each block's use goes to the recency buffer, as a read hit does (persisted with
@@ -110,8 +114,11 @@ def _held_already(h: Handle, env: Envelope) -> PutReport | None:
         if h.dbs.number < 0 or h.pending is not None or h.geometry_in(txn) != env.geometry:
             return None
         get, blocks = txn.get, h.dbs.blocks
-        if any(get(BLOCK_KEY.pack(x), None, blocks) is None for x in set(full)):
+        unique = set(full)
+        if any(get(BLOCK_KEY.pack(x), None, blocks) is None for x in unique):
             return None
+        if with_tokens and not all(announced(txn, h.dbs, x, ANNOUNCED_STORAGE) for x in unique):
+            return None  # ids to keep or a block to announce: the write path does it
     finally:
         h.end_read(txn)
     check_crc(env.data)  # ChecksumError with the codec's message, as ``_run`` raises
