@@ -5,9 +5,10 @@ docstring, to the code that does it over a model handle (``state.Handle``, the m
 state on the one ``environment.Environment``): ``reads`` (get, has, longest_prefix, views,
 sequences), ``writes`` (put, import, delete), ``restores`` (restore journals), ``models``
 and ``stats``; the administrative half (models, the KV event log, restores, counters, the
-tier) is in its base, ``store_admin.StoreAdmin``. The on-disk layout is declared in ``diskformat``, the write transaction in
-``writetxn`` and ``seqtxn``, zero-copy readers in ``reader``; the codec (``envelope``)
-validates every envelope, and a block is stored as its verbatim single-block envelope.
+tier) is in its base, ``store_admin.StoreAdmin``. The on-disk layout is declared in
+``diskformat``, the write transaction in ``writetxn`` and ``seqtxn``, zero-copy readers in
+``reader``; the codec (``envelope``) validates every envelope, and a block is stored as its
+verbatim single-block envelope.
 
 Choices:
 
