@@ -15,7 +15,8 @@ from conftest import SMALL, make_envelope
 
 from kvstore import Geometry, decode, split
 from kvstore.archive.frames import encode_index
-from kvstore.archive.manifest import BLOCK_NAME, Manifest, SequenceRecord, canonical_json
+from kvstore.archive.manifest import BLOCK_NAME, Manifest, canonical_json
+from kvstore.archive.sequences import SequenceRecord
 from kvstore.archive.tar import END_OF_ARCHIVE, member_prefix, padding
 
 LONG_NAME = "agent-" + "x" * 110  # > 100 bytes as a member name: needs a pax header

@@ -12,9 +12,10 @@ from conftest import SMALL, make_envelope
 
 from kvstore import decode, split
 from kvstore.archive.frames import encode_index
-from kvstore.archive.manifest import Manifest, Section, SequenceRecord, parse_sequence_json
+from kvstore.archive.manifest import Manifest, Section
 from kvstore.archive.reader import ArchiveReader
 from kvstore.archive.scan import ArchiveBlock, ArchiveSequence
+from kvstore.archive.sequences import SequenceRecord, parse_sequence_json
 from kvstore.archive.tar import member_prefix, ustar_header
 from kvstore.archive.writer import write_archive
 from kvstore.codec.checksum import crc32c

@@ -37,8 +37,9 @@ from kvstore import (
     split,
 )
 from kvstore import archive as ar
-from kvstore.archive.manifest import SequenceRecord, canonical_json
+from kvstore.archive.manifest import canonical_json
 from kvstore.archive.operations import extract_checked
+from kvstore.archive.sequences import SequenceRecord
 from kvstore.archive.tar import END_OF_ARCHIVE, USTAR_HEADER, ustar_header
 from kvstore.errors import TruncatedArchiveError, UnsafeArchiveError
 from kvstore.store.store import Store

@@ -12,7 +12,6 @@ from .manifest import (
     ARCHIVE_VERSION_OWN,
     Manifest,
     Section,
-    SequenceRecord,
 )
 from .operations import (
     CreateSummary,
@@ -29,6 +28,7 @@ from .operations import (
 )
 from .reader import ArchiveReader
 from .scan import ArchiveBlock, ArchiveSequence, Problem
+from .sequences import SequenceRecord
 from .writer import ModelContent, write_archive, write_models
 
 __all__ = [

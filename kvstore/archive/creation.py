@@ -24,8 +24,9 @@ from ..errors import ArchiveError, ChecksumError, IncompleteArchiveError
 from ..fileio import drop_mapped_pages, populate_mapped_pages
 from ..protocol import DEFAULT_MODEL, check_model_id, check_sequence_name
 from ..store.protocols import ArchiveSource
-from .manifest import DEFAULT_LEVEL, SequenceRecord, find_positions, referenced
+from .manifest import DEFAULT_LEVEL
 from .progress import Progress
+from .sequences import SequenceRecord, find_positions, referenced
 from .sources import open_output
 from .writer import ModelContent, WriteSummary, write_models
 

@@ -19,7 +19,6 @@ from ..errors import UnsafeArchiveError
 from ..fileio import atomic_file, current_umask
 from .manifest import (
     MANIFEST_NAME,
-    SequenceRecord,
     block_member,
     sequence_block_member,
     sequence_member,
@@ -28,6 +27,7 @@ from .manifest import (
 )
 from .reader import ArchiveReader
 from .scan import ArchiveBlock, ArchiveSequence, ArchiveTokens
+from .sequences import SequenceRecord
 
 
 def extract(

@@ -1,8 +1,9 @@
 """The tlkv archive format's names and records (ARCHIVE.md 1): member names, the manifest
 (version 2 names the one model of the members, version 3 lists several models whose members
-sit under ``models/<n>/``; a version-1 archive is the model ``default``), sequence records,
-and the rules a member envelope must meet, shared by the writer and the reader. Sans-IO:
-bytes and values in, checked values or ArchiveError out.
+sit under ``models/<n>/``; a version-1 archive is the model ``default``), the keys of a
+sequence record (``sequences`` reads and writes the records), and the rules a member
+envelope must meet, shared by the writer and the reader. Sans-IO: bytes and values in,
+checked values or ArchiveError out.
 """
 
 from __future__ import annotations
@@ -11,10 +12,7 @@ import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import pairwise
 from typing import Any
-
-import numpy as np
 
 from ..codec.envelope import decode
 from ..codec.geometry import Geometry
@@ -31,8 +29,6 @@ from ..protocol import (
     HASH_HEX_REGEX,
     SEQUENCE_NAME_REGEX,
     check_model_id,
-    hash_hex,
-    is_hash_hex,
 )
 
 ARCHIVE_FORMAT = "tlkv-archive"
@@ -89,7 +85,8 @@ def canonical_json(obj: Any) -> bytes:
     return (text + "\n").encode("ascii")
 
 
-def _strict_json(data: Any, what: str, limit: int) -> Any:
+def strict_json(data: Any, what: str, limit: int) -> Any:
+    """The JSON object ``data`` holds, refused unless within ``limit`` bytes and canonical."""
     raw = bytes(data)
     if len(raw) > limit:
         raise UnsafeArchiveError(f"{what}: {len(raw)} bytes exceeds the limit of {limit}")
@@ -108,7 +105,8 @@ def _strict_json(data: Any, what: str, limit: int) -> Any:
     return obj
 
 
-def _is_int(value: Any, low: int, high: int) -> bool:
+def is_int_in(value: Any, low: int, high: int) -> bool:
+    """Whether ``value`` is an int (not a bool) from ``low`` to ``high``."""
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
@@ -256,7 +254,7 @@ class Manifest:
             UnsupportedVersionError: another archive_version.
             ArchiveError: anything else malformed.
         """
-        obj = _strict_json(data, MANIFEST_NAME, MAX_MANIFEST_BYTES)
+        obj = strict_json(data, MANIFEST_NAME, MAX_MANIFEST_BYTES)
         if obj.get("format") != ARCHIVE_FORMAT:
             raise ArchiveError(f"manifest: format must be {ARCHIVE_FORMAT!r}")
         version = obj.get("archive_version")
@@ -272,7 +270,7 @@ class Manifest:
         if tuple(sorted(obj)) != keys:
             raise ArchiveError(f"manifest: keys must be {keys}, found {sorted(obj)}")
         for key in ("blocks", "sequences", *((OWN_KEY,) if own else ())):
-            if not _is_int(obj[key], 0, U32_MAX):
+            if not is_int_in(obj[key], 0, U32_MAX):
                 raise ArchiveError(f"manifest: {key} must be an integer in 0..{U32_MAX}")
         if version == ARCHIVE_VERSION_OWN and not obj[OWN_KEY]:
             raise ArchiveError(f"manifest: version {version} has {OWN_KEY} of at least 1")
@@ -340,7 +338,7 @@ def _section(obj: dict[str, Any], what: str, model: Any, own: bool = False) -> S
     except ValueError as exc:
         raise ArchiveError(f"{what}: {exc}") from None
     for key in ("blocks", "sequences", *((OWN_KEY,) if own else ())):
-        if not _is_int(obj[key], 0, U32_MAX):
+        if not is_int_in(obj[key], 0, U32_MAX):
             raise ArchiveError(f"{what}: {key} must be an integer in 0..{U32_MAX}")
     own_blocks = obj[OWN_KEY] if own else 0
     if own_blocks > obj["sequences"] * MAX_SEQUENCE_HASHES:
@@ -353,7 +351,7 @@ def _section(obj: dict[str, Any], what: str, model: Any, own: bool = False) -> S
     else:
         if not isinstance(g, dict) or tuple(sorted(g)) != GEOMETRY_KEYS:
             raise ArchiveError(f"{what}: geometry must have the keys {GEOMETRY_KEYS}")
-        if not all(_is_int(g[k], 1, U32_MAX) for k in GEOMETRY_KEYS):
+        if not all(is_int_in(g[k], 1, U32_MAX) for k in GEOMETRY_KEYS):
             raise ArchiveError(f"{what}: geometry values must be in 1..{U32_MAX}")
         geometry = Geometry.from_dict(g)
     return Section(model, geometry, obj["blocks"], obj["sequences"], "", own_blocks)
@@ -380,65 +378,6 @@ def split_member(name: str, sections: Sequence[Section]) -> tuple[int, str]:
     return n, found.group(2)
 
 
-@dataclass(frozen=True)
-class SequenceRecord:
-    """A named KV state: its full blocks' hashes in order, its tail envelope (or None),
-    and ``own``: ``(position, single-block envelope)`` of the full blocks it keeps of its
-    own (version 4, positions ascending; every other position names a block member)."""
-
-    name: str
-    hashes: Sequence[int]
-    tail: Any = None
-    own: Sequence[tuple[int, Any]] = ()
-
-    def to_json(self) -> bytes:
-        """The canonical bytes of ``sequences/<name>.json``."""
-        obj: dict[str, Any] = {
-            "hashes": [hash_hex(h) for h in self.hashes],
-            "name": self.name,
-            "tail": self.tail is not None,
-        }
-        if self.own:
-            obj["own"] = [p for p, _ in self.own]
-        return canonical_json(obj)
-
-
-def parse_sequence_json(
-    data: Any, name: str, own: bool = False
-) -> tuple[list[int], bool, list[int]]:
-    """``(hashes, has_tail, own positions)`` of a sequence record named ``name``
-    (ARCHIVE.md 1.4; ``own``: the archive is version 4, so a record may have ``own``)."""
-    what = sequence_member(name)
-    obj = _strict_json(data, what, MAX_SEQUENCE_BYTES)
-    keys = tuple(sorted(obj))
-    if keys != SEQUENCE_KEYS and not (own and keys == SEQUENCE_KEYS_OWN):
-        allowed = f"{SEQUENCE_KEYS} or {SEQUENCE_KEYS_OWN}" if own else f"{SEQUENCE_KEYS}"
-        raise ArchiveError(f"{what}: keys must be {allowed}, found {sorted(obj)}")
-    if obj["name"] != name:
-        raise ArchiveError(f"{what}: records the name {obj['name']!r}")
-    hashes, tail = obj["hashes"], obj["tail"]
-    if not isinstance(tail, bool) or not isinstance(hashes, list):
-        raise ArchiveError(f"{what}: hashes must be a list and tail a boolean")
-    if not all(map(is_hash_hex, hashes)):
-        raise ArchiveError(f"{what}: every hash must be 16 lowercase hex digits")
-    values = [int(h, 16) for h in hashes]
-    if NO_HASH in values:
-        raise ArchiveError(f"{what}: hash 0 (no hash) cannot name a full block")
-    if not values and not tail:
-        raise ArchiveError(f"{what}: a sequence has at least one block or a tail")
-    positions = obj.get("own", [])
-    if "own" in obj and not (
-        isinstance(positions, list)
-        and positions
-        and all(_is_int(p, 0, len(values) - 1) for p in positions)
-        and all(a < b for a, b in pairwise(positions))
-    ):
-        raise ArchiveError(
-            f"{what}: own must be a non-empty list of ascending positions of its hashes"
-        )
-    return values, tail, positions
-
-
 def check_member_envelope(
     env_bytes: Any, geometry: Geometry, what: str, want_hash: int | None, verify_crc: bool = True
 ) -> Any:
@@ -457,49 +396,3 @@ def check_member_envelope(
     elif found != want_hash:
         raise ArchiveError(f"{what}: the envelope's block hash is {found:016x}")
     return env
-
-
-def referenced(hashes: Sequence[int], own: Sequence[int]) -> Sequence[int] | np.ndarray:
-    """The hashes of a sequence's positions other than ``own`` (ascending positions): the
-    ones that name block members."""
-    if not own:
-        return hashes
-    keep = np.ones(len(hashes), dtype=bool)
-    keep[np.asarray(own, dtype=np.intp)] = False
-    return np.asarray(hashes, dtype=np.uint64)[keep]
-
-
-def find_positions(
-    present: np.ndarray, hashes: Sequence[int] | np.ndarray
-) -> tuple[np.ndarray, int | None]:
-    """Positions of ``hashes`` in the sorted array ``present``, and the first hash that is
-    not there (or None)."""
-    wanted = np.asarray(hashes, dtype=np.uint64)
-    if not len(wanted):
-        return np.zeros(0, dtype=np.intp), None
-    if not len(present):
-        return np.zeros(0, dtype=np.intp), int(wanted[0])
-    pos = np.searchsorted(present, wanted)
-    pos[pos >= len(present)] = 0
-    ok = present[pos] == wanted
-    if bool(ok.all()):
-        return pos, None
-    return pos, int(wanted[int(np.argmin(ok))])
-
-
-def sequence_version(
-    what: str,
-    versions: np.ndarray,
-    positions: np.ndarray,
-    tail_version: int | None,
-    own_versions: Sequence[int] = (),
-) -> int:
-    """The one format version of a sequence's blocks (those at ``positions`` of the
-    archive's, and its own) and tail (ARCHIVE.md rule R12)."""
-    found = set(np.unique(versions[positions]).tolist()) if len(positions) else set()
-    found.update(own_versions)
-    if tail_version is not None:
-        found.add(tail_version)
-    if len(found) != 1:
-        raise ArchiveError(f"{what}: blocks and tail mix format versions {sorted(found)}")
-    return int(found.pop())

@@ -37,7 +37,6 @@ from .manifest import (
     block_member,
     check_member_envelope,
     escapes,
-    parse_sequence_json,
     sequence_block_member,
     sequence_member,
     split_member,
@@ -45,6 +44,7 @@ from .manifest import (
     tokens_member,
 )
 from .scan import Item, Problem, Scan, SequenceParts
+from .sequences import parse_sequence_json
 from .tar import END_OF_ARCHIVE, TAR_BLOCK, iter_members, member_size, padded
 
 # --- reading ------------------------------------------------------------------------------

@@ -22,14 +22,11 @@ from .manifest import (
     SEQUENCE_JSON_NAME,
     TOKENS_NAME,
     check_member_envelope,
-    find_positions,
-    parse_sequence_json,
-    referenced,
     sequence_block_member,
-    sequence_version,
     split_member,
     tail_member,
 )
+from .sequences import find_positions, parse_sequence_json, referenced, sequence_version
 from .tar import END_OF_ARCHIVE, Member
 
 if TYPE_CHECKING:

@@ -24,17 +24,14 @@ from .manifest import (
     MANIFEST_NAME,
     Manifest,
     Section,
-    SequenceRecord,
     block_member,
     check_member_envelope,
-    find_positions,
-    referenced,
     sequence_block_member,
     sequence_member,
-    sequence_version,
     tail_member,
     tokens_member,
 )
+from .sequences import SequenceRecord, find_positions, referenced, sequence_version
 from .tar import END_OF_ARCHIVE
 
 # --- writing ------------------------------------------------------------------------------
