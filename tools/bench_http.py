@@ -1,6 +1,6 @@
 """HTTP service benchmarks: GET throughput against a bare ASGI app, has-blocks latency,
 durable PUT throughput, and a mixed load run (5xx, lost puts, worker RSS:
-``bench_http_load``).
+``bench_http_load``; the clients and parts: ``bench_http_clients``).
 
 Both servers run as subprocesses with 2 workers, uvloop and httptools: ``tlkv serve`` on a
 temporary store of 2 MiB v1 blocks (geometry 16, 32, 8, 128), and a bare uvicorn ASGI app
@@ -18,260 +18,33 @@ only.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import http.client
 import json
-import multiprocessing
 import os
-import random
-import re
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from bench_common import Row
-from bench_servers import GEOMETRY, Server, start_bare, start_tlkv
+from bench_http_clients import (
+    block_envelopes,
+    get_cpu,
+    get_throughput,
+    has_p50,
+    join_envelopes,
+    put_throughput,
+    raw_lmdb_put,
+    rehash_body,
+    store_put,
+)
+from bench_http_load import load_run
+from bench_servers import Server, start_bare, start_tlkv
 
-from kvstore.protocol import ENVELOPE_MEDIA_TYPE, HASHES_MEDIA_TYPE
+from kvstore.protocol import HASHES_MEDIA_TYPE
 
 GET_ROUNDS = 9  # interleaved wrk rounds per server (5 with --quick): the VM's CPU time
 # per request drifts by up to 2x between rounds, so the median of many short ones
 PUT_ROUNDS = 5  # the disk writes fresh pages at 0.2-0.5 GB/s: the median of five rounds
-
-
-# --- envelopes ---------------------------------------------------------------------------
-
-
-def _block_envelopes(hashes: list[int], seed: int = 0) -> Iterator[tuple[int, bytes]]:
-    """Single-block v1 envelopes: one random 2 MiB f16 payload under many hashes."""
-    import numpy as np
-
-    from kvstore import Block, Geometry, encode
-
-    g = Geometry(*GEOMETRY)
-    kv = np.random.default_rng(seed).standard_normal(g.kv_shape).astype(np.float16)
-    for h in hashes:
-        yield h, encode(g, [Block(h, g.block_tokens, kv)], 1)
-
-
-def _rehash_body(body: bytes, round_no: int) -> bytes:
-    """``body`` with every block's hash moved to round ``round_no``'s own (new blocks)."""
-    from kvstore import crc32c, join, split
-    from kvstore.codec.assembly import crc_matches  # noqa: F401 - the codec is loaded
-    from kvstore.codec.layout import HEADER_SIZE, RECORD, TRAILER, TRAILER_SIZE
-
-    parts = []
-    for part in split(body):
-        buf = bytearray(part)
-        h, n = RECORD.unpack_from(buf, HEADER_SIZE)
-        RECORD.pack_into(buf, HEADER_SIZE, h + ((round_no + 1) << 48), n)
-        TRAILER.pack_into(buf, len(buf) - TRAILER_SIZE, crc32c(memoryview(buf)[:-TRAILER_SIZE]))
-        parts.append(bytes(buf))
-    return join(parts)
-
-
-def _join(parts: list[bytes]) -> bytes:
-    from kvstore import join
-
-    return join(parts)
-
-
-# --- load generators (http.client, one keep-alive connection per process) ----------------
-
-
-def _get_loop(port: int, paths: list[str], seconds: float, out: Any) -> None:
-    conn = http.client.HTTPConnection("127.0.0.1", port)
-    buf = bytearray(4 << 20)
-    view = memoryview(buf)
-    rng = random.Random(os.getpid())
-    n = nbytes = errors = 0
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        conn.request("GET", rng.choice(paths))
-        r = conn.getresponse()
-        length = int(r.getheader("content-length", "0"))
-        got = 0
-        while got < length:
-            k = r.readinto(view[got:length])
-            if not k:
-                break
-            got += k
-        r.close()
-        if r.status != 200:
-            errors += 1
-        n += 1
-        nbytes += got
-    conn.close()
-    out.put((n, nbytes, errors))
-
-
-def _wrk_get(
-    port: int, paths: list[str], seconds: float, connections: int
-) -> tuple[float, int] | None:
-    """GB/s and requests measured by wrk (None when wrk is not installed)."""
-    wrk = shutil.which("wrk")
-    if wrk is None:
-        return None
-    cmd = [wrk, f"-c{connections}", "-t2", f"-d{max(1, int(seconds))}s"]
-    out = subprocess.run(
-        [*cmd, f"http://127.0.0.1:{port}{paths[0]}"], capture_output=True, text=True, check=False
-    ).stdout
-    m = re.search(r"Transfer/sec:\s+([\d.]+)(\w+)", out)
-    n = re.search(r"(\d+) requests in", out)
-    if not m or not n:
-        return None
-    scale = {"B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30}[m.group(2)]
-    return float(m.group(1)) * scale / 1e9, int(n.group(1))
-
-
-def _cpu_seconds(server: Server) -> float:
-    """User + system CPU time of the server's processes (supervisor and workers) so far."""
-    total = 0
-    for pid in [server.proc.pid, *server.worker_pids()]:
-        with contextlib.suppress(OSError):
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
-    return total / os.sysconf("SC_CLK_TCK")
-
-
-def _get_cpu(
-    server: Server, paths: list[str], seconds: float, clients: int
-) -> tuple[float, float] | None:
-    """GB/s and server CPU seconds per request of a wrk GET run (None without wrk)."""
-    cpu0 = _cpu_seconds(server)
-    got = _wrk_get(server.port, paths, seconds, clients)
-    cpu = _cpu_seconds(server) - cpu0
-    if got is None or not got[1]:
-        return None
-    return got[0], cpu / got[1]
-
-
-def _get_throughput(port: int, paths: list[str], seconds: float, clients: int) -> float:
-    """GB/s of GET responses with ``clients`` keep-alive connections (wrk or processes)."""
-    via_wrk = _wrk_get(port, paths, seconds, clients)
-    if via_wrk is not None:
-        return via_wrk[0]
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    procs = [
-        ctx.Process(target=_get_loop, args=(port, paths, seconds, queue)) for _ in range(clients)
-    ]
-    t0 = time.perf_counter()
-    for p in procs:
-        p.start()
-    results = _collect(procs, queue, seconds + 120)
-    elapsed = time.perf_counter() - t0
-    if any(r[2] for r in results):
-        raise RuntimeError(f"GET errors during the throughput run: {results}")
-    return sum(r[1] for r in results) / elapsed / 1e9
-
-
-def _put_loop(port: int, bodies: list[bytes], out: Any) -> None:
-    conn = http.client.HTTPConnection("127.0.0.1", port)
-    n = 0
-    t0 = time.perf_counter()
-    for body in bodies:
-        conn.request("PUT", "/v1/blocks", body=body, headers={"content-type": ENVELOPE_MEDIA_TYPE})
-        r = conn.getresponse()
-        reply = r.read()
-        if r.status != 200:
-            raise RuntimeError(f"PUT failed: {r.status} {reply[:200]!r}")
-        n += len(body)
-    out.put((n, time.perf_counter() - t0))
-    conn.close()
-
-
-def _collect(procs: list[Any], queue: Any, timeout: float) -> list[Any]:
-    """One result per process; raises instead of hanging when a process died."""
-    import queue as queue_module
-
-    results = []
-    deadline = time.monotonic() + timeout
-    while len(results) < len(procs):
-        try:
-            results.append(queue.get(timeout=1.0))
-        except queue_module.Empty:
-            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if dead or time.monotonic() > deadline:
-                for p in procs:
-                    p.kill()
-                raise RuntimeError(f"load processes failed (exit codes {dead})") from None
-    for p in procs:
-        p.join()
-    return results
-
-
-def _put_throughput(port: int, batches: list[list[bytes]]) -> float:
-    """GB/s of durable PUTs, one client process per batch list, concurrently."""
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_put_loop, args=(port, b, queue)) for b in batches]
-    t0 = time.perf_counter()
-    for p in procs:
-        p.start()
-    results = _collect(procs, queue, 600)
-    elapsed = time.perf_counter() - t0
-    return sum(r[0] for r in results) / elapsed / 1e9
-
-
-def _store_put(path: Path, batches: list[list[bytes]]) -> float:
-    """GB/s of in-process durable ``Store.put`` of the same bodies, one after another."""
-    from kvstore import Geometry
-    from kvstore.store.store import Store
-
-    total = sum(len(body) for bodies in batches for body in bodies)
-    try:
-        with Store(path, geometry=Geometry(*GEOMETRY), map_bytes=2 * total + (64 << 20)) as st:
-            t0 = time.perf_counter()
-            for bodies in zip(*batches):
-                for body in bodies:
-                    st.put(body)
-            return total / (time.perf_counter() - t0) / 1e9
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def _raw_lmdb_put(path: Path, batches: list[list[bytes]]) -> float:
-    """GB/s of raw py-lmdb durable puts of the same bytes (one 8-block txn per body)."""
-    import lmdb
-
-    from kvstore import split
-
-    total = sum(len(body) for bodies in batches for body in bodies)
-    env = lmdb.open(str(path), map_size=2 * total + (64 << 20), sync=True, metasync=True)
-    try:
-        t0 = time.perf_counter()
-        for bodies in batches:
-            for body in bodies:
-                with env.begin(write=True) as txn:
-                    for part in split(body):
-                        txn.put(part[28:36], part)
-        return total / (time.perf_counter() - t0) / 1e9
-    finally:
-        env.close()
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def _has_p50(port: int, body: bytes, content_type: str, repeat: int) -> float:
-    conn = http.client.HTTPConnection("127.0.0.1", port)
-    times = []
-    for i in range(repeat + 10):
-        t0 = time.perf_counter()
-        conn.request("POST", "/v1/has-blocks", body=body, headers={"content-type": content_type})
-        r = conn.getresponse()
-        reply = r.read()
-        if r.status != 200:
-            raise RuntimeError(f"has-blocks failed: {r.status} {reply[:200]!r}")
-        if i >= 10:  # warm-up excluded
-            times.append(time.perf_counter() - t0)
-    conn.close()
-    return statistics.median(times)
 
 
 # --- the suite ---------------------------------------------------------------------------
@@ -325,7 +98,7 @@ def run(args: argparse.Namespace) -> list[Row]:
             for b in range(n_batches):
                 hs = [((c + 1) << 32) + b * 8 + i + 1 for i in range(8)]
                 hashes += hs
-                bodies.append(_join([e for _, e in _block_envelopes(hs)]))
+                bodies.append(join_envelopes([e for _, e in block_envelopes(hs)]))
             batches.append(bodies)
         # Interleaved with the baselines over fresh hashes each round; ratios per round.
         bare_put = start_bare(None, root / "bare-put.log", store=root / "bare-put-store")
@@ -334,11 +107,11 @@ def run(args: argparse.Namespace) -> list[Row]:
         bare_puts: list[float] = []
         for r in range(PUT_ROUNDS):
             # Round 0 puts the blocks the GET and load runs read; later rounds new ones.
-            rb = [[_rehash_body(body, r) if r else body for body in bodies] for bodies in batches]
-            store_gbps = _store_put(root / f"store-put-{r}", rb)
-            put_gbps = _put_throughput(tlkv.port, rb)
-            bare_puts.append(_put_throughput(bare_put.port, rb))
-            raw_gbps = _raw_lmdb_put(root / f"raw-lmdb-{r}", rb)
+            rb = [[rehash_body(body, r) if r else body for body in bodies] for bodies in batches]
+            store_gbps = store_put(root / f"store-put-{r}", rb)
+            put_gbps = put_throughput(tlkv.port, rb)
+            bare_puts.append(put_throughput(bare_put.port, rb))
+            raw_gbps = raw_lmdb_put(root / f"raw-lmdb-{r}", rb)
             put_runs.append((put_gbps, store_gbps, raw_gbps))
         bare_put.stop()
         servers.remove(bare_put)
@@ -374,7 +147,7 @@ def run(args: argparse.Namespace) -> list[Row]:
         )
 
         # GET throughput: tlkv vs the bare app serving the same 2 MiB bytes from memory.
-        _h, blob = next(_block_envelopes([hashes[0]]))
+        _h, blob = next(block_envelopes([hashes[0]]))
         blob_path = root / "blob.tlkv"
         blob_path.write_bytes(blob)
         bare = start_bare(blob_path, root / "bare.log")
@@ -388,9 +161,9 @@ def run(args: argparse.Namespace) -> list[Row]:
             # rounds, the ratio of each round; the median round is the row.
             cpu_runs, crc_cpu = [], []
             for _ in range(get_rounds):
-                b = _get_cpu(bare, paths, get_seconds, clients)
-                t = _get_cpu(tlkv, paths, get_seconds, clients)
-                c = _get_cpu(bare_crc, paths, get_seconds, clients)
+                b = get_cpu(bare, paths, get_seconds, clients)
+                t = get_cpu(tlkv, paths, get_seconds, clients)
+                c = get_cpu(bare_crc, paths, get_seconds, clients)
                 if b is None or t is None or c is None:
                     raise RuntimeError("wrk gave no result")
                 cpu_runs.append((t, b))
@@ -429,8 +202,8 @@ def run(args: argparse.Namespace) -> list[Row]:
         else:
             tlkv_runs, bare_runs = [], []
             for _ in range(2):  # interleaved, best of two each
-                bare_runs.append(_get_throughput(bare.port, paths, get_seconds, clients))
-                tlkv_runs.append(_get_throughput(tlkv.port, paths, get_seconds, clients))
+                bare_runs.append(get_throughput(bare.port, paths, get_seconds, clients))
+                tlkv_runs.append(get_throughput(tlkv.port, paths, get_seconds, clients))
             t_get, b_get = max(tlkv_runs), max(bare_runs)
             rows.append(
                 Row(
@@ -447,9 +220,9 @@ def run(args: argparse.Namespace) -> list[Row]:
         # has-blocks, 8,192 hashes (the stored ones first, then absent ones).
         probe = np.array(hashes + [(7 << 56) + i for i in range(8192 - len(hashes))], "<u8")
         repeat = 100 if quick else 400
-        p50_bin = _has_p50(tlkv.port, probe.tobytes(), HASHES_MEDIA_TYPE, repeat)
+        p50_bin = has_p50(tlkv.port, probe.tobytes(), HASHES_MEDIA_TYPE, repeat)
         body = json.dumps({"hashes": [f"{int(h):016x}" for h in probe]}).encode()
-        p50_json = _has_p50(tlkv.port, body, "application/json", repeat)
+        p50_json = has_p50(tlkv.port, body, "application/json", repeat)
         rows.append(
             Row(
                 "POST /v1/has-blocks, 8,192 hashes, binary, p50",
@@ -468,8 +241,6 @@ def run(args: argparse.Namespace) -> list[Row]:
         )
 
         # Mixed load: 16 clients, put/get/has-blocks.
-        from bench_http_load import load_run  # it imports this module's parts
-
         load = load_run(tlkv, hashes, load_seconds, 16)
         rows.append(
             Row(

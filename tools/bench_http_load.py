@@ -13,7 +13,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from bench_http import _block_envelopes, _collect
+from bench_http_clients import block_envelopes, collect
 from bench_servers import Server
 
 from kvstore.protocol import ENVELOPE_MEDIA_TYPE, HASHES_MEDIA_TYPE
@@ -30,7 +30,7 @@ def _load_client(
     acked: list[int] = []
     errors: list[str] = []
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    fresh = _block_envelopes(list(range(first_hash, first_hash + 100000)), seed=seed)
+    fresh = block_envelopes(list(range(first_hash, first_hash + 100000)), seed=seed)
     mine = list(known)
     probe = np.array(known + [rng.getrandbits(63) for _ in range(256)], dtype="<u8").tobytes()
     buf = bytearray(4 << 20)
@@ -130,7 +130,7 @@ def load_run(server: Server, known: list[int], seconds: float, clients: int) -> 
     while time.monotonic() < t_end:
         time.sleep(min(1.0, max(0.0, t_end - time.monotonic())))
         rss_samples.append(server.rss_anon_mib())
-    results = _collect(procs, queue, seconds + 300)
+    results = collect(procs, queue, seconds + 300)
     statuses: Counter[int] = Counter()
     acked: list[int] = []
     errors: list[str] = []
