@@ -617,6 +617,39 @@ def test_join_crc_of_strided_views_is_the_c_order_join_and_its_crc(
     assert native.join_crc_into(parts, room) == len(room) and room == _join_oracle(parts)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_join_crc_of_short_strided_runs_checksums_them_a_chunk_at_a_time(kernel: str) -> None:
+    """Runs under 4 KiB are copied back to back and checksummed 32 KiB at a time, or a
+    transposed tile (up to 256 KiB) at a time, read in the source's order: SGLang's
+    layer_first and page_first pages seen as [L][2][H][B][D] (256-byte rows), tiles of rows
+    that do not divide the chunk (100 and 4080 bytes), single strided bytes over several
+    chunks, a transposed pair too large for a tile, and 4 KiB runs (one fused call per run)
+    give the C-order join and its CRC with every kernel."""
+    rng = np.random.default_rng(7)
+    layer_first = rng.integers(0, 2**16, size=(2, 4, 16, 8, 128), dtype=np.uint16)
+    page_first = rng.integers(0, 2**16, size=(2, 16, 4, 8, 128), dtype=np.uint16)
+    rows = rng.integers(0, 255, size=(700, 3, 100), dtype=np.uint8)
+    wide = rng.integers(0, 255, size=(3, 9, 4080), dtype=np.uint8)
+    large = rng.integers(0, 255, size=(300, 10, 100), dtype=np.uint8)  # a 300 KB pair
+    runs = rng.integers(0, 255, size=(2, 5, 4096), dtype=np.uint8)
+    parts = [
+        b"h" * 28,
+        layer_first.transpose(1, 0, 3, 2, 4),  # [2][L][B][H][D] as [L][2][H][B][D]
+        b"r" * 12,
+        page_first.transpose(2, 0, 3, 1, 4),  # [2][B][L][H][D] as [L][2][H][B][D]
+        rows.transpose(1, 0, 2),
+        rows[:, :, ::2],
+        wide.transpose(1, 0, 2),
+        large.transpose(1, 0, 2),
+        runs.transpose(1, 0, 2),
+        b"t",
+    ]
+    want = _join_oracle(parts)
+    assert native.join_crc(parts, kernel) == want
+    room = bytearray(len(want) + 3)
+    assert native.join_crc_into(parts, room, kernel) == len(want) and room[: len(want)] == want
+
+
 def test_join_crc_of_large_parts_streams_the_same_bytes() -> None:
     # Above 8 MiB the copy uses streaming stores: same bytes, any alignment.
     rng = np.random.default_rng(1)

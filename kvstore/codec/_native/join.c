@@ -10,8 +10,45 @@
 
 #define JOIN_MAX_DIMS 64
 
+/* Runs shorter than this are copied one after another and checksummed together, up to
+ * COPY_CRC_CHUNK bytes at a time, while the copy is still in L1/L2: a fused copy + CRC
+ * call per run costs more than the run itself when the run is a row of an engine's
+ * transposed page (256 bytes for a head of 128 f16). */
+#define STRIDED_SHORT_RUN ((Py_ssize_t)4096)
+
+/* n bytes (fewer than STRIDED_SHORT_RUN) from src to dst: inline 16-byte moves where n is
+ * a whole number of them (no call per run), else memcpy. */
+static inline void copy_short(uint8_t *dst, const uint8_t *src, size_t n) {
+#if defined(KV_X86) && defined(__SSE2__)
+    if (n % 16 == 0) {
+        for (size_t i = 0; i < n; i += 16)
+            _mm_storeu_si128((__m128i *)(dst + i), _mm_loadu_si128((const __m128i *)(src + i)));
+        return;
+    }
+#endif
+    memcpy(dst, src, n);
+}
+
+/* A tile of short runs whose last two dimensions are transposed (the outer one has the
+ * smaller stride: an engine's page [B][H][D] seen as [H][B][D]) is copied in the source's
+ * order, reading memory forward, and written to its C-order place in dst; then the tile,
+ * at most this many bytes, is checksummed while in L1/L2. */
+#define TRANSPOSED_TILE_MAX ((Py_ssize_t)256 * 1024)
+
+/* Whether the last two of `nd` dimensions form a transposed tile (see above) of `run`-byte
+ * runs. */
+static int transposed_tile(const Py_buffer *v, int nd, Py_ssize_t run) {
+    if (nd < 2)
+        return 0;
+    Py_ssize_t sa = v->strides[nd - 2], sb = v->strides[nd - 1];
+    Py_ssize_t na = v->shape[nd - 2], nb = v->shape[nd - 1];
+    return sa > 0 && sb > sa && na > 1 && nb > 1 && na * nb * run <= TRANSPOSED_TILE_MAX;
+}
+
 /* A strided buffer in C order: its trailing dimensions that are contiguous form one run,
- * the leading ones are walked with an odometer. Advances *dst. */
+ * the leading ones are walked with an odometer. Short runs are copied back to back and
+ * checksummed a chunk (or a transposed tile) at a time; longer ones each in one fused
+ * copy + CRC. Advances *dst. */
 static uint32_t copy_crc_strided(crc_kernel_fn fn, crc_copy_fn copy, uint32_t crc,
                                  uint8_t **dst, const Py_buffer *v) {
     int nd = v->ndim;
@@ -20,20 +57,45 @@ static uint32_t copy_crc_strided(crc_kernel_fn fn, crc_copy_fn copy, uint32_t cr
         run *= v->shape[nd - 1];
         nd--;
     }
+    int short_runs = run < STRIDED_SHORT_RUN;
+    int tiles = short_runs && transposed_tile(v, nd, run);
+    int walk = tiles ? nd - 2 : nd; /* the dimensions the odometer walks */
     Py_ssize_t idx[JOIN_MAX_DIMS] = {0};
     const uint8_t *base = (const uint8_t *)v->buf;
+    uint8_t *pending = *dst; /* short runs copied, not yet checksummed: [pending, *dst) */
     for (;;) {
         const uint8_t *p = base;
-        for (int k = 0; k < nd; k++)
+        for (int k = 0; k < walk; k++)
             p += idx[k] * v->strides[k];
-        crc = copy_crc(fn, copy, crc, *dst, p, (size_t)run);
-        *dst += run;
-        int k = nd - 1;
+        if (tiles) {
+            Py_ssize_t na = v->shape[nd - 2], nb = v->shape[nd - 1];
+            Py_ssize_t sa = v->strides[nd - 2], sb = v->strides[nd - 1];
+            for (Py_ssize_t j = 0; j < nb; j++)
+                for (Py_ssize_t i = 0; i < na; i++)
+                    copy_short(*dst + (i * nb + j) * run, p + j * sb + i * sa, (size_t)run);
+            crc = fn(crc, *dst, (size_t)(na * nb * run));
+            *dst += na * nb * run;
+            pending = *dst;
+        } else if (short_runs) {
+            copy_short(*dst, p, (size_t)run);
+            *dst += run;
+            if ((size_t)(*dst - pending) >= COPY_CRC_CHUNK) {
+                crc = fn(crc, pending, (size_t)(*dst - pending));
+                pending = *dst;
+            }
+        } else {
+            crc = copy_crc(fn, copy, crc, *dst, p, (size_t)run);
+            *dst += run;
+        }
+        int k = walk - 1;
         while (k >= 0 && ++idx[k] == v->shape[k])
             idx[k--] = 0;
         if (k < 0)
-            return crc;
+            break;
     }
+    if (short_runs && *dst > pending)
+        crc = fn(crc, pending, (size_t)(*dst - pending));
+    return crc;
 }
 
 /* Ask for transparent huge pages on the untouched interior of a large fresh output buffer
