@@ -30,16 +30,13 @@ import ml_dtypes
 import numpy as np
 
 from ..codec.assembly import pack_header
-from ..codec.checksum import crc32c, scatter_crc_views
+from ..codec.checksum import join_crc_into, scatter_crc_views
 from ..codec.envelope import Block, BlockView, encode
 from ..codec.geometry import Geometry
 from ..codec.layout import (
-    F16_DTYPE,
     HEADER_SIZE,
     RECORD,
     RECORD_SIZE,
-    TRAILER,
-    TRAILER_SIZE,
     VERSION_V1,
 )
 from ..errors import CacheLayoutError
@@ -204,8 +201,10 @@ class HostPages:
 
         f16 pages in v1 are copied straight into a buffer of this thread that is used
         again (memory the process has touched already: a new 128 MiB ``bytes`` costs
-        32,768 page faults), then checksummed; other dtypes and v2 are encoded by the
-        codec (converted, quantized). Values are checked where the envelope is put.
+        32,768 page faults) and checksummed in the same pass (``join_crc_into``: a page's
+        rows, read through its transposed view, are checksummed while the copy is in
+        cache); other dtypes and v2 are encoded by the codec (converted, quantized).
+        Values are checked where the envelope is put.
         """
         g = self.geometry
         per = max(1, (_CHUNK_BYTES - g.envelope_bytes(0)) // g.record_bytes(version))
@@ -216,16 +215,12 @@ class HostPages:
                 yield encode(g, blocks, version)
                 continue
             size = g.envelope_bytes(len(chunk))
-            buf = self._scratch(size)
-            out = memoryview(buf)[:size]
-            out[:HEADER_SIZE] = pack_header(VERSION_V1, g, len(chunk))
-            record = g.record_bytes(VERSION_V1)
-            for j, i in enumerate(chunk):
-                at = HEADER_SIZE + j * record
-                RECORD.pack_into(buf, at, int(names[i]), g.block_tokens)
-                payload = np.frombuffer(buf, F16_DTYPE, g.elements, at + RECORD_SIZE)
-                np.copyto(payload.reshape(g.kv_shape), pages[i])
-            TRAILER.pack_into(buf, size - TRAILER_SIZE, crc32c(out[: size - TRAILER_SIZE]))
+            out = memoryview(self._scratch(size))[:size]
+            parts: list[Any] = [pack_header(VERSION_V1, g, len(chunk))]
+            for i in chunk:
+                parts += [RECORD.pack(int(names[i]), g.block_tokens), pages[i]]
+            if join_crc_into(parts, out) != size:  # a page view of another shape
+                raise CacheLayoutError(f"a page is not a {g.kv_shape} block of this pool")
             yield out
 
     def _scratch(self, size: int) -> bytearray:
