@@ -148,6 +148,30 @@ def test_f16_pages_take_envelopes_in_one_pass_with_their_crc(layout: str) -> Non
     assert PageSlots(bf16, []).scatter_envelopes(envs[:1], [0]) is None
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_f16_pages_are_encoded_as_the_codec_encodes_them(layout: str) -> None:
+    """A save's envelopes (``HostPages.envelopes``: header, records and pages copied and
+    checksummed in one pass) are the codec's ``encode`` of the same blocks byte for byte,
+    from pool pages and from flat pages; a page view of another shape is refused."""
+    from kvstore.codec.envelope import Block, encode
+    from kvstore.engines._sglang_pages import HostPages
+
+    pool = make_pool(layout)
+    pages = HostPages(pool)
+    g = pages.geometry
+    written = fill_pages(pool, 3, seed=11)
+    views = [pages.page(s) for s in pages.page_starts(written, 3)]
+    flat = [
+        pages.flat(pool.get_data_page(int(written[s]), flat=True)) for s in (0, 2 * g.block_tokens)
+    ]
+    for blocks in (views, flat):
+        names = [0xA0 + i for i in range(len(blocks))]
+        want = encode(g, [Block(n, g.block_tokens, b) for n, b in zip(names, blocks)])
+        assert [bytes(e) for e in pages.envelopes(names, blocks, 1)] == [want]
+    with pytest.raises(CacheLayoutError, match="shape"):
+        list(pages.envelopes([1], [views[0][:, :, :, :-1]], 1))
+
+
 def test_a_page_written_in_one_layout_is_read_in_the_other(tmp_path: Path) -> None:
     first = make_pool("page_first")
     keys = page_keys(5)

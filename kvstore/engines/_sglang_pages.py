@@ -218,9 +218,12 @@ class HostPages:
             out = memoryview(self._scratch(size))[:size]
             parts: list[Any] = [pack_header(VERSION_V1, g, len(chunk))]
             for i in chunk:
+                if pages[i].shape != g.kv_shape:
+                    raise CacheLayoutError(
+                        f"page {i} has shape {pages[i].shape}, a block of this pool {g.kv_shape}"
+                    )
                 parts += [RECORD.pack(int(names[i]), g.block_tokens), pages[i]]
-            if join_crc_into(parts, out) != size:  # a page view of another shape
-                raise CacheLayoutError(f"a page is not a {g.kv_shape} block of this pool")
+            join_crc_into(parts, out)
             yield out
 
     def _scratch(self, size: int) -> bytearray:
