@@ -109,14 +109,6 @@ class SingleBlock(NamedTuple):
         """The one-block envelope of ``record``."""
         return b"".join((self.header1, record, TRAILER.pack(crc32c(record, self.crc_header1))))
 
-    def seal(self, buf: Any) -> int:
-        """Write the CRC of a one-block envelope laid out in ``buf`` (``header1`` and a
-        record, in place); returns the record's own CRC-32C."""
-        end = HEADER_SIZE + self.record_bytes
-        single = crc32c(memoryview(buf)[HEADER_SIZE:end], self.crc_header1)
-        TRAILER.pack_into(buf, end, single)
-        return single ^ self.k
-
     def record_crc(self, single: Any) -> int:
         """The CRC-32C of a one-block envelope's record, from its stored CRC (no read)."""
         return stored_crc(single) ^ self.k

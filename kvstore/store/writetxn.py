@@ -24,10 +24,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
-
 from ..codec.assembly import SingleBlock, single_block, stored_crc
-from ..codec.checksum import crc32c
+from ..codec.checksum import crc32c, join_crc_into
 from ..codec.envelope import Envelope
 from ..codec.layout import (
     HEADER_SIZE,
@@ -74,20 +72,19 @@ class CrcMismatch(Exception):
 
 
 class _Staging:
-    """A reusable single-block envelope under construction: header fixed, record + CRC filled."""
+    """A reusable single-block envelope under construction: header, record and CRC."""
 
-    __slots__ = ("body", "buf", "consts")
+    __slots__ = ("buf", "consts")
 
     def __init__(self, consts: SingleBlock) -> None:
         self.consts = consts
         self.buf = bytearray(consts.single_len)
-        self.buf[:HEADER_SIZE] = consts.header1
-        self.body = np.frombuffer(self.buf, np.uint8, consts.record_bytes, HEADER_SIZE)
 
     def fill(self, record: memoryview) -> int:
-        """Copy ``record`` in and seal the CRC; returns the record's own CRC-32C."""
-        np.copyto(self.body, np.frombuffer(record, np.uint8))  # both release the GIL
-        return self.consts.seal(self.buf)
+        """Write the one-block envelope of ``record``, copied and checksummed in one pass
+        (``join_crc_into``, without the GIL); returns the record's own CRC-32C."""
+        join_crc_into((self.consts.header1, record), self.buf)
+        return self.consts.record_crc(self.buf)
 
 
 class WriteTxn:
