@@ -18,6 +18,8 @@ from crc32c import crc32c as crc32c_package
 
 from kvstore import Block, Geometry, chain_hashes, crc32c, decode, encode
 from kvstore.codec import checksum
+from kvstore.codec.assembly import pack_header
+from kvstore.codec.layout import HEADER_SIZE, RECORD, RECORD_SIZE, TRAILER
 
 GEOMETRY = Geometry(16, 32, 8, 128)
 
@@ -227,10 +229,6 @@ def _transposed_pages(g: Geometry, n: int, repeat: int) -> list[Row]:
     pages, ``[2][L][B][H][D]`` read as ``[L][2][H][B][D]``), written into a kept buffer by
     ``join_crc_into`` in one pass, against the copy then CRC pass it replaces (``np.copyto``
     into each record, ``crc32c`` of the whole); interleaved, best of each."""
-    from kvstore.codec.assembly import pack_header
-    from kvstore.codec.checksum import join_crc_into
-    from kvstore.codec.layout import HEADER_SIZE, RECORD, RECORD_SIZE, TRAILER
-
     rng = np.random.default_rng(5)
     shape = (2, g.n_layers, g.block_tokens, g.n_kv_heads, g.head_dim)
     pages = [rng.integers(0, 1 << 16, shape, np.uint16).view(np.float16) for _ in range(n)]
@@ -243,7 +241,7 @@ def _transposed_pages(g: Geometry, n: int, repeat: int) -> list[Row]:
         parts: list[object] = [head]
         for i, v in enumerate(views):
             parts += [RECORD.pack(i + 1, g.block_tokens), v]
-        join_crc_into(parts, out)
+        checksum.join_crc_into(parts, out)
 
     def two_passes() -> None:
         out[:HEADER_SIZE] = head
