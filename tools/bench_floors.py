@@ -1,6 +1,7 @@
 """What this machine allows any store, measured beside the peers benchmarks: a loopback
-TCP copy between two processes (the socket every networked read crosses) and a file
-write of the same bytes (the disk every durable write lands on)."""
+TCP copy between two processes (the socket every networked read crosses), a file write
+of the same bytes (the disk every durable write lands on) and plain py-lmdb putting the
+same values (what LMDB itself costs a store built on it)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import statistics
 import time
 from typing import Any
 
+import lmdb
 import numpy as np
 
 
@@ -32,6 +34,39 @@ def file_write(directory: str, blobs: list[bytes], durable: bool, batched: bool)
         return time.perf_counter() - t0
     finally:
         os.close(fd)
+
+
+class LmdbFloor:
+    """A plain py-lmdb environment opened as ``Store(sync=False)`` opens its own (no fsync,
+    no readahead): values put under 8-byte keys, no envelope, no checks, nothing else in
+    the transaction. Puts go to pages freed by ``delete``, as a tlkv store's do once its
+    blocks are deleted between runs."""
+
+    def __init__(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+        self.env = lmdb.open(path, map_size=16 << 30, sync=False, metasync=False, readahead=False)
+
+    def put(self, names: list[int], blobs: list[bytes], batched: bool) -> float:
+        """Seconds to put ``blobs``: in one transaction (``batched``) or one each."""
+        keys = [h.to_bytes(8, "big") for h in names]
+        t0 = time.perf_counter()
+        if batched:
+            with self.env.begin(write=True) as txn:
+                for k, v in zip(keys, blobs):
+                    txn.put(k, v)
+        else:
+            for k, v in zip(keys, blobs):
+                with self.env.begin(write=True) as txn:
+                    txn.put(k, v)
+        return time.perf_counter() - t0
+
+    def delete(self, names: list[int]) -> None:
+        with self.env.begin(write=True) as txn:
+            for h in names:
+                txn.delete(h.to_bytes(8, "big"))
+
+    def close(self) -> None:
+        self.env.close()
 
 
 def _send(port: int, nbytes: int) -> None:

@@ -23,6 +23,10 @@ tlkv/peer in the same run (for times: peer time / tlkv time):
   nothing across a restart): the same bytes written into a new file beside the store,
   one ``write`` each or one joined, with an ``fdatasync`` after each write (against
   tlkv durable) or none (against tlkv's fastest mode: the page cache);
+- tlkv's fastest mode against plain py-lmdb putting the same values in the writer
+  (``bench_floors.LmdbFloor``: opened as that mode opens its store, one transaction or one
+  each, no envelope and no checks), and that plain LMDB against Mooncake's DRAM put: what
+  tlkv's own work adds, and what LMDB itself costs any store built on it;
 - get one by one from the reader (``Client.get`` against ``get``/``get_into``), after the
   writer's ``os.sync()``: no read is timed against the kernel writing back the puts'
   pages (on 2 cores, without it, a run's reads ran up to 2x slower on both sides);
@@ -58,7 +62,7 @@ from typing import Any
 
 import numpy as np
 from bench_common import Row, interleaved_medians
-from bench_floors import file_write, loopback_rate
+from bench_floors import LmdbFloor, file_write, loopback_rate
 from bench_mooncake import OBJECT_NOT_FOUND, check_rc, mooncake_client, start_master, stop_master
 from bench_procs import BenchProcess
 from bench_servers import GEOMETRY, start_tlkv
@@ -103,6 +107,7 @@ class _Side:
             raise RuntimeError("Mooncake register_buffer failed")
         self.ptrs = [self.buf.ctypes.data + i * self.single for i in range(cfg["n"])]
         self.store: Any = None
+        self.floor: LmdbFloor | None = None
 
     # --- writer -----------------------------------------------------------------------
 
@@ -127,6 +132,10 @@ class _Side:
             self.store = Store(self.cfg["data"], sync=False)
         out["tlkv_fast_one"] = timed(lambda: [self.store.put(e) for e in sets[2][1]])
         out["tlkv_fast_batch"] = timed(lambda: self.store.put(batches[1]))
+        if self.floor is None:
+            self.floor = LmdbFloor(self.cfg["lmdb"])
+        out["lmdb_fast_one"] = self.floor.put(*sets[2], batched=False)
+        out["lmdb_fast_batch"] = self.floor.put(*sets[3], batched=True)
         mc = self.mc
         one = timed(lambda: [check_rc(mc.put(k, e)) for k, e in zip(keys[0], sets[0][1])])
         for i, e in enumerate(sets[2][1]):
@@ -158,6 +167,8 @@ class _Side:
         shutil.rmtree(self.cfg["files"], ignore_errors=True)
         for h in hashes:
             self.store.delete(h)
+        if self.floor is not None:
+            self.floor.delete(hashes)
         left = list(keys)
         deadline = time.monotonic() + 30
         while left:  # a key read lately is under its lease (the master's default 10 s)
@@ -268,6 +279,8 @@ class _Side:
         self.client.close()
         if self.store is not None:
             self.store.close()
+        if self.floor is not None:
+            self.floor.close()
         with contextlib.suppress(Exception):
             self.mc.close()
 
@@ -296,6 +309,7 @@ def run(args: argparse.Namespace) -> list[Row]:
             "url": f"http://127.0.0.1:{server.port}",
             "data": str(root / "store"),
             "files": str(root / "files"),
+            "lmdb": str(root / "lmdb-floor"),
             "master_port": mport,
             "meta_port": meta,
             "n": n,
@@ -313,9 +327,8 @@ def run(args: argparse.Namespace) -> list[Row]:
         for r in range(runs):
             put = writer.call("puts", r + 1)
             got = reader.call("reads", put["hashes"], put["keys"])
-            results.append(
-                {**{k: v for k, v in put.items() if k.startswith(("tlkv", "mc", "file"))}, **got}
-            )
+            timed = {k: v for k, v in put.items() if k.startswith(("tlkv", "mc", "file", "lmdb"))}
+            results.append({**timed, **got})
             if r < runs - 1:
                 writer.call("drop", put["all_hashes"], put["all_keys"])
             last = put
@@ -415,6 +428,27 @@ def _rows(
             for way, how, floor in (
                 ("one", "one by one", f"a file write{sync} each"),
                 ("batch", "batched", f"one file write{sync}"),
+            )
+        ),
+        *(  # tlkv's own work, and LMDB's, against the same puts (bench_floors.LmdbFloor)
+            row
+            for way, how, txns in (
+                ("one", "one by one", "a transaction each"),
+                ("batch", "batched", "one transaction"),
+            )
+            for row in (
+                ratio_row(
+                    f"put {how}, tlkv {FAST_MODE} vs plain py-lmdb, {txns}",
+                    f"tlkv_fast_{way}",
+                    f"lmdb_fast_{way}",
+                    None,
+                ),
+                ratio_row(
+                    f"put {how}, plain py-lmdb ({txns}, no fsync) vs Mooncake DRAM",
+                    f"lmdb_fast_{way}",
+                    (f"mc_{way}", f"mc_{way}_reg"),
+                    None,
+                ),
             )
         ),
         ratio_row(
