@@ -9,7 +9,8 @@ in one process (as in an SGLang scheduler). Each round runs the peer and tlkv, t
 turns at going first, on fresh keys for writes, after one untimed round of each row (a
 serving process is warm: its first call of a kind does not count); a row's ratio is the
 median of the per-round ratios (peer time / tlkv time), over 5 rounds (3 with --quick);
-the target is >= 1.0x in the median.
+a target is met when it holds in the median and in every round (the issue's rule: the
+ratios swing run to run).
 
 - ``HiCacheFile``: ``--hicache-storage-backend file``, one file per page in a directory,
   written without fsync; its metadata cache on (``enable_metadata_cache``, its documented
@@ -88,7 +89,8 @@ def _row(
     rounds = f"rounds {ratios[0]:.2f}-{ratios[-1]:.2f}x, n={len(ratios)}"
     if not judged:
         return Row(name, value, f"{baseline} {base}", ratio, f"({rounds})")
-    return Row(name, value, f"{baseline} {base}", ratio, f">= 1.0x ({rounds})", ratio >= 1.0)
+    met = ratios[0] >= 1.0  # the lowest round: the median and every round hold
+    return Row(name, value, f"{baseline} {base}", ratio, f">= 1.0x ({rounds})", met)
 
 
 def run(args: argparse.Namespace) -> list[Row]:
