@@ -73,6 +73,12 @@ class GrpcServer(ServerProcess):
         self.start()
 
 
+def capped_server(data: Path) -> GrpcServer:
+    """The server the tl.kv.v1 tests share: their geometry, 256 KiB of capacity (so a
+    test can fill it) and a bearer token."""
+    return GrpcServer(data, "--geometry", G_ARG, "--capacity", "256KiB", token=TOKEN)
+
+
 _seed = iter(range(1, 1 << 30))
 
 

@@ -18,6 +18,7 @@ from grpc_server import (
     G,
     GrpcServer,
     assert_status,
+    capped_server,
     chunk,
     fresh_block,
     generated_pb,
@@ -41,8 +42,7 @@ def pb(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GrpcServer]:
-    data = tmp_path_factory.mktemp("grpc") / "store"
-    with GrpcServer(data, "--geometry", G_ARG, "--capacity", "256KiB", token=TOKEN) as srv:
+    with capped_server(tmp_path_factory.mktemp("grpc") / "store") as srv:
         yield srv
 
 

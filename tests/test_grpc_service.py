@@ -21,12 +21,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_server import (
     AUTH,
-    G_ARG,
     OPTIONS,
     TOKEN,
     G,
     GrpcServer,
     assert_status,
+    capped_server,
     chunk,
     fresh_block,
     generated_pb,
@@ -56,8 +56,7 @@ def pb(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SimpleNamespace]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GrpcServer]:
-    data = tmp_path_factory.mktemp("grpc") / "store"
-    with GrpcServer(data, "--geometry", G_ARG, "--capacity", "256KiB", token=TOKEN) as srv:
+    with capped_server(tmp_path_factory.mktemp("grpc") / "store") as srv:
         yield srv
 
 
