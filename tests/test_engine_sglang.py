@@ -31,49 +31,18 @@ if importlib.util.find_spec("sglang") is None:
 sys.path.insert(0, str(REPO / "tools"))
 from sglang_demo import (  # noqa: E402
     blocks_of,
-    controller,
-    controller_call,
     fill_pages,
     make_backend,
     make_file_backend,
     make_pool,
-    operation,
     page_keys,
 )
+from sglang_pages import in_store, round_trip, same  # noqa: E402
 
 from kvstore.engines.sglang import block_names  # noqa: E402
-from kvstore.errors import CacheLayoutError, ShapeError  # noqa: E402
+from kvstore.errors import CacheLayoutError  # noqa: E402
 
 LAYOUTS = ["layer_first", "page_first"]
-
-
-def _same(a: np.ndarray, b: np.ndarray) -> bool:
-    """Byte for byte."""
-    return a.shape == b.shape and a.tobytes() == b.tobytes()
-
-
-def _in_store(path: Path, code: str) -> Any:
-    """``code``'s JSON answer about the store at ``path`` (``store``), read in a process of
-    its own: this one keeps its one ``Store`` per path (LMDB's rule) inside the backend."""
-    script = f"import json; from kvstore import Store\nstore = Store({str(path)!r})\n{code}"
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout)
-
-
-def _round_trip(backend: Any, pool: Any, keys: list[str], v1: bool, seed: int = 0) -> Any:
-    """Pages written and read back through SGLang's own controller code (zero-copy with
-    ``v1``, else flat pages); the blocks written and the blocks read."""
-    state = controller(backend, pool)
-    written = fill_pages(pool, len(keys), seed)
-    if v1:
-        assert controller_call("_page_set_zero_copy", state, keys, written) is True
-    else:
-        assert controller_call("_generic_page_set", state, keys, written) is True
-    read = pool.alloc(len(keys) * pool.page_size)
-    name = "_page_get_zero_copy" if v1 else "_generic_page_get"
-    assert controller_call(name, state, operation(), keys, read) == len(keys)
-    return blocks_of(pool, written), blocks_of(pool, read)
 
 
 def test_the_factory_makes_a_hicache_storage(tmp_path: Path) -> None:
@@ -105,15 +74,15 @@ def test_pages_round_trip_byte_for_byte(tmp_path: Path, layout: str, v1: bool) -
     pool = make_pool(layout)
     backend = make_backend(pool, str(tmp_path / "kv"), interface_v1=int(v1))
     keys = page_keys(12)
-    written, read = _round_trip(backend, pool, keys, v1)
-    assert _same(written, read)
+    written, read = round_trip(backend, pool, keys, v1)
+    assert same(written, read)
     assert backend.batch_exists(keys) == 12
     assert backend.stats()["pages_saved"] == 12 and backend.stats()["pages_loaded"] == 12
     # a new backend on the same store (a re-attach) reads them too, in the other interface
     again = make_backend(make_pool(layout), str(tmp_path / "kv"), interface_v1=int(not v1))
     dest = again.mem_pool_host.alloc(12 * again.mem_pool_host.page_size)
     assert again.batch_get_v1(keys, dest) == [True] * 12
-    assert _same(blocks_of(again.mem_pool_host, dest), written)
+    assert same(blocks_of(again.mem_pool_host, dest), written)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -133,12 +102,12 @@ def test_f16_pages_take_envelopes_in_one_pass_with_their_crc(layout: str) -> Non
     starts = pages.page_starts(dest, 4)
     slots = PageSlots(pages, [pages.page(s) for s in starts])
     assert slots.scatter_envelopes(envs, range(4)) == 4
-    assert _same(blocks_of(pool, dest), kv)
+    assert same(blocks_of(pool, dest), kv)
     flat = [pool.get_dummy_flat_data_page() for _ in range(2)]
     joined = encode(g, [Block(7, g.block_tokens, kv[2]), Block(8, g.block_tokens, kv[3])])
     on_flat = PageSlots(pages, [pages.flat(t) for t in flat])
     assert on_flat.scatter_envelopes([joined], [1, 0], joined=True) == 2
-    assert _same(np.stack([pages.flat(t) for t in flat]), kv[[3, 2]])
+    assert same(np.stack([pages.flat(t) for t in flat]), kv[[3, 2]])
     bad = bytearray(envs[1])
     bad[-1] ^= 1
     again = pool.alloc(4 * pool.page_size)
@@ -181,12 +150,12 @@ def test_a_page_written_in_one_layout_is_read_in_the_other(tmp_path: Path) -> No
     reader = make_backend(second, str(tmp_path / "kv"))
     dest = second.alloc(5 * second.page_size)
     assert reader.batch_get_v1(keys, dest) == [True] * 5
-    assert _same(blocks_of(second, dest), blocks_of(first, written))
+    assert same(blocks_of(second, dest), blocks_of(first, written))
     flat = [second.get_dummy_flat_data_page() for _ in keys]  # the generic path as well
     got = reader.batch_get(keys, flat)
     for i, page in enumerate(got):
         second.set_from_flat_data_page(int(dest[i * second.page_size]), page)
-    assert _same(blocks_of(second, dest), blocks_of(first, written))
+    assert same(blocks_of(second, dest), blocks_of(first, written))
 
 
 def _child(mode: str, spec: dict[str, Any]) -> dict[str, int]:
@@ -212,7 +181,7 @@ def test_another_process_reads_what_an_engine_wrote_before_a_restart(tmp_path: P
     backend = make_backend(pool, spec["target"], interface_v1=1)
     dest = pool.alloc(9 * pool.page_size)
     assert backend.batch_get_v1(page_keys(9, 11), dest) == [True] * 9
-    assert _same(blocks_of(pool, dest), np.load(blocks))
+    assert same(blocks_of(pool, dest), np.load(blocks))
 
 
 def test_batch_exists_is_the_leading_run(tmp_path: Path) -> None:
@@ -258,8 +227,8 @@ def test_a_page_corrupted_on_disk_is_a_miss_and_quarantined(tmp_path: Path) -> N
         os.close(fd)
     dest = pool.alloc(6 * pool.page_size)
     assert backend.batch_get_v1(keys, dest) == [True] * 3 + [False] * 3
-    assert _same(blocks_of(pool, dest[: 3 * pool.page_size]), blocks_of(pool, written)[:3])
-    corrupt, held = _in_store(
+    assert same(blocks_of(pool, dest[: 3 * pool.page_size]), blocks_of(pool, written)[:3])
+    corrupt, held = in_store(
         data,
         f"m = store.model({backend.namespace!r})\n"
         f"print(json.dumps([m.stats()['corrupt'], m.has({block_names(keys)})]))",
@@ -313,7 +282,7 @@ def test_a_salt_passed_beside_the_keys_gets_a_namespace_of_its_own(tmp_path: Pat
     dest = pool.alloc(3 * pool.page_size)
     assert backend.batch_get_v1(keys, dest, HiCacheStorageExtraInfo()) == [False] * 3
     assert backend.batch_get_v1(keys, dest, a) == [True] * 3
-    models = _in_store(tmp_path / "kv", "print(json.dumps(store.models()))")
+    models = in_store(tmp_path / "kv", "print(json.dumps(store.models()))")
     assert [m for m in models if m.startswith("tiny@")] == [
         "tiny@sglang-tp0of1/float16+salt:" + hashlib.sha256(b"tenant-a").hexdigest()[:16]
     ]
@@ -331,8 +300,8 @@ def test_a_server_target_round_trips(tmp_path: Path, kind: str) -> None:
         target = url or server.url
         pool = make_pool("page_first")
         backend = make_backend(pool, target, interface_v1=1)
-        written, read = _round_trip(backend, pool, page_keys(7), v1=True)
-        assert _same(written, read)
+        written, read = round_trip(backend, pool, page_keys(7), v1=True)
+        assert same(written, read)
         assert backend.batch_exists(page_keys(7)) == 7
         backend.close()
 
@@ -385,130 +354,7 @@ def test_keys_that_are_not_page_hashes_are_refused(tmp_path: Path) -> None:
     assert backend.batch_exists(bad) == 0
     assert backend.batch_get_v1(bad, indices) == [False, False]
     assert backend.stats()["keys_refused"] == 3
-    assert _in_store(tmp_path / "kv", "print(json.dumps(store.models()))") == ["default"]
-
-
-def test_bf16_pages_round_trip_through_f16(tmp_path: Path) -> None:
-    """bf16 values within f16's normal range are exact through a v1 block."""
-    pool = make_pool(dtype="bfloat16")
-    backend = make_backend(pool, str(tmp_path / "kv"))
-    assert backend.namespace == "tiny@sglang-tp0of1/bfloat16"
-    written, read = _round_trip(backend, pool, page_keys(3), v1=True)
-    assert _same(written, read)
-
-
-def test_format_2_pages_load_dequantized(tmp_path: Path) -> None:
-    pool = make_pool()
-    backend = make_backend(pool, str(tmp_path / "kv"), format=2)
-    written, read = _round_trip(backend, pool, page_keys(3), v1=True)
-    w, r = written.astype(np.float32), read.astype(np.float32)
-    scale = np.abs(w).max(axis=(4, 5), keepdims=True)  # one scale per (layer, K/V, head)
-    assert np.all(np.abs(w - r) <= scale / 16 + 1e-3)  # E4M3: 3 mantissa bits
-    assert not _same(written, read)
-
-
-@pytest.mark.parametrize(
-    ("fields", "reason"),
-    [
-        ({"is_mla_model": True}, "MLA"),
-        ({"should_split_heads": True}, "split by heads"),
-    ],
-)
-def test_configs_that_cannot_be_read_are_refused(
-    tmp_path: Path, fields: dict[str, Any], reason: str
-) -> None:
-    with pytest.raises(CacheLayoutError, match=reason):
-        make_backend(make_pool(), str(tmp_path / "kv"), fields=fields)
-
-
-def test_sync_0_stores_pages_without_an_fsync_and_other_values_are_refused(
-    tmp_path: Path,
-) -> None:
-    pool = make_pool()
-    backend = make_backend(pool, str(tmp_path / "kv"), interface_v1=1, sync=0)
-    keys = page_keys(4)
-    written, read = _round_trip(backend, pool, keys, True)
-    assert _same(written, read)
-    target = backend._target(backend.namespace)._target  # the backend's store target
-    assert target.store.sync is False
-    with pytest.raises(ValueError, match="'sync' must be 1 or 0"):
-        make_backend(make_pool(), str(tmp_path / "kv2"), sync="no")
-
-
-_FREED_HEAP = """
-import ctypes, sys, tempfile
-sys.path.insert(0, "tools")
-from sglang_demo import controller, controller_call, fill_pages, make_backend, make_pool, page_keys
-
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in (
-        "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
-    ).split()]
-
-libc = ctypes.CDLL(None)
-libc.mallinfo2.restype = MallInfo2
-pool = make_pool(layers=32, heads=8, head_dim=128, tokens=16 * 48)  # 2 MiB pages
-with tempfile.TemporaryDirectory() as tmp:
-    backend = make_backend(pool, tmp + "/kv", interface_v1=1, **OPTIONS)
-    saved = controller_call(
-        "_page_set_zero_copy", controller(backend, pool), page_keys(16), fill_pages(pool, 16, 1)
-    )
-    print(saved, libc.mallinfo2().fordblks)
-    backend.close()
-"""
-
-
-@pytest.mark.parametrize("keep", [None, 1, 0])
-def test_a_store_directory_backend_keeps_a_saves_freed_memory_unless_told_not_to(
-    keep: int | None,
-) -> None:
-    """A save of 16 pages of 2 MiB ``malloc``s 32 MiB of LMDB dirty pages in this process;
-    with ``keep_freed_memory`` (the default) they stay in the heap, free, for the next
-    save; with 0 glibc hands them back to the kernel. Each case in a process of its own
-    (the setting is process-wide)."""
-    options = {} if keep is None else {"keep_freed_memory": keep}
-    script = f"OPTIONS = {options!r}\n{_FREED_HEAP}"
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO)
-    assert out.returncode == 0, out.stderr[-2000:]
-    saved, free = out.stdout.split()
-    assert saved == "True"
-    if keep == 0:
-        assert int(free) < 32 << 20, free
-    else:
-        assert int(free) >= 32 << 20, free
-
-
-def test_keep_freed_memory_takes_1_or_0(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="'keep_freed_memory' must be 1 or 0"):
-        make_backend(make_pool(), str(tmp_path / "kv"), keep_freed_memory="yes")
-
-
-def test_no_model_name_is_refused_unless_the_config_names_one(tmp_path: Path) -> None:
-    with pytest.raises(CacheLayoutError, match="no model name"):
-        make_backend(make_pool(), str(tmp_path / "kv"), model_name=None)
-    backend = make_backend(make_pool(), str(tmp_path / "kv"), model_name=None, model="m")
-    assert backend.namespace == "m@sglang-tp0of1/float16"
-
-
-def test_ranks_get_namespaces_of_their_own(tmp_path: Path) -> None:
-    pool = make_pool()
-    fields = {"tp_rank": 1, "tp_size": 2, "pp_rank": 0, "pp_size": 2}
-    backend = make_backend(pool, str(tmp_path / "kv"), fields=fields)
-    assert backend.namespace == "tiny@sglang-tp1of2-pp0of2/float16"
-
-
-@pytest.mark.parametrize("layout", ["page_first_direct", "page_head"])
-def test_other_layouts_are_refused_by_name(tmp_path: Path, layout: str) -> None:
-    with pytest.raises(CacheLayoutError, match=f"layout '{layout}' is not read"):
-        make_backend(make_pool(layout), str(tmp_path / "kv"))
-
-
-def test_a_namespace_of_another_geometry_stops_the_backend(tmp_path: Path) -> None:
-    make_backend(make_pool(page=16), str(tmp_path / "kv")).batch_set_v1(
-        page_keys(1), make_pool(page=16).alloc(16)
-    )
-    with pytest.raises(ShapeError, match="holds geometry"):
-        make_backend(make_pool(page=8), str(tmp_path / "kv"))
+    assert in_store(tmp_path / "kv", "print(json.dumps(store.models()))") == ["default"]
 
 
 def test_stats_reach_sglangs_storage_metrics(tmp_path: Path) -> None:
@@ -516,7 +362,7 @@ def test_stats_reach_sglangs_storage_metrics(tmp_path: Path) -> None:
 
     pool = make_pool()
     backend = make_backend(pool, str(tmp_path / "kv"))
-    _round_trip(backend, pool, page_keys(4), v1=True)
+    round_trip(backend, pool, page_keys(4), v1=True)
     metrics = backend.get_stats()
     assert isinstance(metrics, StorageMetrics)
     assert metrics.backup_pgs == [4] and metrics.prefetch_pgs == [4]
@@ -538,8 +384,8 @@ def test_hicache_file_reads_the_same_pages(tmp_path: Path) -> None:
     """The comparison's peer on the same pool and pages: SGLang's own file tier."""
     pool = make_pool()
     peer = make_file_backend(pool, str(tmp_path / "file"))
-    written, read = _round_trip(peer, pool, page_keys(4), v1=False)
-    assert _same(written, read)
+    written, read = round_trip(peer, pool, page_keys(4), v1=False)
+    assert same(written, read)
 
 
 def test_the_docs_snippet_shows_what_an_engine_stored(tmp_path: Path) -> None:
