@@ -18,7 +18,6 @@ from archive_helpers import (
     frame_bounds,
     manifest_member,
     populate,
-    run_tlkv,
     snapshot,
     valid_members,
     valid_own_members,
@@ -38,7 +37,6 @@ from kvstore import (
 )
 from kvstore import archive as ar
 from kvstore.archive.manifest import canonical_json
-from kvstore.archive.operations import extract_checked
 from kvstore.archive.sequences import SequenceRecord
 from kvstore.archive.tar import END_OF_ARCHIVE, USTAR_HEADER, ustar_header
 from kvstore.errors import TruncatedArchiveError, UnsafeArchiveError
@@ -419,20 +417,6 @@ def test_index_disagreeing_with_members(target: Store, tmp_path: Path) -> None:
     refused(path, target, ArchiveError)
 
 
-def test_extract_never_writes_outside(tmp_path: Path) -> None:
-    m, b, s = valid_members()
-    h = int(b[0].name[7:23], 16)
-    evil = [m, [Raw("blocks/../../../escaped.tlkv", b[0].data, index_hash=h)], b[1:], s]
-    path = craft(tmp_path / "evil.tar.zst", evil)
-    dest = tmp_path / "inner" / "out"
-    dest.parent.mkdir()
-    before = sorted(p for p in tmp_path.rglob("*"))
-    with pytest.raises(UnsafeArchiveError):
-        ar.extract_all(path, dest)
-    assert sorted(p for p in tmp_path.rglob("*")) == before
-    assert not (tmp_path / "escaped.tlkv").exists() and not dest.exists()
-
-
 # --- decompression bombs -----------------------------------------------------------------
 
 
@@ -500,38 +484,3 @@ def test_bomb_total_beyond_manifest(target: Store, tmp_path: Path) -> None:
     raw = {i: (zeros, 8 << 20) for i in range(3, 40)}
     path = craft(tmp_path / "bomb5.tar.zst", [*frames, *[bytes(512)] * 37], raw_frames=raw)
     _bounded(lambda: ar.verify(path), UnsafeArchiveError)
-
-
-def test_extract_reports_an_inconsistent_index(tmp_path: Path) -> None:
-    """The block read is valid, but the index or manifest disagrees where extract looked:
-    the block is written, the findings are said, the exit code is 6 (library: findings)."""
-    m, b, s = valid_members()
-    hashes = [int(x.name[7:23], 16) for x in b]
-    offsets = [i * len(b[0].encode()) for i in range(len(b))]
-    consistent = [(h, 1, off) for h, off in zip(hashes, offsets)]
-    cases = {
-        # the second block's entry points past it; the third is listed in no frame
-        "moved": [consistent[0], (hashes[1], 1, 9 * 512), *consistent[3:], (hashes[2], 2, 0)],
-        "unlisted": [consistent[0], *consistent[2:], (2**63 + 5, 1, 7 * 512)],
-    }
-    for name, table in cases.items():
-        path = craft(tmp_path / f"{name}.tar.zst", [m, b, s], index_blocks=sorted(table))
-        with pytest.raises(ArchiveError):
-            ar.verify(path)
-        done = extract_checked(path, hashes[0], tmp_path / f"{name}.tlkv")
-        assert (tmp_path / f"{name}.tlkv").read_bytes() == b[0].data
-        assert done.findings, name
-        out = tmp_path / f"{name}-cli.tlkv"
-        ran = run_tlkv("archive", "extract", str(path), f"{hashes[0]:016x}", "-o", str(out))
-        assert ran.code == 6, ran
-        assert "inconsistent" in ran.err and out.read_bytes() == b[0].data
-    # The manifest's block count disagrees with the index: said, not fatal for extract.
-    counted = manifest_member(SMALL, len(b) + 1, 1)
-    path = craft(tmp_path / "count.tar.zst", [counted, b, s])
-    done = extract_checked(path, hashes[0], tmp_path / "count.tlkv")
-    assert any("the manifest" in f for f in done.findings), done.findings
-    # A consistent archive: no finding, exit code 0.
-    path = craft(tmp_path / "fine.tar.zst", [m, b, s])
-    assert extract_checked(path, hashes[0], tmp_path / "fine.tlkv").findings == []
-    ran = run_tlkv("archive", "extract", str(path), f"{hashes[0]:016x}", "-o", str(tmp_path / "f"))
-    assert ran.code == 0 and "inconsistent" not in ran.err, ran
