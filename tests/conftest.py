@@ -43,6 +43,12 @@ def make_envelope(
     return encode(geometry, make_blocks(geometry, n_tokens_total, seed), version)
 
 
+@pytest.fixture(scope="session")
+def rand_bytes() -> bytes:
+    """3 MiB + 64 random bytes (seed 1234), for the compiled kernels' tests."""
+    return np.random.default_rng(1234).integers(0, 256, (3 << 20) + 64, dtype=np.uint8).tobytes()
+
+
 @pytest.fixture(params=[bytes, bytearray, memoryview], ids=["bytes", "bytearray", "memoryview"])
 def buffer_type(request: pytest.FixtureRequest) -> type:
     """Parametrizes a test over the three buffer types inputs may come as."""

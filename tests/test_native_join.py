@@ -18,11 +18,6 @@ native = pytest.importorskip("kvstore.codec._native")
 KERNELS = native.crc32c_kernels()
 
 
-@pytest.fixture(scope="module")
-def rand_bytes() -> bytes:
-    return np.random.default_rng(1234).integers(0, 256, (3 << 20) + 64, dtype=np.uint8).tobytes()
-
-
 @pytest.mark.parametrize("kernel", [None, *KERNELS])
 def test_join_crc_every_kernel(kernel: str | None, rand_bytes: bytes) -> None:
     mv = memoryview(rand_bytes)
