@@ -1,6 +1,6 @@
-"""``.ci/run`` reaches every test module: most steps select tests by marker, but the SGLang
-step names its files (SGLang's venv lacks what other modules import), so a module marked
-``sglang`` that the step does not name would never run anywhere."""
+"""``.ci/run`` reaches every test module: the other steps select tests by marker over the
+whole suite, but the SGLang step names its files, so a module marked ``sglang`` that the
+step does not name would run nowhere (every other venv lacks SGLang and skips it)."""
 
 from __future__ import annotations
 
