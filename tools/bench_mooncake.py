@@ -1,7 +1,8 @@
 """Mooncake Store for the benches that compare against it (``bench_peers``, ``bench_fleet``,
 ``bench_vllm_mooncake``): its master, its Python client and its return codes.
 
-``mooncake_master`` runs with its HTTP metadata server on (otherwise its defaults); a
+``mooncake_master`` runs with its HTTP metadata server on (otherwise its defaults, but for
+flags a bench names: ``bench_peers``' persisting master adds ``--root_fs_dir``); a
 client is ``MooncakeDistributedStore().setup(...)`` over TCP, mounting ``segment`` bytes
 of DRAM (0: it holds no values) and a ``local`` buffer, as Mooncake's docs configure it.
 """
@@ -14,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +32,15 @@ def check_rc(rc: Any) -> None:
 
 
 def start_master(
-    root: Path, port: int | None = None, meta: int | None = None
+    root: Path,
+    port: int | None = None,
+    meta: int | None = None,
+    flags: Sequence[str] = (),
+    name: str = "mooncake_master",
 ) -> tuple[subprocess.Popen[bytes], int, int, Any]:
-    """``mooncake_master`` with its HTTP metadata server (on free ports unless given); the
-    process, its port, the metadata port and its open log (the caller closes it)."""
+    """``mooncake_master`` with its HTTP metadata server (on free ports unless given; its
+    metrics server on a free one) and ``flags`` besides, logging to ``root/<name>.log``;
+    the process, its port, the metadata port and its open log (the caller closes it)."""
     port, meta = port or free_port(), meta or free_port()
     exe = Path(sys.executable).with_name("mooncake_master")
     if not exe.exists():
@@ -41,8 +48,9 @@ def start_master(
         if found is None:
             raise RuntimeError("mooncake_master not found (pip install the Mooncake wheel)")
         exe = Path(found)
-    log = open(root / "mooncake_master.log", "ab")  # noqa: SIM115 - the caller closes it
-    cmd = [str(exe), f"--port={port}", "--enable_http_metadata_server=true"]
+    log = open(root / f"{name}.log", "ab")  # noqa: SIM115 - the caller closes it
+    cmd = [str(exe), f"--port={port}", "--enable_http_metadata_server=true", *flags]
+    cmd.append(f"--metrics_port={free_port()}")  # its default, 9003, is one for all masters
     proc = subprocess.Popen([*cmd, f"--http_metadata_server_port={meta}"], stdout=log, stderr=log)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:

@@ -23,6 +23,12 @@ tlkv/peer in the same run (for times: peer time / tlkv time):
   nothing across a restart): the same bytes written into a new file beside the store,
   one ``write`` each or one joined, with an ``fdatasync`` after each write (against
   tlkv durable) or none (against tlkv's fastest mode: the page cache);
+- the same Mooncake puts against a second master started with ``--root_fs_dir`` (its
+  file persistence: the writer's client, which mounts a segment there as on the first,
+  also writes each value it puts to a file under that directory, on a thread pool after
+  the put returns, with no fsync; ``remove`` leaves the file), timed to the put's return
+  and until the files hold every value, against tlkv's fastest mode (whose put returns
+  with the bytes in its file's page cache) and tlkv durable;
 - tlkv's fastest mode against plain py-lmdb putting the same values in the writer
   (``bench_floors.LmdbFloor``: opened as that mode opens its store, one transaction or one
   each, no envelope and no checks), and that plain LMDB against Mooncake's DRAM put: what
@@ -41,8 +47,9 @@ tlkv/peer in the same run (for times: peer time / tlkv time):
   timed during it;
 - existence of 8,192 keys, 64 present (``Client.has_blocks``, p50 of 20, against
   ``batch_is_exist``);
-- both servers restarted: what the reader finds (tlkv from disk; Mooncake's master keeps
-  its metadata in memory);
+- both servers restarted: what the reader finds (tlkv from disk; each Mooncake master
+  keeps its metadata in memory, the persisting one too), the writer's segments still
+  mounted in its process;
 - every rate also as a fraction of a loopback socket copy measured in the same run
   (one process ``sendall``s 128 MiB, another ``recv_into``s a reused buffer).
 """
@@ -64,16 +71,15 @@ import numpy as np
 from bench_common import Row, interleaved_medians
 from bench_floors import LmdbFloor, file_write, loopback_rate
 from bench_mooncake import OBJECT_NOT_FOUND, check_rc, mooncake_client, start_master, stop_master
+from bench_peers_table import EXIST_CALLS, EXIST_KEYS, table
 from bench_procs import BenchProcess
 from bench_servers import GEOMETRY, start_tlkv
 
 RUNS = 5  # the issue's rule: each target holds in the median of 5 runs and in each
 READ_ROUNDS = 5  # timed passes of each read call per run, taking turns
-EXIST_KEYS = 8192
-EXIST_CALLS = 20
 SEGMENT = 1 << 30
 LOCAL_BUFFER = 512 << 20
-FAST_MODE = "Store(sync=False), keep_freed_memory()"  # the writer's fastest-mode label
+FILES_POLL = 0.002  # seconds between looks at the persisting master's files
 
 
 def _envelopes(n: int, seed: int) -> tuple[list[int], list[bytes]]:
@@ -84,6 +90,17 @@ def _envelopes(n: int, seed: int) -> tuple[list[int], list[bytes]]:
     kv = rng.standard_normal(g.kv_shape).astype(np.float16)
     hashes = [int(h) for h in rng.integers(1, 2**63, n, dtype=np.uint64)]
     return hashes, [encode(g, [Block(h, g.block_tokens, kv)], 1) for h in hashes]
+
+
+def _files_bytes(root: str, names: set[str]) -> int:
+    """Bytes in the files under ``root`` named one of ``names`` (only those are stat'ed)."""
+    total = 0
+    for top, _, files in os.walk(root):
+        for name in files:
+            if name in names:
+                with contextlib.suppress(FileNotFoundError):
+                    total += os.stat(os.path.join(top, name)).st_size
+    return total
 
 
 class _Side:
@@ -101,10 +118,15 @@ class _Side:
         self.mc = mooncake_client(
             cfg["master_port"], cfg["meta_port"], SEGMENT if writer else 0, LOCAL_BUFFER
         )
+        # The same layout against the master that persists values (PERSIST_FLAGS).
+        self.mcp = mooncake_client(
+            cfg["persist_port"], cfg["persist_meta"], SEGMENT if writer else 0, LOCAL_BUFFER
+        )
         self.single = int(cfg["single"])
         self.buf = np.zeros(cfg["n"] * self.single, np.uint8)
-        if self.mc.register_buffer(self.buf.ctypes.data, self.buf.nbytes) != 0:
-            raise RuntimeError("Mooncake register_buffer failed")
+        for mc in (self.mc, self.mcp):
+            if mc.register_buffer(self.buf.ctypes.data, self.buf.nbytes) != 0:
+                raise RuntimeError("Mooncake register_buffer failed")
         self.ptrs = [self.buf.ctypes.data + i * self.single for i in range(cfg["n"])]
         self.store: Any = None
         self.floor: LmdbFloor | None = None
@@ -154,11 +176,51 @@ class _Side:
             kind = "durable" if durable else "fast"
             out[f"file_{kind}_one"] = file_write(files, sets[0][1], durable, batched=False)
             out[f"file_{kind}_batch"] = file_write(files, sets[1][1], durable, batched=True)
+        # Mooncake's persisting puts last: its files' pages are not written back in the floors.
+        out.update(self._persisted_puts(sets, [[f"p{k}" for k in ks] for ks in keys]))
         os.sync()  # the reads that follow are not timed against the writeback of these puts
         out["hashes"] = sets[1][0]  # the durable batch: read by the reader
         out["keys"] = keys[1]
         out["all_hashes"] = [h for s in sets for h in s[0]]
         out["all_keys"] = [k for ks in keys for k in ks]
+        out["persist_keys"] = [f"p{k}" for k in keys[1]]
+        return out
+
+    def _persisted_puts(self, sets: list[Any], keys: list[list[str]]) -> dict[str, float]:
+        """The Mooncake puts again against the persisting master: plain and registered,
+        one by one and batched (the registered buffer holds ``sets[2]``'s envelopes). Each
+        call's time to return (``mcp_*``), and until its values are all in its files
+        (``mcpf_*``: the master's client writes them on a thread pool after the put
+        returns; polled every ``FILES_POLL`` seconds, names first, sizes of the call's own).
+
+        Raises:
+            RuntimeError: a call's files did not hold what it put within 60 s.
+        """
+        mc, n, size = self.mcp, self.cfg["n"], self.single
+        calls: dict[str, tuple[int, Callable[[], object]]] = {
+            "one": (0, lambda: [check_rc(mc.put(k, e)) for k, e in zip(keys[0], sets[0][1])]),
+            "one_reg": (
+                2,
+                lambda: [check_rc(mc.put_from(k, p, size)) for k, p in zip(keys[2], self.ptrs)],
+            ),
+            "batch": (1, lambda: check_rc(mc.put_batch(keys[1], sets[1][1]))),
+            "batch_reg": (
+                3,
+                lambda: check_rc(mc.batch_put_from(keys[3], self.ptrs, [size] * n)),
+            ),
+        }
+        out = {}
+        for name, (k, call) in calls.items():
+            names = set(keys[k])
+            t0 = time.perf_counter()
+            call()
+            out[f"mcp_{name}"] = time.perf_counter() - t0
+            deadline = t0 + 60
+            while _files_bytes(self.cfg["persist_dir"], names) < n * size:
+                if time.perf_counter() > deadline:
+                    raise RuntimeError(f"Mooncake's persisting master: {name}'s files short")
+                time.sleep(FILES_POLL)
+            out[f"mcpf_{name}"] = time.perf_counter() - t0
         return out
 
     def drop(self, hashes: list[int], keys: list[str]) -> None:
@@ -169,14 +231,15 @@ class _Side:
             self.store.delete(h)
         if self.floor is not None:
             self.floor.delete(hashes)
-        left = list(keys)
-        deadline = time.monotonic() + 30
-        while left:  # a key read lately is under its lease (the master's default 10 s)
-            left = [k for k in left if self.mc.remove(k) not in (0, OBJECT_NOT_FOUND)]
-            if left and time.monotonic() > deadline:
-                raise RuntimeError(f"Mooncake kept {len(left)} removed keys for 30 s")
-            if left:
-                time.sleep(0.5)
+        for mc, names in ((self.mc, list(keys)), (self.mcp, [f"p{k}" for k in keys])):
+            left = names
+            deadline = time.monotonic() + 30
+            while left:  # a key read lately is under its lease (the master's default 10 s)
+                left = [k for k in left if mc.remove(k) not in (0, OBJECT_NOT_FOUND)]
+                if left and time.monotonic() > deadline:
+                    raise RuntimeError(f"Mooncake kept {len(left)} removed keys for 30 s")
+                if left:
+                    time.sleep(0.5)
 
     # --- reader -----------------------------------------------------------------------
 
@@ -254,8 +317,11 @@ class _Side:
         self.buf[at : at + size] = np.frombuffer(view, np.uint8)
         view.release()
 
-    def after_restart(self, url: str, hashes: list[int], keys: list[str]) -> dict[str, Any]:
-        """What each finds of the blocks after both servers restarted (tlkv's at ``url``)."""
+    def after_restart(
+        self, url: str, hashes: list[int], keys: list[str], persist_keys: list[str]
+    ) -> dict[str, Any]:
+        """What each finds of the blocks after the servers restarted (tlkv's at ``url``;
+        Mooncake's masters, the writer's segments still mounted in its process)."""
         from kvstore.client import Client
 
         self.client.close()
@@ -265,15 +331,27 @@ class _Side:
         t_tlkv = time.perf_counter() - t0
         blocks = (len(data) - 4096) // self.single if len(data) > self.single else 0
         found = self.client.has_blocks(hashes).prefix
+        return {
+            "tlkv_found": found,
+            "tlkv_blocks": blocks,
+            "tlkv_s": t_tlkv,
+            "mc": self._mc_found(self.mc, keys),
+            "mcp": self._mc_found(self.mcp, persist_keys),
+        }
+
+    def _mc_found(self, mc: Any, keys: list[str]) -> str:
+        """How many of ``keys`` a Mooncake client finds, and how many read back whole."""
         try:
             t0 = time.perf_counter()
-            exist = self.mc.batch_is_exist(keys)
-            t_mc = time.perf_counter() - t0
-            mc_found = sum(1 for e in exist if e == 1)
-            mc_note = f"{mc_found} of {len(keys)} keys exist ({t_mc * 1e3:.1f} ms)"
+            exist = mc.batch_is_exist(keys)
+            t_exist = time.perf_counter() - t0
+            sizes = [self.single] * len(keys)
+            got = mc.batch_get_into(keys, self.ptrs[: len(keys)], sizes)
+            whole = sum(1 for rc in got if rc == self.single)
         except Exception as exc:  # whatever the peer does is the measurement
-            mc_note = f"error: {type(exc).__name__}: {exc}"
-        return {"tlkv_found": found, "tlkv_blocks": blocks, "tlkv_s": t_tlkv, "mc": mc_note}
+            return f"error: {type(exc).__name__}: {exc}"
+        found = sum(1 for e in exist if e == 1)
+        return f"{found} of {len(keys)} keys exist ({t_exist * 1e3:.1f} ms), {whole} read back"
 
     def close(self) -> None:
         self.client.close()
@@ -281,8 +359,9 @@ class _Side:
             self.store.close()
         if self.floor is not None:
             self.floor.close()
-        with contextlib.suppress(Exception):
-            self.mc.close()
+        for mc in (self.mc, self.mcp):
+            with contextlib.suppress(Exception):
+                mc.close()
 
 
 def run(args: argparse.Namespace) -> list[Row]:
@@ -298,12 +377,19 @@ def run(args: argparse.Namespace) -> list[Row]:
     base = Path(os.environ.get("TLKV_BENCH_DIR", tempfile.gettempdir()))
     root = Path(tempfile.mkdtemp(prefix="tlkv-bench-peers-", dir=base))
     ctx = multiprocessing.get_context("spawn")
-    server = master = None
+    server = None
+    masters: list[Any] = []
     workers: list[BenchProcess] = []
     logs: list[Any] = []
+    persist = [f"--root_fs_dir={root / 'mooncake-files'}"]
+    (root / "mooncake-files").mkdir()  # Mooncake's clients refuse a directory not there
     try:
         server = start_tlkv(root / "store", root / "tlkv.log", max_body="256MiB")
         master, mport, meta, log = start_master(root)
+        masters.append(master)
+        logs.append(log)
+        pmaster, pport, pmeta, log = start_master(root, flags=persist, name="persisting_master")
+        masters.append(pmaster)
         logs.append(log)
         cfg = {
             "url": f"http://127.0.0.1:{server.port}",
@@ -312,6 +398,9 @@ def run(args: argparse.Namespace) -> list[Row]:
             "lmdb": str(root / "lmdb-floor"),
             "master_port": mport,
             "meta_port": meta,
+            "persist_dir": str(root / "mooncake-files"),
+            "persist_port": pport,
+            "persist_meta": pmeta,
             "n": n,
             "single": single,
         }
@@ -332,169 +421,31 @@ def run(args: argparse.Namespace) -> list[Row]:
             if r < runs - 1:
                 writer.call("drop", put["all_hashes"], put["all_keys"])
             last = put
-        # Both servers restart; the reader asks again for the last run's blocks.
+        # The servers restart; the reader asks again for the last run's blocks.
         server.stop()
-        master.terminate()
-        master.wait(30)
+        for m in masters:
+            stop_master(m)
+        masters = []
         server = start_tlkv(root / "store", root / "tlkv.log", max_body="256MiB")
-        master, _, _, log = start_master(root, mport, meta)
-        logs.append(log)
+        for port, mmeta, flags, name in (
+            (mport, meta, [], "mooncake_master"),
+            (pport, pmeta, persist, "persisting_master"),
+        ):
+            master, _, _, log = start_master(root, port, mmeta, flags, name)
+            masters.append(master)
+            logs.append(log)
         url = f"http://127.0.0.1:{server.port}"
-        restart = reader.call("after_restart", url, last["hashes"], last["keys"])
+        restart = reader.call(
+            "after_restart", url, last["hashes"], last["keys"], last["persist_keys"]
+        )
     finally:
         for w in workers:
             w.stop()
         if server is not None:
             server.stop()
-        stop_master(master)
+        for m in masters:
+            stop_master(m)
         for log in logs:
             log.close()
         shutil.rmtree(root, ignore_errors=True)
-    return _rows(results, restart, loop, n, single, runs, judged=not quick)
-
-
-def _med(results: list[dict[str, Any]], key: str) -> float:
-    return statistics.median(r[key] for r in results)
-
-
-def _rows(
-    results: list[dict[str, Any]],
-    restart: dict[str, Any],
-    loop: float,
-    n: int,
-    single: int,
-    runs: int,
-    judged: bool,
-) -> list[Row]:
-    """The table; ``judged``: targets are checked (not in a ``--quick`` smoke run)."""
-    nbytes = n * single
-
-    def rate(seconds: float) -> str:
-        return f"{nbytes / seconds / 1e9:.2f} GB/s ({nbytes / seconds / loop:.2f} of loopback)"
-
-    def ratio_row(name: str, ours: str, peer: str | tuple[str, str], target: float | None) -> Row:
-        peers = (peer,) if isinstance(peer, str) else peer
-        per_run = [min(r[p] for p in peers) / r[ours] for r in results]
-        t_ours = _med(results, ours)
-        t_peer = statistics.median(min(r[p] for p in peers) for r in results)
-        spread = f"runs {min(per_run):.2f}-{max(per_run):.2f}x" if len(per_run) > 1 else ""
-        ok = None if target is None or not judged else all(x >= target for x in per_run)
-        return Row(
-            f"{name} ({len(per_run)} runs{', ' + spread if spread else ''})",
-            rate(t_ours),
-            rate(t_peer),
-            statistics.median(per_run),
-            f">= {target}x" if target is not None else "",
-            ok,
-        )
-
-    rows = [
-        Row(f"loopback socket copy, {nbytes >> 20} MiB", f"{loop / 1e9:.2f} GB/s"),
-        ratio_row(
-            "put one by one, tlkv durable vs Mooncake DRAM",
-            "tlkv_durable_one",
-            ("mc_one", "mc_one_reg"),
-            0.5,
-        ),
-        ratio_row(
-            "put batched, tlkv durable vs Mooncake DRAM",
-            "tlkv_durable_batch",
-            ("mc_batch", "mc_batch_reg"),
-            0.5,
-        ),
-        ratio_row(
-            f"put one by one, tlkv {FAST_MODE} vs Mooncake DRAM",
-            "tlkv_fast_one",
-            ("mc_one", "mc_one_reg"),
-            None,
-        ),
-        ratio_row(
-            f"put batched, tlkv {FAST_MODE} vs Mooncake DRAM",
-            "tlkv_fast_batch",
-            ("mc_batch", "mc_batch_reg"),
-            1.0,
-        ),
-        *(  # against what this disk allows: the same bytes as a file (bench_floors.file_write)
-            ratio_row(
-                f"put {how}, tlkv {mode} vs {floor}",
-                f"tlkv_{kind}_{way}",
-                f"file_{kind}_{way}",
-                None,
-            )
-            for kind, mode, sync in (
-                ("durable", "durable", " + fdatasync"),
-                ("fast", FAST_MODE, ""),
-            )
-            for way, how, floor in (
-                ("one", "one by one", f"a file write{sync} each"),
-                ("batch", "batched", f"one file write{sync}"),
-            )
-        ),
-        *(  # tlkv's own work, and LMDB's, against the same puts (bench_floors.LmdbFloor)
-            row
-            for way, how, txns in (
-                ("one", "one by one", "a transaction each"),
-                ("batch", "batched", "one transaction"),
-            )
-            for row in (
-                ratio_row(
-                    f"put {how}, tlkv {FAST_MODE} vs plain py-lmdb, {txns}",
-                    f"tlkv_fast_{way}",
-                    f"lmdb_fast_{way}",
-                    None,
-                ),
-                ratio_row(
-                    f"put {how}, plain py-lmdb ({txns}, no fsync) vs Mooncake DRAM",
-                    f"lmdb_fast_{way}",
-                    (f"mc_{way}", f"mc_{way}_reg"),
-                    None,
-                ),
-            )
-        ),
-        ratio_row(
-            "get one by one, Client.get vs get/get_into",
-            "tlkv_get_one",
-            ("mc_get_one", "mc_get_one_reg"),
-            2.0,
-        ),
-        ratio_row(  # a socket copy per block either way above; no socket here
-            "get one by one, same host: Store.get_buffers on the server's directory, copied "
-            "into a buffer, vs get/get_into",
-            "tlkv_local_one",
-            ("mc_get_one", "mc_get_one_reg"),
-            None,
-        ),
-        ratio_row(
-            f"whole {n}-block prefix, Client.prefix vs batch_get_into",
-            "tlkv_prefix",
-            "mc_batch_get_into",
-            1.3,
-        ),
-        ratio_row(
-            f"whole {n}-block prefix, Client.prefix_into vs batch_get_into",
-            "tlkv_prefix_into",
-            "mc_batch_get_into",
-            None,
-        ),
-    ]
-    t_has, t_exist = _med(results, "tlkv_has"), _med(results, "mc_exist")
-    per_run = [r["mc_exist"] / r["tlkv_has"] for r in results]
-    rows.append(
-        Row(
-            f"existence of {EXIST_KEYS:,} keys, p50 ({runs} runs x {EXIST_CALLS})",
-            f"has_blocks {t_has * 1e3:.2f} ms",
-            f"batch_is_exist {t_exist * 1e3:.2f} ms",
-            statistics.median(per_run),
-            "p50 <= peer's",
-            all(x >= 1 for x in per_run) if judged else None,
-        )
-    )
-    rows.append(
-        Row(
-            "after both servers restart",
-            f"tlkv: {restart['tlkv_found']} of {n} blocks, prefix read in "
-            f"{restart['tlkv_s'] * 1e3:.0f} ms",
-            f"Mooncake: {restart['mc']}",
-        )
-    )
-    return rows
+    return table(results, restart, loop, n, single, runs, judged=not quick)
