@@ -118,7 +118,7 @@ class _Side:
         self.mc = mooncake_client(
             cfg["master_port"], cfg["meta_port"], SEGMENT if writer else 0, LOCAL_BUFFER
         )
-        # The same layout against the master that persists values (PERSIST_FLAGS).
+        # The same layout against the master that persists values (--root_fs_dir, run()).
         self.mcp = mooncake_client(
             cfg["persist_port"], cfg["persist_meta"], SEGMENT if writer else 0, LOCAL_BUFFER
         )
