@@ -5,9 +5,12 @@ Each client is a process of its own, as engines are, loading a prefix of its own
 single-block v1 envelopes of 256 KiB (geometry 16, 4, 8, 128: 16 MiB a prefix, 1 GiB for
 64 clients, so both stores hold every client's prefix in memory). One ``tlkv serve
 --workers 2 --grpc-port`` (durable; the blocks put over HTTP before the clock starts) and
-one ``mooncake_master`` (HTTP metadata server on, otherwise its defaults) with one holder
-process that mounts the 1.5 GiB segment the values live in (its DRAM) and puts them there
-with ``batch_put_from``. The clients mount no segment: every read crosses processes.
+one ``mooncake_master`` (HTTP metadata server on, its object lease ``LEASE_MS``, otherwise
+its defaults) with one holder process that mounts the 1.5 GiB segment the values live in
+(its DRAM) and puts them there with ``batch_put_from``. The clients mount no segment:
+every read crosses processes. The lease: a Mooncake read that outlasts its object's lease
+fails (``-707``, lease expired); with the default lease (10 s) every load at 64 clients
+failed (BENCHMARKS.md, fleet), so the master gets one a load there does not outlast.
 
 Per client and round, one whole-prefix load through each system's default batch call:
 ``Client.prefix`` (HTTP), ``TransferClient.fetch`` (tl.kv.v1 gRPC, every chunk checked),
@@ -49,6 +52,7 @@ SYSTEMS = ("tlkv_http", "tlkv_grpc", "mooncake")
 HOLDER_SEGMENT = 3 << 29  # 1.5 GiB: 64 prefixes of 16 MiB and Mooncake's own margin
 CLIENT_LOCAL_BUFFER = 64 << 20
 STARVED = 4.0  # p99/p50 at 16 clients
+LEASE_MS = 120_000  # Mooncake's object lease (--default_kv_lease_ttl): above any load's time
 
 
 def _prefix(index: int) -> tuple[list[int], list[bytes]]:
@@ -211,7 +215,7 @@ def run(args: argparse.Namespace) -> list[Row]:
         server = start_tlkv(
             root / "store", root / "tlkv.log", geometry=GEOMETRY, grpc_port=grpc_port
         )
-        master, mport, meta, log = start_master(root)
+        master, mport, meta, log = start_master(root, flags=[f"--default_kv_lease_ttl={LEASE_MS}"])
         logs.append(log)
         cfg = {
             "url": f"http://127.0.0.1:{server.port}",
