@@ -8,9 +8,9 @@ single-block v1 envelopes of 256 KiB (geometry 16, 4, 8, 128: 16 MiB a prefix, 1
 one ``mooncake_master`` (HTTP metadata server on, its object lease ``LEASE_MS``, otherwise
 its defaults) with one holder process that mounts the 1.5 GiB segment the values live in
 (its DRAM) and puts them there with ``batch_put_from``. The clients mount no segment:
-every read crosses processes. The lease: a Mooncake read that outlasts its object's lease
-fails (``-707``, lease expired); with the default lease (10 s) every load at 64 clients
-failed (BENCHMARKS.md, fleet), so the master gets one a load there does not outlast.
+every read crosses processes. A Mooncake read that outlasts its object's lease fails
+(``-707``, lease expired), and a load at 64 clients takes longer than the master's default
+lease, so the master gets one no load here outlasts.
 
 Per client and round, one whole-prefix load through each system's default batch call:
 ``Client.prefix`` (HTTP), ``TransferClient.fetch`` (tl.kv.v1 gRPC, every chunk checked),

@@ -92,6 +92,11 @@ def _envelopes(n: int, seed: int) -> tuple[list[int], list[bytes]]:
     return hashes, [encode(g, [Block(h, g.block_tokens, kv)], 1) for h in hashes]
 
 
+def _persisted(keys: list[str]) -> list[str]:
+    """The keys the persisting master holds the values of ``keys`` under."""
+    return [f"p{k}" for k in keys]
+
+
 def _files_bytes(root: str, names: set[str]) -> int:
     """Bytes in the files under ``root`` named one of ``names`` (only those are stat'ed)."""
     total = 0
@@ -177,13 +182,13 @@ class _Side:
             out[f"file_{kind}_one"] = file_write(files, sets[0][1], durable, batched=False)
             out[f"file_{kind}_batch"] = file_write(files, sets[1][1], durable, batched=True)
         # Mooncake's persisting puts last: its files' pages are not written back in the floors.
-        out.update(self._persisted_puts(sets, [[f"p{k}" for k in ks] for ks in keys]))
+        out.update(self._persisted_puts(sets, [_persisted(ks) for ks in keys]))
         os.sync()  # the reads that follow are not timed against the writeback of these puts
         out["hashes"] = sets[1][0]  # the durable batch: read by the reader
         out["keys"] = keys[1]
         out["all_hashes"] = [h for s in sets for h in s[0]]
         out["all_keys"] = [k for ks in keys for k in ks]
-        out["persist_keys"] = [f"p{k}" for k in keys[1]]
+        out["persist_keys"] = _persisted(keys[1])
         return out
 
     def _persisted_puts(self, sets: list[Any], keys: list[list[str]]) -> dict[str, float]:
@@ -231,7 +236,7 @@ class _Side:
             self.store.delete(h)
         if self.floor is not None:
             self.floor.delete(hashes)
-        for mc, names in ((self.mc, list(keys)), (self.mcp, [f"p{k}" for k in keys])):
+        for mc, names in ((self.mc, list(keys)), (self.mcp, _persisted(keys))):
             left = names
             deadline = time.monotonic() + 30
             while left:  # a key read lately is under its lease (the master's default 10 s)
