@@ -17,7 +17,9 @@ tlkv/peer in the same run (for times: peer time / tlkv time):
   (``Client.put`` to the server: fsync before the answer), tlkv's fastest mode
   (``Store(sync=False).put`` into the server's store directory from the writer process:
   no fsync, no HTTP; the writer keeps freed memory, ``kvstore.store.keep_freed_memory()``,
-  as the docs tell a process that puts large batches), against Mooncake's DRAM
+  as the docs tell a process that puts large batches), and tlkv durable in the writer's
+  process (``Store()`` on a store directory of its own, as an engine's connector opens
+  one: fsync before each put returns, no HTTP), against Mooncake's DRAM
   ``put``/``put_from``/``batch_put_from``;
 - the same puts against what this disk allows any store (Mooncake's DRAM put keeps
   nothing across a restart): the same bytes written into a new file beside the store,
@@ -134,6 +136,7 @@ class _Side:
                 raise RuntimeError("Mooncake register_buffer failed")
         self.ptrs = [self.buf.ctypes.data + i * self.single for i in range(cfg["n"])]
         self.store: Any = None
+        self.local: Any = None  # tlkv durable in this process: a store directory of its own
         self.floor: LmdbFloor | None = None
 
     # --- writer -----------------------------------------------------------------------
@@ -159,6 +162,10 @@ class _Side:
             self.store = Store(self.cfg["data"], sync=False)
         out["tlkv_fast_one"] = timed(lambda: [self.store.put(e) for e in sets[2][1]])
         out["tlkv_fast_batch"] = timed(lambda: self.store.put(batches[1]))
+        if self.local is None:
+            self.local = Store(self.cfg["local"])
+        out["tlkv_local_durable_one"] = timed(lambda: [self.local.put(e) for e in sets[0][1]])
+        out["tlkv_local_durable_batch"] = timed(lambda: self.local.put(batches[0]))
         if self.floor is None:
             self.floor = LmdbFloor(self.cfg["lmdb"])
         out["lmdb_fast_one"] = self.floor.put(*sets[2], batched=False)
@@ -234,6 +241,7 @@ class _Side:
         shutil.rmtree(self.cfg["files"], ignore_errors=True)
         for h in hashes:
             self.store.delete(h)
+            self.local.delete(h)
         if self.floor is not None:
             self.floor.delete(hashes)
         for mc, names in ((self.mc, list(keys)), (self.mcp, _persisted(keys))):
@@ -360,8 +368,9 @@ class _Side:
 
     def close(self) -> None:
         self.client.close()
-        if self.store is not None:
-            self.store.close()
+        for store in (self.store, self.local):
+            if store is not None:
+                store.close()
         if self.floor is not None:
             self.floor.close()
         for mc in (self.mc, self.mcp):
@@ -401,6 +410,7 @@ def run(args: argparse.Namespace) -> list[Row]:
             "data": str(root / "store"),
             "files": str(root / "files"),
             "lmdb": str(root / "lmdb-floor"),
+            "local": str(root / "local-store"),
             "master_port": mport,
             "meta_port": meta,
             "persist_dir": str(root / "mooncake-files"),

@@ -64,6 +64,15 @@ def table(
             ("mc_batch", "mc_batch_reg"),
             0.5,
         ),
+        *(  # the same durable put without HTTP: a store directory in the writer's process
+            ratio_row(
+                f"put {how}, tlkv durable, Store() in the writer vs Mooncake DRAM",
+                f"tlkv_local_durable_{way}",
+                (f"mc_{way}", f"mc_{way}_reg"),
+                0.5,
+            )
+            for way, how in (("one", "one by one"), ("batch", "batched"))
+        ),
         ratio_row(
             f"put one by one, tlkv {FAST_MODE} vs Mooncake DRAM",
             "tlkv_fast_one",
