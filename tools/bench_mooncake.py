@@ -2,7 +2,8 @@
 ``bench_vllm_mooncake``): its master, its Python client and its return codes.
 
 ``mooncake_master`` runs with its HTTP metadata server on (otherwise its defaults, but for
-flags a bench names: ``bench_peers``' persisting master adds ``--root_fs_dir``); a
+flags a bench names: ``bench_peers``' persisting master adds ``--root_fs_dir``,
+``bench_fleet``'s master a longer object lease); a
 client is ``MooncakeDistributedStore().setup(...)`` over TCP, mounting ``segment`` bytes
 of DRAM (0: it holds no values) and a ``local`` buffer, as Mooncake's docs configure it.
 """
