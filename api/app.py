@@ -84,6 +84,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             settings.data,
             geometry=settings.geometry,
             capacity_bytes=settings.capacity_bytes,
+            preallocate_bytes=settings.preallocate_bytes,
             allow_nonfinite=settings.allow_nonfinite,
             tier=settings.tier,
             tier_endpoint=settings.tier_endpoint,

@@ -98,6 +98,8 @@ def _serve(args: argparse.Namespace, metrics_dir: str | None) -> int:
         env[s.ENV_GEOMETRY] = ",".join(map(str, args.geometry.as_tuple()))
     if args.capacity is not None:
         env[s.ENV_CAPACITY] = str(args.capacity)
+    if args.preallocate:
+        env[s.ENV_PREALLOCATE] = str(args.preallocate)
     if args.token_file is not None:
         env[s.ENV_TOKEN_FILE] = str(Path(args.token_file).resolve())
     if args.metrics_token_file is not None:
@@ -197,6 +199,13 @@ def register(sub: Any) -> None:
     p.add_argument("--data", default="./tlkv-data", help="store directory (default ./tlkv-data)")
     p.add_argument("--geometry", type=geometry_arg, default=None, help="B,L,H,D of a new store")
     p.add_argument("--capacity", type=_size_arg, default=None, help="capacity, e.g. 2GiB")
+    p.add_argument(
+        "--preallocate",
+        type=_size_arg,
+        default=0,
+        help="disk and page cache kept ready past the store's last page, e.g. 1GiB: large "
+        "puts write into pages the kernel holds already (default 0: off)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     p.add_argument(

@@ -24,6 +24,7 @@ from .hosts import HostRule
 ENV_DATA = "TLKV_DATA"
 ENV_GEOMETRY = "TLKV_GEOMETRY"
 ENV_CAPACITY = "TLKV_CAPACITY"
+ENV_PREALLOCATE = "TLKV_PREALLOCATE"  # room kept past the data file's last page (Store's)
 ENV_TOKEN = "TLKV_TOKEN"
 ENV_TOKEN_FILE = "TLKV_TOKEN_FILE"
 ENV_MAX_BODY = "TLKV_MAX_BODY"
@@ -73,6 +74,7 @@ class Settings:
     data: Path = Path(DEFAULT_DATA)
     geometry: Geometry | None = None
     capacity_bytes: int | None = None
+    preallocate_bytes: int = 0  # Store(preallocate_bytes=): 0 off
     token: str | None = None  # one token for every model (TLKV_TOKEN, a bare token file)
     tokens: TokenTable | None = None  # a token file's table (models per token)
     max_body: int = DEFAULT_MAX_BODY
@@ -135,6 +137,7 @@ class Settings:
         env = os.environ if env is None else env
         geometry = env.get(ENV_GEOMETRY)
         capacity = env.get(ENV_CAPACITY)
+        preallocate = env.get(ENV_PREALLOCATE)
         token_file = env.get(ENV_TOKEN_FILE)
         tokens = read_tokens(token_file) if token_file else None
         token = tokens.bare if tokens is not None else (env.get(ENV_TOKEN) or None)
@@ -155,6 +158,7 @@ class Settings:
             data=Path(env.get(ENV_DATA) or DEFAULT_DATA),
             geometry=Geometry.parse(geometry) if geometry else None,
             capacity_bytes=parse_size(capacity) if capacity else None,
+            preallocate_bytes=parse_size(preallocate) if preallocate else 0,
             token=token,
             tokens=tokens,
             max_body=parse_size(max_body) if max_body else DEFAULT_MAX_BODY,

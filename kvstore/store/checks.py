@@ -31,8 +31,16 @@ def check_bound(what: str, value: Any) -> None:
         raise ValueError(f"{what} must be > 0, found {value}")
 
 
-def check_open(geometry: Any, capacity_bytes: Any, map_bytes: Any, max_models: Any) -> None:
+def check_open(
+    geometry: Any, capacity_bytes: Any, map_bytes: Any, max_models: Any, preallocate_bytes: Any = 0
+) -> None:
     """The arguments that open a ``Store`` (see its docstring)."""
+    if isinstance(preallocate_bytes, bool) or not isinstance(preallocate_bytes, int):
+        raise TypeError(
+            f"preallocate_bytes must be an int, found {type(preallocate_bytes).__name__}"
+        )
+    if preallocate_bytes < 0:
+        raise ValueError(f"preallocate_bytes must be >= 0, found {preallocate_bytes}")
     if max_models is not None and (
         isinstance(max_models, bool)
         or not isinstance(max_models, int)

@@ -64,6 +64,7 @@ class Environment:
         map_bytes: int | None,
         allow_nonfinite: bool,
         max_models: int | None,
+        preallocate: int = 0,
     ) -> None:
         self.path = path
         self.capacity = capacity
@@ -80,7 +81,9 @@ class Environment:
         map_size = initial
         if capacity is not None:
             map_size = max(map_size, -(-(2 * capacity) // MAP_ALIGN) * MAP_ALIGN)
-        self.lmdb = LmdbEnv(path, map_size=map_size, sync=sync, grow_floor=initial)
+        self.lmdb = LmdbEnv(
+            path, map_size=map_size, sync=sync, grow_floor=initial, preallocate=preallocate
+        )
 
         def check(txn: Any, dbs: Dbs) -> None:
             self._check_meta(txn, dbs, geometry)

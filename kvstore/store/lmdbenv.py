@@ -49,6 +49,7 @@ from .diskformat import (
     model_db_name,
 )
 from .mapguard import MapGuard
+from .prealloc import Preallocation
 from .snapshots import Snapshots
 from .writebehind import WriteBehind
 
@@ -125,6 +126,8 @@ class LmdbEnv:
         map_size: the initial map size; it grows on demand.
         sync: fsync every commit (data and meta) before it returns.
         grow_floor: the least a growth adds beyond what is used and needed.
+        preallocate: bytes of data file kept allocated and page-cached past the pages in
+            use (``prealloc.Preallocation``; 0: none). Opening makes the first room.
         The environment has sub-database slots for the most models any store admits
         (``protocol.MAX_MODELS_LIMIT``), or for every sub-database the store holds already
         if that is more: a process can open every model another process may create,
@@ -142,6 +145,7 @@ class LmdbEnv:
         map_size: int,
         sync: bool,
         grow_floor: int,
+        preallocate: int = 0,
     ) -> None:
         self.path = path
         self.nothing: Dbs | None = None  # set by open()
@@ -171,6 +175,7 @@ class LmdbEnv:
         self._dbi_lock = threading.Lock()
         # Only durable commits wait for the disk; without sync the kernel writes later.
         self._write_behind = WriteBehind(os.path.join(path, "data.mdb"), enabled=sync)
+        self.prealloc = Preallocation(os.path.join(path, "data.mdb"), preallocate, self.psize)
 
     def _open_env(self, map_size: int, sync: bool, slots: int) -> Any:
         """``lmdb.open``, again while another process's commits outgrow the map between
@@ -238,6 +243,8 @@ class LmdbEnv:
                     )
                     check(txn, dbs)
                 self.nothing = nothing
+                if self.prealloc.nbytes:
+                    self._first_room()
                 return dbs
             except lmdb.MapResizedError:
                 env.set_mapsize(0)
@@ -278,6 +285,7 @@ class LmdbEnv:
         """
         with self.guard.exclusive():
             self._write_behind.close()
+            self.prealloc.close()
             if sync:
                 self.env.sync(True)
             if self.snapshots.pinned():
@@ -357,6 +365,8 @@ class LmdbEnv:
                 except BaseException:
                     txn.abort()
                     raise
+                if self.prealloc.nbytes:
+                    self.prealloc.ensure(int(self.env.info()["last_pgno"]), need)
                 with self._write_behind.during(need):
                     txn.commit()
                 return result
@@ -369,6 +379,21 @@ class LmdbEnv:
             finally:
                 self.guard.release()
             self.resize(grow=grow, need=need)
+
+    def _first_room(self) -> None:
+        """Make the preallocated room at open and read it before returning (in a write
+        transaction of its own, aborted: it writes nothing to LMDB)."""
+        self.guard.acquire()
+        try:
+            txn = self.env.begin(write=True)
+            try:
+                self.prealloc.ensure(int(self.env.info()["last_pgno"]), 0, wait=True)
+            finally:
+                txn.abort()
+        except lmdb.MapResizedError:  # another process grew the map: the first put makes it
+            pass
+        finally:
+            self.guard.release()
 
     def map_room(self) -> int:
         """Bytes of map above the highest page in use (free pages inside are extra)."""

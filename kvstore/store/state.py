@@ -391,6 +391,7 @@ def open_root(
     max_models: int | None,
     tier: Tier | str | None,
     tier_endpoint: str | None,
+    preallocate: int = 0,
 ) -> Handle:
     """Open the environment in ``path`` and its default model's handle, with the tier if
     one is given (arguments as ``Store``'s)."""
@@ -402,6 +403,7 @@ def open_root(
         map_bytes=map_bytes,
         allow_nonfinite=allow_nonfinite,
         max_models=max_models,
+        preallocate=preallocate,
     )
     root = env.root = Handle(env, DEFAULT_MODEL, None)
     root.geometry = env.geometry

@@ -100,6 +100,13 @@ class Store(StoreAdmin):
         events: the KV event log (``set_events``): a bound in batches turns it on, 0 off,
             None (default) keeps the store's setting. It is a setting of the store, so
             every process writing to it logs its changes while it is on.
+        preallocate_bytes: room kept past the last page of the data file, allocated on
+            disk and read once into the page cache, so puts that grow the store write into
+            pages the kernel already holds (``prealloc``: on a VM whose new pages are slow,
+            a 64-block put ran several times faster; BENCHMARKS.md, Peers). Opening makes
+            the first room and reads it before returning; a commit that leaves less than
+            half extends the file again and a helper thread reads the new range. Costs that
+            much disk ahead of the data and up to that much page cache. 0 (default): off.
 
     Raises:
         ShapeError: the store exists with another geometry.
@@ -123,8 +130,9 @@ class Store(StoreAdmin):
         tier_endpoint: str | None = None,
         max_models: int | None = None,
         events: int | None = None,
+        preallocate_bytes: int = 0,
     ) -> None:
-        check_open(geometry, capacity_bytes, map_bytes, max_models)
+        check_open(geometry, capacity_bytes, map_bytes, max_models, preallocate_bytes)
         h = open_root(
             os.fspath(path),
             geometry=geometry,
@@ -135,6 +143,7 @@ class Store(StoreAdmin):
             max_models=max_models,
             tier=tier,
             tier_endpoint=tier_endpoint,
+            preallocate=preallocate_bytes,
         )
         self._h = h
         h.facade = self
@@ -173,6 +182,11 @@ class Store(StoreAdmin):
     def sync(self) -> bool:
         """Whether a write returns only once its commit is fsynced (``sync`` at open)."""
         return bool(self._h.env.sync)
+
+    @property
+    def preallocate_bytes(self) -> int:
+        """The room kept past the data file's last page (``preallocate_bytes`` at open)."""
+        return int(self._h.env.lmdb.prealloc.nbytes)
 
     @property
     def hits(self) -> int:
