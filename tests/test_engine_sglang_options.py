@@ -1,5 +1,5 @@
 """The SGLang HiCache backend's options on SGLang's real classes: bf16 and format-2 pages,
-``sync`` 0, ``keep_freed_memory``, the namespace a config names (model, ranks), and the
+``sync`` 0, ``keep_freed_memory``, ``preallocate``, the namespace a config names (model, ranks), and the
 configurations and layouts it refuses by name (``tools/sglang_demo.py`` builds the pieces).
 
 Skipped where SGLang is not installed (``docs/sglang.md``; ``.ci/run`` builds its venv).
@@ -121,6 +121,25 @@ def test_a_store_directory_backend_keeps_a_saves_freed_memory_unless_told_not_to
 def test_keep_freed_memory_takes_1_or_0(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="'keep_freed_memory' must be 1 or 0"):
         make_backend(make_pool(), str(tmp_path / "kv"), keep_freed_memory="yes")
+
+
+@pytest.mark.parametrize("value", ["4MiB", 4 << 20])
+def test_preallocate_keeps_room_in_the_store_directory(tmp_path: Path, value: object) -> None:
+    pool = make_pool()
+    backend = make_backend(pool, str(tmp_path / "kv"), interface_v1=1, preallocate=value)
+    written, read = round_trip(backend, pool, page_keys(4), True)
+    assert same(written, read)
+    store = backend._target(backend.namespace)._target.store
+    assert store.preallocate_bytes == 4 << 20
+    env = store._h.env.lmdb.env
+    used = (int(env.info()["last_pgno"]) + 1) * int(env.stat()["psize"])
+    assert (tmp_path / "kv" / "data.mdb").stat().st_size - used >= 2 << 20
+
+
+@pytest.mark.parametrize("value", [-1, True, 1.5, "lots"])
+def test_preallocate_takes_bytes_or_a_size(tmp_path: Path, value: object) -> None:
+    with pytest.raises(ValueError, match="preallocate|size"):
+        make_backend(make_pool(), str(tmp_path / "kv"), preallocate=value)
 
 
 def test_no_model_name_is_refused_unless_the_config_names_one(tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+from ..cli.common import parse_size
 from ..codec.layout import SUPPORTED_VERSIONS
 from ..errors import CacheLayoutError, ShapeError
 from ..store.memory import KEPT_BYTES, keep_freed_memory
@@ -41,7 +42,7 @@ log = logging.getLogger("sglang.tlkv")
 
 _SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1"})
 _OWN_KEYS = frozenset(
-    {"target", "model", "format", "token", "timeout", "sync", "keep_freed_memory"}
+    {"target", "model", "format", "token", "timeout", "sync", "keep_freed_memory", "preallocate"}
 )
 COUNTERS = (
     "pages_loaded",  # pages copied into the host pool, checked
@@ -54,6 +55,19 @@ COUNTERS = (
     "save_errors",  # set calls that failed (answered False)
     "keys_refused",  # calls whose keys are not SGLang page hashes
 )
+
+
+def _preallocate(value: Any) -> int:
+    """The ``preallocate`` config value in bytes: an int >= 0 or a size such as ``"1GiB"``.
+
+    Raises:
+        ValueError: anything else.
+    """
+    if isinstance(value, str):
+        return parse_size(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"tlkv 'preallocate' must be bytes >= 0 or a size, found {value!r}")
+    return value
 
 
 def _sglang_version() -> str:
@@ -107,6 +121,7 @@ class TlkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         if keep not in (0, 1):
             raise ValueError(f"tlkv 'keep_freed_memory' must be 1 or 0, found {keep!r}")
         self.keep_freed_memory = bool(keep)
+        self.preallocate = _preallocate(extra.get("preallocate", 0))
         self.model = str(model)
         self.config = storage_config
         self.pages: HostPages | None = None
@@ -173,7 +188,12 @@ class TlkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
             t = self._targets.get(namespace)
             if t is None:
                 t = self._targets[namespace] = open_page_target(
-                    self.target_spec, namespace, self.token, self.timeout, self.sync
+                    self.target_spec,
+                    namespace,
+                    self.token,
+                    self.timeout,
+                    self.sync,
+                    self.preallocate,
                 )
                 if t.local and self.keep_freed_memory:
                     self._keep_freed_memory()

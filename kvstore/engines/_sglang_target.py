@@ -70,7 +70,22 @@ class PageTarget:
 
 
 def open_page_target(
-    spec: str, namespace: str, token: str | None, timeout: float, sync: bool = True
+    spec: str,
+    namespace: str,
+    token: str | None,
+    timeout: float,
+    sync: bool = True,
+    preallocate: int = 0,
 ) -> PageTarget:
-    """Namespace ``namespace`` of the target ``spec`` (``sync``: a store directory's)."""
-    return PageTarget(open_target(spec, model=namespace, token=token, timeout=timeout, sync=sync))
+    """Namespace ``namespace`` of the target ``spec`` (``sync``, ``preallocate``: a store
+    directory's)."""
+    return PageTarget(
+        open_target(
+            spec,
+            model=namespace,
+            token=token,
+            timeout=timeout,
+            sync=sync,
+            preallocate=preallocate,
+        )
+    )

@@ -264,22 +264,29 @@ _stores: dict[tuple[int, str], Store] = {}
 _stores_lock = threading.Lock()
 
 
-def _shared_store(path: str, sync: bool = True) -> Store:
+def _shared_store(path: str, sync: bool = True, preallocate: int = 0) -> Store:
     """The process's one ``Store`` on ``path``, opened after any fork (LMDB allows one
     environment per process and path: every target and engine of the process shares it).
 
     Raises:
-        ValueError: the store is open in this process with the other ``sync``.
+        ValueError: the store is open in this process with the other ``sync`` or another
+            ``preallocate``.
     """
     key = (os.getpid(), os.path.realpath(path))
     with _stores_lock:
         store = _stores.get(key)
         if store is None:
-            store = _stores[key] = Store(path, sync=sync)
+            store = _stores[key] = Store(path, sync=sync, preallocate_bytes=preallocate)
         elif store.sync != sync:
             raise ValueError(
                 f"store directory {path} is open in this process with sync={store.sync}; "
                 f"a target asked for sync={sync} (one setting per directory and process)"
+            )
+        elif store.preallocate_bytes != preallocate:
+            raise ValueError(
+                f"store directory {path} is open in this process with preallocate="
+                f"{store.preallocate_bytes}; a target asked for {preallocate} (one setting "
+                "per directory and process)"
             )
         return store
 
@@ -291,6 +298,7 @@ def open_target(
     token: str | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     sync: bool = True,
+    preallocate: int = 0,
 ) -> Target:
     """The target named by ``spec``, addressing namespace ``model`` (None: ``default``).
 
@@ -304,9 +312,12 @@ def open_target(
         sync: a store directory's ``Store(sync=)``: False commits without an fsync
             (``Store``'s documented risk: for a cache that can be rebuilt). A server
             keeps its own setting.
+        preallocate: a store directory's ``Store(preallocate_bytes=)`` (0: off); a server
+            keeps its own (``tlkv serve --preallocate``).
 
     Raises:
-        ValueError: the store directory is open in this process with the other ``sync``.
+        ValueError: the store directory is open in this process with the other ``sync``
+            or another ``preallocate``.
     """
     from ..transfer import GRPC_SCHEME
     from .server_targets import GrpcTarget, HttpTarget
@@ -320,7 +331,7 @@ def open_target(
         from ..transfer import TransferClient
 
         return GrpcTarget(TransferClient(text, token, timeout=timeout, model=model), owned=True)
-    store = _shared_store(text, sync)
+    store = _shared_store(text, sync, preallocate)
     return StoreTarget(store.model(model) if model is not None else store)
 
 
