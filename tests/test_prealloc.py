@@ -210,7 +210,7 @@ def test_off_it_makes_no_thread_and_opens_nothing(tmp_path: Path) -> None:
     data = tmp_path / "f"
     data.write_bytes(b"")
     pre = Preallocation(str(data), 0, 4096)
-    pre.ensure(10, 1 << 20)
+    assert pre.extend(10, 1 << 20) is None
     assert pre.extensions == 0 and pre._thread is None and pre._fd == -1
     assert data.stat().st_size == 0
 

@@ -365,10 +365,15 @@ class LmdbEnv:
                 except BaseException:
                     txn.abort()
                     raise
+                span = None
                 if self.prealloc.nbytes:
-                    self.prealloc.ensure(int(self.env.info()["last_pgno"]), need)
-                with self._write_behind.during(need):
-                    txn.commit()
+                    span = self.prealloc.extend(int(self.env.info()["last_pgno"]), need)
+                try:
+                    with self._write_behind.during(need):
+                        txn.commit()
+                finally:
+                    if span is not None:  # the file is extended whatever the commit did
+                        self.prealloc.warm(span)
                 return result
             except lmdb.MapFullError:
                 grow = True
@@ -381,19 +386,23 @@ class LmdbEnv:
             self.resize(grow=grow, need=need)
 
     def _first_room(self) -> None:
-        """Make the preallocated room at open and read it before returning (in a write
-        transaction of its own, aborted: it writes nothing to LMDB)."""
+        """Make the preallocated room at open (in a write transaction of its own, aborted:
+        it writes nothing to LMDB), then read it before returning, the transaction over so
+        other writers do not wait for the read."""
+        span = None
         self.guard.acquire()
         try:
             txn = self.env.begin(write=True)
             try:
-                self.prealloc.ensure(int(self.env.info()["last_pgno"]), 0, wait=True)
+                span = self.prealloc.extend(int(self.env.info()["last_pgno"]), 0)
             finally:
                 txn.abort()
         except lmdb.MapResizedError:  # another process grew the map: the first put makes it
             pass
         finally:
             self.guard.release()
+        if span is not None:
+            self.prealloc.read(span)
 
     def map_room(self) -> int:
         """Bytes of map above the highest page in use (free pages inside are extra)."""

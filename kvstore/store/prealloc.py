@@ -92,19 +92,19 @@ class Preallocation:
         self._end = os.fstat(self._fd).st_size
         self._close_fd = weakref.finalize(self, os.close, self._fd)
 
-    def ensure(self, last_pgno: int, need: int, *, wait: bool = False) -> None:
+    def extend(self, last_pgno: int, need: int) -> tuple[int, int] | None:
         """Call inside a write transaction, before its commit: extend the file if the commit
         (``need`` bytes above page ``last_pgno``, LMDB's last page in use) would leave less
-        than half the room, and read the new range in the helper (now, with ``wait``)."""
+        than half the room. Returns the new range, for ``warm`` or ``read``, or None."""
         if self.nbytes <= 0:
-            return
+            return None
         used = (last_pgno + 1) * self.psize + need
         if self._end - used >= self.nbytes // 2:
-            return
+            return None
         try:
             self._end = os.fstat(self._fd).st_size  # another process may have extended it
             if self._end - used >= self.nbytes // 2:
-                return
+                return None
             start = self._end
             end = -(-(used + self.nbytes) // self.psize) * self.psize  # whole pages
             os.posix_fallocate(self._fd, start, end - start)
@@ -112,13 +112,18 @@ class Preallocation:
             level = logging.DEBUG if self.failures else logging.INFO  # once, not every put
             self.failures += 1
             log.log(level, "%s: preallocating %d bytes failed: %s", self.path, self.nbytes, exc)
-            return
+            return None
         self._end = end
         self.extensions += 1
-        if wait:
-            _read_range(self._fd, start, end, bytearray(READ_CHUNK), self._stop)
-            return
-        self._ranges.put((start, end))
+        return start, end
+
+    def read(self, span: tuple[int, int]) -> None:
+        """Read ``span`` of the file into the page cache now, in this thread."""
+        _read_range(self._fd, *span, bytearray(READ_CHUNK), self._stop)
+
+    def warm(self, span: tuple[int, int]) -> None:
+        """Have the helper thread read ``span`` into the page cache (started on first use)."""
+        self._ranges.put(span)
         if self._thread is None:
             self._thread = threading.Thread(
                 target=_warm,
