@@ -147,6 +147,30 @@ def test_two_processes_preallocating_one_store_keep_every_block(tmp_path: Path) 
                 assert s.get(b.hash) == encode(G, [b])
 
 
+def test_threads_putting_at_once_start_one_helper_and_keep_every_block(tmp_path: Path) -> None:
+    import threading
+
+    batches = [[_blocks(10_000 * t + 1000 * i, 20) for i in range(1, 7)] for t in range(1, 5)]
+    with Store(tmp_path / "s", geometry=G, preallocate_bytes=ROOM) as s:
+
+        def put_all(mine: list[list[Block]]) -> None:
+            for blocks in mine:
+                s.put(encode(G, blocks))
+
+        threads = [threading.Thread(target=put_all, args=(b,)) for b in batches]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        helpers = [t for t in threading.enumerate() if t.name == "tlkv-store-prealloc"]
+        assert len(helpers) == 1
+        assert s.stats()["blocks"] == 4 * 6 * 20
+        for mine in batches:
+            for blocks in mine:
+                for b in blocks:
+                    assert s.get(b.hash) == encode(G, [b])
+
+
 @pytest.mark.parametrize(
     ("value", "error"), [(-1, ValueError), (True, TypeError), (1.5, TypeError), ("1GiB", TypeError)]
 )

@@ -2,7 +2,7 @@
 
 A put that grows the store writes pages the file does not have yet: the file system
 allocates blocks for them and the kernel hands out new page-cache pages. Where a new
-page is expensive (a VM that gives freed memory back to its host: BENCHMARKS.md, Peers,
+page is expensive (a VM that gives freed memory back to its host: BENCHMARKS.md,
 "Preallocation") that costs a large put most of its speed; LMDB writing into pages the
 kernel already holds runs at memory speed.
 
@@ -22,9 +22,10 @@ The kernel may drop those clean pages under memory pressure; puts into the room 
 as they would without preallocation. Costs: ``nbytes`` of disk held ahead of the data, and
 up to ``nbytes`` of page cache. LMDB ignores file bytes past its last page: a store
 preallocated once opens, reads and copies as any other (``check_data_file`` refuses only
-a file shorter than its meta page says). A failed extension (a full disk, a file system
-without ``fallocate`` support) is logged and skipped: the put goes on as without
-preallocation.
+a file shorter than its meta page says). A failed extension (a full disk, a file-size
+limit) is logged and skipped: the put goes on as without preallocation. On a file system
+without ``fallocate`` glibc's ``posix_fallocate`` writes a zero byte into each new block
+past the end instead: slower, and as safe, since only the transaction's holder writes.
 """
 
 from __future__ import annotations
@@ -80,11 +81,12 @@ class Preallocation:
         self.nbytes = nbytes
         self.psize = psize
         self.extensions = 0  # files extended so far (for tests and diagnostics)
-        self.failures = 0  # extensions that failed (a full disk, no fallocate)
+        self.failures = 0  # extensions that failed (a full disk, a file-size limit)
         self._fd = -1
         self._end = 0  # the file's size as last seen or set here
         self._ranges: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._thread_lock = threading.Lock()  # warm runs after commits, in any thread
         self._stop = threading.Event()
         if nbytes <= 0:
             return
@@ -124,7 +126,9 @@ class Preallocation:
     def warm(self, span: tuple[int, int]) -> None:
         """Have the helper thread read ``span`` into the page cache (started on first use)."""
         self._ranges.put(span)
-        if self._thread is None:
+        with self._thread_lock:
+            if self._thread is not None:
+                return
             self._thread = threading.Thread(
                 target=_warm,
                 args=(os.dup(self._fd), self._ranges, self._stop),
