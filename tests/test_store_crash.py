@@ -1,10 +1,11 @@
 """Crash safety with real processes: a writer is SIGKILLed at random moments.
 
 The writer (a separate Python process) puts multi-block envelopes and sequences in a loop
-with ``sync=True``, printing each put's hashes before it starts and a line after it
-returns. After every kill the store is reopened: every block reported committed is
-present and passes its CRC, the put in flight is all or nothing, every reported sequence
-comes back byte-identical, and no stored block fails its CRC.
+with ``sync=True`` (into a growing file, or with room preallocated ahead), printing each
+put's hashes before it starts and a line after it returns. After every kill the store is
+reopened: every block reported committed is present and passes its CRC, the put in flight
+is all or nothing, every reported sequence comes back byte-identical, and no stored block
+fails its CRC.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ WRITER = textwrap.dedent(
     from kvstore import Block, Geometry, Store, crc32c, encode
 
     kvstore.store.writebehind.MIN_BYTES = 0  # every commit writes behind: kills land mid-way
-    path, seed = sys.argv[1], int(sys.argv[2])
+    path, seed, room = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     g = Geometry(16, 4, 2, 64)  # 32 KiB payloads
     kv = np.random.default_rng(seed).standard_normal(g.kv_shape).astype(np.float16)
 
@@ -43,7 +44,8 @@ WRITER = textwrap.dedent(
         sys.stdout.write(" ".join(map(str, words)) + "\\n")
         sys.stdout.flush()
 
-    with Store(path, map_bytes=1 << 20) as s:  # small: map growth happens under fire too
+    # A small map: its growth happens under fire too; with room, so do the extensions.
+    with Store(path, map_bytes=1 << 20, preallocate_bytes=room) as s:
         report("ready")
         i = 0
         while True:
@@ -61,9 +63,9 @@ WRITER = textwrap.dedent(
 )
 
 
-def _run_writer(script: Path, path: Path, seed: int, rng: random.Random) -> list[str]:
+def _run_writer(script: Path, path: Path, seed: int, rng: random.Random, room: int) -> list[str]:
     proc = subprocess.Popen(
-        [sys.executable, str(script), str(path), str(seed)],
+        [sys.executable, str(script), str(path), str(seed), str(room)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -84,7 +86,10 @@ def _run_writer(script: Path, path: Path, seed: int, rng: random.Random) -> list
 
 @pytest.mark.slow
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL is POSIX")
-def test_sigkilled_writers_never_lose_or_corrupt_committed_blocks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("room", [0, 256 << 10], ids=["growing", "preallocated"])
+def test_sigkilled_writers_never_lose_or_corrupt_committed_blocks(
+    tmp_path: Path, room: int
+) -> None:
     script = tmp_path / "writer.py"
     script.write_text(WRITER)
     path = tmp_path / "store"
@@ -93,7 +98,7 @@ def test_sigkilled_writers_never_lose_or_corrupt_committed_blocks(tmp_path: Path
     sequences: dict[str, int] = {}
     kills_mid_put = 0
     for seed in range(1, ROUNDS + 1):
-        lines = _run_writer(script, path, seed, rng)
+        lines = _run_writer(script, path, seed, rng, room)
         in_flight: list[int] = []
         for line in lines:
             kind, *rest = line.split()
