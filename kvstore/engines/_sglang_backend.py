@@ -20,7 +20,6 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from ..cli.common import parse_size
 from ..codec.layout import SUPPORTED_VERSIONS
 from ..errors import CacheLayoutError, ShapeError
 from ..store.memory import KEPT_BYTES, keep_freed_memory
@@ -58,15 +57,13 @@ COUNTERS = (
 
 
 def _preallocate(value: Any) -> int:
-    """The ``preallocate`` config value in bytes: an int >= 0 or a size such as ``"1GiB"``.
+    """The ``preallocate`` config value: bytes, an int >= 0 (a JSON number).
 
     Raises:
         ValueError: anything else.
     """
-    if isinstance(value, str):
-        return parse_size(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"tlkv 'preallocate' must be bytes >= 0 or a size, found {value!r}")
+        raise ValueError(f"tlkv 'preallocate' must be an int of bytes >= 0, found {value!r}")
     return value
 
 
