@@ -267,3 +267,10 @@ def test_settings_read_the_preallocation_and_refuse_a_bad_one() -> None:
     assert Settings.from_env({ENV_PREALLOCATE: "1GiB"}).preallocate_bytes == 1 << 30
     with pytest.raises(ValueError, match="size"):
         Settings.from_env({ENV_PREALLOCATE: "lots"})
+
+
+def test_a_data_file_it_cannot_open_leaves_it_off(tmp_path: Path) -> None:
+    pre = Preallocation(str(tmp_path / "missing" / "data.mdb"), ROOM, 4096)
+    assert pre.nbytes == 0 and pre._fd == -1
+    assert pre.extend(10, 1 << 20) is None
+    pre.close()

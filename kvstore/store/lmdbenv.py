@@ -127,7 +127,7 @@ class LmdbEnv:
         sync: fsync every commit (data and meta) before it returns.
         grow_floor: the least a growth adds beyond what is used and needed.
         preallocate: bytes of data file kept allocated and page-cached past the pages in
-            use (``prealloc.Preallocation``; 0: none). Opening makes the first room.
+            use (``prealloc.Preallocation``; 0: none). ``open`` makes the first room.
         The environment has sub-database slots for the most models any store admits
         (``protocol.MAX_MODELS_LIMIT``), or for every sub-database the store holds already
         if that is more: a process can open every model another process may create,

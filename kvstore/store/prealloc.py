@@ -90,7 +90,12 @@ class Preallocation:
         self._stop = threading.Event()
         if nbytes <= 0:
             return
-        self._fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            self._fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError as exc:  # the store opens as without preallocation
+            log.info("%s: no preallocation: %s", path, exc)
+            self.nbytes = 0
+            return
         self._end = os.fstat(self._fd).st_size
         self._close_fd = weakref.finalize(self, os.close, self._fd)
 
