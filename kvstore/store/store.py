@@ -102,11 +102,11 @@ class Store(StoreAdmin):
             every process writing to it logs its changes while it is on.
         preallocate_bytes: room kept past the last page of the data file, allocated on
             disk and read once into the page cache, so puts that grow the store write into
-            pages the kernel already holds (``prealloc``: where new pages are slow, a
-            64-block put ran 2.5-3.6x faster; BENCHMARKS.md, "Preallocation"). Opening makes
-            the first room and reads it before returning; a commit that leaves less than
-            half extends the file again and a helper thread reads the new range. Costs that
-            much disk ahead of the data and up to that much page cache. 0 (default): off.
+            pages the kernel already holds instead of waiting for new ones (``prealloc``;
+            measured in BENCHMARKS.md, "Preallocation"). Opening makes the first room and
+            reads it before returning; a commit that leaves less than half extends the file
+            again and a helper thread reads the new range. Costs that much disk ahead of the
+            data and up to that much page cache. 0 (default): off.
 
     Raises:
         ShapeError: the store exists with another geometry.
