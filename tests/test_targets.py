@@ -231,3 +231,19 @@ def test_the_server_targets_are_still_importable_from_targets() -> None:
     assert targets.HttpTarget is HttpTarget and targets.GrpcTarget is GrpcTarget
     with pytest.raises(AttributeError, match="no attribute 'SocketTarget'"):
         _ = targets.SocketTarget
+
+
+def test_store_options_of_an_engine_config() -> None:
+    """The store-directory keys the vLLM connector and the SGLang backend share: defaults,
+    the values taken, and every other value refused naming its key."""
+    from kvstore.engines.targets import StoreOptions, store_options
+
+    assert store_options({}) == StoreOptions(sync=True, preallocate=0)
+    assert store_options({"sync": 0, "preallocate": 1 << 30}) == (False, 1 << 30)
+    assert store_options({"sync": True, "target": "x"}) == (True, 0)
+    for value in (2, -1, "0", None, 0.5):
+        with pytest.raises(ValueError, match="tlkv 'sync' must be 1 or 0"):
+            store_options({"sync": value})
+    for value in (-1, "1GiB", 1.5, True, None):
+        with pytest.raises(ValueError, match="tlkv 'preallocate' must be an int of bytes >= 0"):
+            store_options({"preallocate": value})

@@ -26,6 +26,7 @@ from ..store.memory import KEPT_BYTES, keep_freed_memory
 from ._sglang_pages import HostPages, PageSlots
 from ._sglang_target import PageTarget, open_page_target
 from .sglang import TESTED_SGLANG, block_name, block_names, namespace_for, salt_of
+from .targets import store_options
 
 try:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
@@ -56,17 +57,6 @@ COUNTERS = (
 )
 
 
-def _preallocate(value: Any) -> int:
-    """The ``preallocate`` config value: bytes, an int >= 0 (a JSON number).
-
-    Raises:
-        ValueError: anything else.
-    """
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"tlkv 'preallocate' must be an int of bytes >= 0, found {value!r}")
-    return value
-
-
 def _sglang_version() -> str:
     try:
         from importlib.metadata import version
@@ -86,7 +76,8 @@ class TlkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     Raises:
         CacheLayoutError: an MLA model, split heads, or no model name to key pages on.
-        ValueError: a ``format`` other than 1 or 2, a ``sync`` other than 1 or 0.
+        ValueError: a ``format`` other than 1 or 2, a ``sync`` other than 1 or 0, a
+            ``preallocate`` other than an int of bytes >= 0 (``targets.store_options``).
     """
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None) -> None:
@@ -110,15 +101,11 @@ class TlkvHiCacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.target_spec = str(extra.get("target", "./tlkv-data"))
         self.token = extra.get("token") or os.environ.get("TLKV_TOKEN")
         self.timeout = float(extra.get("timeout", 5.0))
-        sync = extra.get("sync", 1)
-        if sync not in (0, 1):  # True and False compare equal to 1 and 0
-            raise ValueError(f"tlkv 'sync' must be 1 or 0, found {sync!r}")
-        self.sync = bool(sync)
+        self.sync, self.preallocate = store_options(extra)
         keep = extra.get("keep_freed_memory", 1)
         if keep not in (0, 1):
             raise ValueError(f"tlkv 'keep_freed_memory' must be 1 or 0, found {keep!r}")
         self.keep_freed_memory = bool(keep)
-        self.preallocate = _preallocate(extra.get("preallocate", 0))
         self.model = str(model)
         self.config = storage_config
         self.pages: HostPages | None = None

@@ -41,9 +41,9 @@ import abc
 import contextlib
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from ..codec.decoding import plain_v1_blocks
 from ..codec.envelope import BlockView
@@ -60,10 +60,12 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BlockSlots",
+    "StoreOptions",
     "StoreTarget",
     "Target",
     "as_target",
     "open_target",
+    "store_options",
 ]
 
 DEFAULT_TIMEOUT = 5.0  # seconds per call to a server
@@ -333,6 +335,32 @@ def open_target(
         return GrpcTarget(TransferClient(text, token, timeout=timeout, model=model), owned=True)
     store = _shared_store(text, sync, preallocate)
     return StoreTarget(store.model(model) if model is not None else store)
+
+
+class StoreOptions(NamedTuple):
+    """A store directory's options in an engine's config: ``sync`` and ``preallocate``,
+    passed on to ``open_target``."""
+
+    sync: bool = True
+    preallocate: int = 0
+
+
+def store_options(config: Mapping[str, Any]) -> StoreOptions:
+    """The store-directory options of an engine's extra config: ``"sync"`` 1 (default:
+    each put fsynced before it returns) or 0 (``Store(sync=False)``), ``"preallocate"``
+    bytes, an int >= 0 (``Store(preallocate_bytes=)``; default 0, off). A server target
+    keeps its own settings and ignores both.
+
+    Raises:
+        ValueError: a value other than these, naming its key.
+    """
+    sync = config.get("sync", 1)
+    if sync not in (0, 1):  # True and False compare equal to 1 and 0
+        raise ValueError(f"tlkv 'sync' must be 1 or 0, found {sync!r}")
+    size = config.get("preallocate", 0)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ValueError(f"tlkv 'preallocate' must be an int of bytes >= 0, found {size!r}")
+    return StoreOptions(bool(sync), size)
 
 
 def as_target(obj: Any) -> Target:

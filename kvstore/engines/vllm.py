@@ -11,7 +11,8 @@ disaggregation through a ``tlkv serve``::
 Extra config: ``target`` (a store directory, ``http://host:port`` or ``grpc://host:port``),
 ``model`` (the namespace; default derived from the model config, ``_vllm_names``),
 ``format`` (1, default, or 2), ``token`` (else ``TLKV_TOKEN``), ``timeout`` (seconds per
-call to a server, default 5).
+call to a server, default 5); for a store directory ``sync`` (1, default, or 0) and
+``preallocate`` (bytes), as for SGLang (``targets.store_options``, docs/engines.md).
 
 Choices:
 
@@ -78,7 +79,7 @@ from ._vllm_proof import prove_layout
 from ._vllm_saver import Saver
 from ._vllm_stats import TlkvConnectorStats
 from ._vllm_tp import copy_out
-from .targets import Target, open_target
+from .targets import Target, open_target, store_options
 
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -125,6 +126,7 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._version = int(extra.get("format", 1))
         self._token = extra.get("token") or os.environ.get("TLKV_TOKEN")
         self._timeout = float(extra.get("timeout", 5.0))
+        self._store_options = store_options(extra)  # ValueError: the engine does not start
         self._load_on = cfg.kv_role in ("kv_both", "kv_consumer")
         self._save_on = cfg.kv_role in ("kv_both", "kv_producer")
         model = vllm_config.model_config
@@ -179,7 +181,12 @@ class TlkvConnector(KVConnectorBase_V1):  # type: ignore[misc]
         t = self._targets.get(model)
         if t is None:
             t = self._targets[model] = open_target(
-                self._target_spec, model=model, token=self._token, timeout=self._timeout
+                self._target_spec,
+                model=model,
+                token=self._token,
+                timeout=self._timeout,
+                sync=self._store_options.sync,
+                preallocate=self._store_options.preallocate,
             )
         return t
 
