@@ -274,3 +274,92 @@ def test_a_data_file_it_cannot_open_leaves_it_off(tmp_path: Path) -> None:
     assert pre.nbytes == 0 and pre._fd == -1
     assert pre.extend(10, 1 << 20) is None
     pre.close()
+
+
+def _unwritten(path: str, start: int, end: int) -> int:
+    """Bytes of ``[start, end)`` in extents the file system holds as allocated but never
+    written (``FIEMAP_EXTENT_UNWRITTEN``); 0 where it keeps no such extents."""
+    import fcntl
+    import struct
+
+    fs_ioc_fiemap, unwritten, n = 0xC020660B, 0x800, 256
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        buf = bytearray(struct.pack("=QQIIII", start, end - start, 1, 0, n, 0) + bytes(56 * n))
+        try:
+            fcntl.ioctl(fd, fs_ioc_fiemap, buf)
+        except OSError:
+            pytest.skip("the file system has no FIEMAP")
+    finally:
+        os.close(fd)
+    total = 0
+    for i in range(struct.unpack_from("=I", buf, 20)[0]):
+        logical, _, length = struct.unpack_from("=QQQ", buf, 32 + 56 * i)
+        if struct.unpack_from("=I", buf, 32 + 56 * i + 40)[0] & unwritten:
+            total += min(end, logical + length) - max(start, logical)
+    return total
+
+
+def test_a_durable_stores_room_is_written_one_without_sync_only_allocated(
+    tmp_path: Path,
+) -> None:
+    """Durable: the room holds written zeros, so a commit into it flushes no new extents
+    (BENCHMARKS.md, "Durable writes by kind of space"); without sync it is left allocated
+    and only read. Puts move the room on; the helper writes each new range too."""
+    if _unwritten_is_unknown(tmp_path):
+        pytest.skip("the file system reports no unwritten extents")
+    with Store(tmp_path / "d", geometry=G, preallocate_bytes=ROOM) as s:
+        size = os.path.getsize(_data(s))
+        assert _unwritten(_data(s), _used(s), size) == 0
+        assert _resident(_data(s), _used(s), size) == 1.0
+        pre = s._h.env.lmdb.prealloc
+        for i in range(1, 9):
+            s.put(encode(G, _blocks(1000 * i, 40)))
+        assert pre.extensions >= 2
+        wait_until(lambda: pre.filled == pre.extensions, "the helper wrote every range", 30)
+        size = os.path.getsize(_data(s))
+        assert _unwritten(_data(s), 0, size) == 0
+    with Store(tmp_path / "f", geometry=G, preallocate_bytes=ROOM, sync=False) as s:
+        size = os.path.getsize(_data(s))
+        assert _unwritten(_data(s), _used(s), size) >= ROOM // 2
+        assert _resident(_data(s), _used(s), size) == 1.0
+
+
+def _unwritten_is_unknown(tmp_path: Path) -> bool:
+    """Whether this file system shows a fresh ``fallocate``d range as unwritten."""
+    probe = tmp_path / "probe"
+    fd = os.open(probe, os.O_RDWR | os.O_CREAT)
+    try:
+        os.posix_fallocate(fd, 0, 1 << 20)
+    finally:
+        os.close(fd)
+    try:
+        return _unwritten(str(probe), 0, 1 << 20) == 0
+    finally:
+        probe.unlink()
+
+
+def test_zeros_never_reach_a_committed_page_when_a_put_outgrows_the_room(
+    tmp_path: Path,
+) -> None:
+    """Each put (1.25 MiB) is larger than the room (256 KiB): every extension's new range
+    starts inside what that very commit writes. The helper writes zeros only above LMDB's
+    last page in use when it holds the writer lock, so every block reads back, here and
+    after reopening, and the data file checks out."""
+    room = 256 << 10
+    puts = [_blocks(1000 * i, 40) for i in range(1, 13)]
+    with Store(tmp_path / "s", geometry=G, preallocate_bytes=room) as s:
+        pre = s._h.env.lmdb.prealloc
+        for blocks in puts:
+            s.put(encode(G, blocks))
+        assert pre.extensions == 1 + len(puts)  # open, then every put
+        wait_until(lambda: pre.filled == pre.extensions, "the helper wrote every range", 30)
+        for blocks in puts:
+            for b in blocks:
+                assert s.get(b.hash) == encode(G, [b])
+    check_data_file(str(tmp_path / "s"))
+    with Store(tmp_path / "s") as s:
+        assert s.stats()["blocks"] == len(puts) * 40
+        for blocks in puts:
+            for b in blocks:
+                assert s.get(b.hash) == encode(G, [b])

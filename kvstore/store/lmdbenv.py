@@ -14,18 +14,18 @@ meanwhile, and never remaps under them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import shutil
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import lmdb
 
-from ..errors import StoreBusyError, StoreError, StoreFullError
+from ..errors import StoreBusyError, StoreError
 from ..protocol import MAX_MODELS_LIMIT
 from .diskformat import (
     DB_ATIME,
@@ -48,15 +48,11 @@ from .diskformat import (
     max_dbs,
     model_db_name,
 )
+from .diskfull import failed_write
 from .mapguard import MapGuard
 from .prealloc import Preallocation
 from .snapshots import Snapshots
 from .writebehind import WriteBehind
-
-try:
-    import resource
-except ImportError:  # pragma: no cover - not on Windows
-    resource = None  # type: ignore[assignment]
 
 log = logging.getLogger("tlkv.store")
 
@@ -65,7 +61,6 @@ T = TypeVar("T")
 MAP_ALIGN = 2 << 20
 _MAX_READERS = 512
 _SPARE_TXNS = 8
-_SPACE_SLACK = 16 << 20  # a failed write with less free disk than need + this: disk full
 # How long opening a store retries while other processes' commits keep outgrowing the map
 # it has just sized (each retry adopts the new size): a writer growing it without pause
 # leaves a window now and then, a store whose map never settles is an error.
@@ -175,7 +170,10 @@ class LmdbEnv:
         self._dbi_lock = threading.Lock()
         # Only durable commits wait for the disk; without sync the kernel writes later.
         self._write_behind = WriteBehind(os.path.join(path, "data.mdb"), enabled=sync)
-        self.prealloc = Preallocation(os.path.join(path, "data.mdb"), preallocate, self.psize)
+        # A durable store's room is written (its commits then flush no new extents); the
+        # room of one without sync is only read into the page cache.
+        hold = weakref.WeakMethod(self._hold_writer) if sync else None
+        self.prealloc = Preallocation(os.path.join(path, "data.mdb"), preallocate, self.psize, hold)
 
     def _open_env(self, map_size: int, sync: bool, slots: int) -> Any:
         """``lmdb.open``, again while another process's commits outgrow the map between
@@ -283,6 +281,7 @@ class LmdbEnv:
         left open (and its map in place) for the rest of the process instead: closing
         would unmap memory they point into.
         """
+        self.prealloc.stop()  # first: its helper may wait for the guard
         with self.guard.exclusive():
             self._write_behind.close()
             self.prealloc.close()
@@ -380,7 +379,7 @@ class LmdbEnv:
             except lmdb.MapResizedError:
                 grow = False
             except lmdb.Error as exc:
-                raise self._translate(exc, need) from exc
+                raise failed_write(exc, self.path, need, self.psize) from exc
             finally:
                 self.guard.release()
             self.resize(grow=grow, need=need)
@@ -402,7 +401,26 @@ class LmdbEnv:
         finally:
             self.guard.release()
         if span is not None:
-            self.prealloc.read(span)
+            self.prealloc.fill(span)
+
+    @contextlib.contextmanager
+    def _hold_writer(self) -> Iterator[int | None]:
+        """LMDB's writer lock held (a write transaction, aborted: it writes nothing), giving
+        the bytes of the data file up to LMDB's last page in use; None when the map changed
+        size in another process (the caller skips)."""
+        self.guard.acquire()
+        try:
+            try:
+                txn = self.env.begin(write=True)
+            except lmdb.Error:  # MapResizedError: the next put adopts the new size
+                yield None
+                return
+            try:
+                yield (int(self.env.info()["last_pgno"]) + 1) * self.psize
+            finally:
+                txn.abort()
+        finally:
+            self.guard.release()
 
     def map_room(self) -> int:
         """Bytes of map above the highest page in use (free pages inside are extra)."""
@@ -455,32 +473,3 @@ class LmdbEnv:
             new = -(-new // MAP_ALIGN) * MAP_ALIGN
             log.debug("%s: growing the LMDB map to %d bytes", self.path, new)
             self.env.set_mapsize(new)
-
-    def _translate(self, exc: lmdb.Error, need: int) -> StoreError:
-        if self._out_of_space(exc, need):
-            return StoreFullError(
-                f"the disk holding {self.path} is full ({exc}); a write of {need} bytes "
-                "did not fit and nothing was stored"
-            )
-        return StoreError(f"LMDB failed in {self.path}: {exc}")
-
-    def _out_of_space(self, exc: lmdb.Error, need: int) -> bool:
-        if isinstance(exc, lmdb.DiskError):
-            return True
-        text = str(exc)
-        if any(s in text for s in ("No space left", "File too large", "quota exceeded")):
-            return True
-        if "Input/output error" not in text:
-            return False
-        # LMDB reports a short write -- what a full disk produces -- as EIO.
-        try:
-            if shutil.disk_usage(self.path).free < need + _SPACE_SLACK:
-                return True
-            size = os.path.getsize(os.path.join(self.path, "data.mdb"))
-        except OSError:
-            return False
-        if resource is not None:
-            limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-            if limit != resource.RLIM_INFINITY and size + need + self.psize > limit:
-                return True
-        return False

@@ -101,12 +101,13 @@ class Store(StoreAdmin):
             None (default) keeps the store's setting. It is a setting of the store, so
             every process writing to it logs its changes while it is on.
         preallocate_bytes: room kept past the last page of the data file, allocated on
-            disk and read once into the page cache, so puts that grow the store write into
-            pages the kernel already holds instead of waiting for new ones (``prealloc``;
-            measured in BENCHMARKS.md, "Preallocation"). Opening makes the first room and
-            reads it before returning; a commit that leaves less than half extends the file
-            again and a helper thread reads the new range. Costs that much disk ahead of the
-            data and up to that much page cache. 0 (default): off.
+            disk and in the page cache, so puts that grow the store write into pages the
+            kernel already holds instead of waiting for new ones; with ``sync`` the room is
+            written with zeros, so durable commits into it flush no new extents
+            (``prealloc``; measured in BENCHMARKS.md, "Preallocation"). Opening makes the
+            first room and fills it before returning; a commit that leaves less than half
+            extends the file again and a helper thread fills the new range. Costs that much
+            disk ahead of the data and up to that much page cache. 0 (default): off.
 
     Raises:
         ShapeError: the store exists with another geometry.
