@@ -26,7 +26,8 @@ With ``nbytes`` > 0 the store keeps room past the last page in use:
     no disk I/O and needs no lock); those commits wait for no flush anyway.
 
   Opening fills the first room the same way before it returns, so the first puts find
-  it ready. A helper that falls behind leaves the puts as fast as without it.
+  it ready. Puts that outrun the helper write into room not yet filled, as into room
+  only allocated, while the helper's zeros take a share of the disk.
 
 The kernel may drop those clean pages under memory pressure; puts into the room then run
 as they would without preallocation. Costs: ``nbytes`` of disk held ahead of the data, up
