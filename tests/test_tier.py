@@ -418,3 +418,25 @@ def test_a_request_with_no_answer_marks_the_tier_down_for_every_process(
         for conn in accepted:
             conn.close()
         hung.close()
+
+
+def test_the_io_loop_is_closed_at_exit_not_left_to_its_finalizer() -> None:
+    """The object store's asyncio loop, stopped at interpreter exit, is closed there too:
+    a loop left to its finalizer during interpreter exit may find its self-pipe gone and
+    print "Exception ignored ... Invalid file descriptor: -1" after a CLI's last line."""
+    from store_helpers import elsewhere
+
+    out = elsewhere(
+        """
+        from kvstore.tier.objects import _Loop, _run
+
+        async def one():
+            return 1
+
+        assert _run(one()) == 1
+        loop = _Loop.get()
+        _Loop.shutdown()
+        print(loop.is_closed())
+        """
+    )
+    assert out.split() == ["True"]

@@ -74,8 +74,8 @@ class _Loop:
 
     @classmethod
     def shutdown(cls) -> None:
-        """Let the calls in flight finish (at most ``_EXIT_DRAIN`` s), stop the loop and
-        join its thread."""
+        """Let the calls in flight finish (at most ``_EXIT_DRAIN`` s), stop the loop, join
+        its thread and close the loop."""
         with cls._lock:
             loop, thread = cls._loop, cls._thread
             if loop is None or thread is None or cls._pid != os.getpid():
@@ -91,6 +91,8 @@ class _Loop:
             asyncio.run_coroutine_threadsafe(drain(), loop).result(_EXIT_DRAIN + 1)
         loop.call_soon_threadsafe(loop.stop)
         thread.join(_EXIT_DRAIN)
+        if not thread.is_alive():  # closed now, not by its finalizer during interpreter exit,
+            loop.close()  # when its self-pipe may be gone already ("Invalid file descriptor")
 
 
 def _run(coro: Awaitable[T]) -> T:
