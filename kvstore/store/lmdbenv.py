@@ -386,8 +386,8 @@ class LmdbEnv:
 
     def _first_room(self) -> None:
         """Make the preallocated room at open (in a write transaction of its own, aborted:
-        it writes nothing to LMDB), then read it before returning, the transaction over so
-        other writers do not wait for the read."""
+        it writes nothing to LMDB), then fill it before returning (``Preallocation.fill``),
+        the transaction over so other writers do not wait for the filling."""
         span = None
         self.guard.acquire()
         try:
